@@ -1,0 +1,640 @@
+//! The public handle of one rank in one group, and the collectives it offers.
+
+use std::fmt;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{BasicOps, DType, Element, Tensor, TensorCreationOptions, TensorData};
+
+use crate::call::{Call, Op};
+use crate::kernels::{self, Region};
+use crate::local::{Group, Post};
+use crate::{CommError, ReduceOp};
+
+/// Elements per cache line of the smallest element type: all-reduce slices start on one.
+const SLICE_ALIGN: usize = 64;
+
+type Job = Box<dyn FnOnce(&mut Stream) + Send>;
+
+/// The state that only the worker thread touches: calls are numbered in the order they run.
+struct Stream {
+    seq: u64,
+}
+
+impl Stream {
+    fn next_seq(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq - 1
+    }
+}
+
+struct Inner {
+    group: Arc<Group>,
+    /// This rank's index in the group.
+    rank: usize,
+    jobs: Mutex<mpsc::Sender<Job>>,
+}
+
+/// One rank's handle on one group: the collectives of `torch.distributed` on burn tensors.
+///
+/// Cheap to clone; clones share one worker thread, the rank's communication "stream", so calls
+/// run in the order they are issued and the `_async` forms overlap with computation. Every rank
+/// of the group must issue the same collectives in the same order. Tensors of any burn backend
+/// and kind (float, int) work; results come back on the device of the input.
+#[derive(Clone)]
+pub struct Communicator {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Communicator")
+            .field("group", &self.group_name())
+            .field("rank", &self.rank())
+            .field("size", &self.size())
+            .finish()
+    }
+}
+
+/// A communication in flight; [`Work::wait`] gives its result.
+#[must_use = "a collective's result is only known after `wait`"]
+pub struct Work<T> {
+    result: mpsc::Receiver<Result<T, CommError>>,
+    op: String,
+    group: String,
+}
+
+impl<T> Work<T> {
+    /// Blocks until the communication has finished.
+    pub fn wait(self) -> Result<T, CommError> {
+        self.result.recv().unwrap_or_else(|_| {
+            Err(CommError::PeerFailed {
+                rank: usize::MAX,
+                group: self.group,
+                op: self.op,
+                reason: "lost its communication thread".to_string(),
+            })
+        })
+    }
+}
+
+impl Communicator {
+    pub(crate) fn new(group: Arc<Group>, rank: usize) -> Self {
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let name = format!("comm-{}-{}", group.name(), group.members()[rank]);
+        std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                let mut stream = Stream { seq: 0 };
+                for job in queue {
+                    job(&mut stream);
+                }
+            })
+            .expect("the OS refused to start a communication thread");
+        Self {
+            inner: Arc::new(Inner {
+                group,
+                rank,
+                jobs: Mutex::new(jobs),
+            }),
+        }
+    }
+
+    /// This rank's index in the group, `0..size()`.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// The number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.inner.group.members().len()
+    }
+
+    /// This rank's index in the launched world.
+    pub fn global_rank(&self) -> usize {
+        self.inner.group.members()[self.inner.rank]
+    }
+
+    /// The global ranks of the group, in group-rank order.
+    pub fn ranks(&self) -> &[usize] {
+        self.inner.group.members()
+    }
+
+    /// The group's name, as errors print it.
+    pub fn group_name(&self) -> &str {
+        self.inner.group.name()
+    }
+
+    /// Runs `job` on the worker thread after every call issued before it.
+    fn submit<T: Send + 'static>(
+        &self,
+        op: String,
+        job: impl FnOnce(&Inner, &mut Stream) -> Result<T, CommError> + Send + 'static,
+    ) -> Work<T> {
+        let (done, result) = mpsc::sync_channel(1);
+        let inner = self.inner.clone();
+        let boxed: Job = Box::new(move |stream| {
+            let _ = done.send(job(&inner, stream));
+        });
+        let jobs = self.inner.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        // The worker lives as long as any handle, so this send cannot fail.
+        let _ = jobs.send(boxed);
+        Work {
+            result,
+            op,
+            group: self.group_name().to_string(),
+        }
+    }
+
+    fn invalid(&self, op: impl fmt::Display, reason: String) -> CommError {
+        CommError::InvalidArgument {
+            op: op.to_string(),
+            group: self.group_name().to_string(),
+            reason,
+        }
+    }
+
+    fn check_dim<const D: usize>(&self, op: Op, dim: usize) -> Result<(), CommError> {
+        if dim >= D {
+            return Err(self.invalid(op, format!("dim {dim} is out of range for a {D}-d tensor")));
+        }
+        Ok(())
+    }
+
+    fn check_divisible(&self, op: Op, shape: &[usize], dim: usize) -> Result<(), CommError> {
+        let size = self.size();
+        if shape[dim] % size != 0 {
+            let padded = shape[dim].div_ceil(size) * size;
+            return Err(self.invalid(
+                op,
+                format!(
+                    "size {} along dim {dim} does not divide by the group size {size}; pad it to {padded}",
+                    shape[dim]
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_reducible(&self, op: Op, dtype: DType, reduce: ReduceOp) -> Result<(), CommError> {
+        kernels::check_reducible(dtype, reduce).map_err(|reason| self.invalid(op, reason))
+    }
+
+    /// Combines `tensor` element-wise across the group; every rank gets the same result,
+    /// bit for bit.
+    pub fn all_reduce<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D, K>, CommError> {
+        self.all_reduce_async(tensor, op).wait()
+    }
+
+    /// [`Communicator::all_reduce`] without waiting.
+    pub fn all_reduce_async<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        reduce: ReduceOp,
+    ) -> Work<Tensor<B, D, K>> {
+        let op = Op::AllReduce(reduce);
+        let call = Call::new(op, tensor.dtype(), &tensor.dims());
+        let checked = self.check_reducible(op, tensor.dtype(), reduce);
+        self.submit(call.to_string(), move |inner, stream| {
+            checked?;
+            let device = tensor.device();
+            let mut data = tensor.into_data();
+            let dtype = data.dtype;
+            let len = data.num_elements();
+            let post = Post {
+                call,
+                color: 0,
+                input: data.bytes.as_mut_ptr(),
+            };
+            let (me, size) = (inner.rank, inner.group.members().len());
+            let elem = dtype.size();
+            inner
+                .group
+                .rendezvous(me, stream.next_seq(), post, |posts| {
+                    // Reduce this rank's slice of every buffer and write it back to all of them.
+                    let mine = kernels::partition(len, size, me, SLICE_ALIGN);
+                    let at = |p: &Post| p.input.wrapping_add(mine.start * elem);
+                    let srcs: Vec<*const u8> = posts.iter().map(|p| at(p) as *const u8).collect();
+                    let dsts: Vec<*mut u8> = posts.iter().map(at).collect();
+                    // SAFETY: every rank owns a disjoint slice of all buffers until `done`.
+                    unsafe { kernels::reduce(dtype, reduce, &srcs, &dsts, mine.len()) };
+                })?;
+            Ok(Tensor::from_data(data, (&device, dtype)))
+        })
+    }
+
+    /// Concatenates every rank's `tensor` along `dim`, in rank order. All ranks must bring the
+    /// same shape.
+    pub fn all_gather<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        dim: usize,
+    ) -> Result<Tensor<B, D, K>, CommError> {
+        self.all_gather_async(tensor, dim).wait()
+    }
+
+    /// [`Communicator::all_gather`] without waiting.
+    pub fn all_gather_async<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        dim: usize,
+    ) -> Work<Tensor<B, D, K>> {
+        let op = Op::AllGather { dim };
+        let call = Call::new(op, tensor.dtype(), &tensor.dims());
+        let checked = self.check_dim::<D>(op, dim);
+        self.submit(call.to_string(), move |inner, stream| {
+            checked?;
+            let device = tensor.device();
+            let mut data = tensor.into_data();
+            let (dtype, shape) = (data.dtype, data.shape.as_slice().to_vec());
+            let size = inner.group.members().len();
+            let mut out_shape = shape.clone();
+            out_shape[dim] *= size;
+            let mut out = Output::new(&out_shape, dtype);
+            let post = Post {
+                call,
+                color: 0,
+                input: data.bytes.as_mut_ptr(),
+            };
+            inner
+                .group
+                .rendezvous(inner.rank, stream.next_seq(), post, |posts| {
+                    let mut start = vec![0; D];
+                    for (k, p) in posts.iter().enumerate() {
+                        start[dim] = k * shape[dim];
+                        // SAFETY: peers' inputs are read-only during the call; `out` is ours.
+                        unsafe {
+                            kernels::copy_box(
+                                Region {
+                                    ptr: p.input as *const u8,
+                                    shape: &shape,
+                                    start: &[0; D],
+                                },
+                                Region {
+                                    ptr: out.ptr(),
+                                    shape: &out_shape,
+                                    start: &start,
+                                },
+                                &shape,
+                                dtype.size(),
+                            )
+                        };
+                    }
+                })?;
+            Ok(Tensor::from_data(out.finish(), (&device, dtype)))
+        })
+    }
+
+    /// Reduces `tensor` across the group and gives rank `r` the `r`-th of `size()` equal parts
+    /// along `dim`.
+    pub fn reduce_scatter<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        op: ReduceOp,
+        dim: usize,
+    ) -> Result<Tensor<B, D, K>, CommError> {
+        self.reduce_scatter_async(tensor, op, dim).wait()
+    }
+
+    /// [`Communicator::reduce_scatter`] without waiting.
+    pub fn reduce_scatter_async<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        reduce: ReduceOp,
+        dim: usize,
+    ) -> Work<Tensor<B, D, K>> {
+        let op = Op::ReduceScatter { op: reduce, dim };
+        let dims = tensor.dims();
+        let call = Call::new(op, tensor.dtype(), &dims);
+        let checked = self
+            .check_dim::<D>(op, dim)
+            .and_then(|_| self.check_divisible(op, &dims, dim))
+            .and_then(|_| self.check_reducible(op, tensor.dtype(), reduce));
+        self.submit(call.to_string(), move |inner, stream| {
+            checked?;
+            let device = tensor.device();
+            let mut data = tensor.into_data();
+            let dtype = data.dtype;
+            let (me, size) = (inner.rank, inner.group.members().len());
+            let mut out_shape = dims.to_vec();
+            out_shape[dim] /= size;
+            let mut out = Output::new(&out_shape, dtype);
+            // Rows of the [outer, dims[dim] * inner] view; this rank reduces part `me` of each.
+            let outer: usize = dims[..dim].iter().product();
+            let row: usize = dims[dim..].iter().product();
+            let part = row / size;
+            let post = Post {
+                call,
+                color: 0,
+                input: data.bytes.as_mut_ptr(),
+            };
+            let elem = dtype.size();
+            inner
+                .group
+                .rendezvous(me, stream.next_seq(), post, |posts| {
+                    for o in 0..outer {
+                        let offset = (o * row + me * part) * elem;
+                        let srcs: Vec<*const u8> = posts
+                            .iter()
+                            .map(|p| p.input.wrapping_add(offset) as *const u8)
+                            .collect();
+                        let dst = out.ptr().wrapping_add(o * part * elem);
+                        // SAFETY: peers' inputs are read-only during the call; `out` is ours.
+                        unsafe { kernels::reduce(dtype, reduce, &srcs, &[dst], part) };
+                    }
+                })?;
+            Ok(Tensor::from_data(out.finish(), (&device, dtype)))
+        })
+    }
+
+    /// Gives every rank the `tensor` of group rank `root`. Every rank passes a tensor of the
+    /// same shape and dtype; the values of the non-root ones are ignored.
+    pub fn broadcast<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        root: usize,
+    ) -> Result<Tensor<B, D, K>, CommError> {
+        self.broadcast_async(tensor, root).wait()
+    }
+
+    /// [`Communicator::broadcast`] without waiting.
+    pub fn broadcast_async<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        root: usize,
+    ) -> Work<Tensor<B, D, K>> {
+        let op = Op::Broadcast { root };
+        let call = Call::new(op, tensor.dtype(), &tensor.dims());
+        let checked = self.check_rank(op, root);
+        self.submit(call.to_string(), move |inner, stream| {
+            checked?;
+            if inner.rank == root && inner.group.members().len() == 1 {
+                return Ok(tensor);
+            }
+            let device = tensor.device();
+            let mut data = tensor.into_data();
+            let dtype = data.dtype;
+            let bytes = data.bytes.len();
+            let post = Post {
+                call,
+                color: 0,
+                input: data.bytes.as_mut_ptr(),
+            };
+            let me = inner.rank;
+            inner
+                .group
+                .rendezvous(me, stream.next_seq(), post, |posts| {
+                    if me != root {
+                        // SAFETY: the root's buffer is read-only during the call; ours is ours.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(posts[root].input, posts[me].input, bytes)
+                        };
+                    }
+                })?;
+            Ok(Tensor::from_data(data, (&device, dtype)))
+        })
+    }
+
+    /// Splits `tensor` into `size()` equal parts along `split_dim`, sends part `r` to rank `r`,
+    /// and concatenates the parts received along `concat_dim`, in rank order.
+    pub fn all_to_all<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        split_dim: usize,
+        concat_dim: usize,
+    ) -> Result<Tensor<B, D, K>, CommError> {
+        self.all_to_all_async(tensor, split_dim, concat_dim).wait()
+    }
+
+    /// [`Communicator::all_to_all`] without waiting.
+    pub fn all_to_all_async<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        split_dim: usize,
+        concat_dim: usize,
+    ) -> Work<Tensor<B, D, K>> {
+        let op = Op::AllToAll {
+            split_dim,
+            concat_dim,
+        };
+        let dims = tensor.dims();
+        let call = Call::new(op, tensor.dtype(), &dims);
+        let checked = self
+            .check_dim::<D>(op, split_dim)
+            .and_then(|_| self.check_dim::<D>(op, concat_dim))
+            .and_then(|_| self.check_divisible(op, &dims, split_dim));
+        self.submit(call.to_string(), move |inner, stream| {
+            checked?;
+            let device = tensor.device();
+            let mut data = tensor.into_data();
+            let dtype = data.dtype;
+            let (me, size) = (inner.rank, inner.group.members().len());
+            let mut part = dims.to_vec();
+            part[split_dim] /= size;
+            let mut out_shape = part.clone();
+            out_shape[concat_dim] *= size;
+            let mut out = Output::new(&out_shape, dtype);
+            let post = Post {
+                call,
+                color: 0,
+                input: data.bytes.as_mut_ptr(),
+            };
+            inner
+                .group
+                .rendezvous(me, stream.next_seq(), post, |posts| {
+                    let (mut from, mut to) = (vec![0; D], vec![0; D]);
+                    from[split_dim] = me * part[split_dim];
+                    for (k, p) in posts.iter().enumerate() {
+                        to[concat_dim] = k * part[concat_dim];
+                        // SAFETY: peers' inputs are read-only during the call; `out` is ours.
+                        unsafe {
+                            kernels::copy_box(
+                                Region {
+                                    ptr: p.input as *const u8,
+                                    shape: &dims,
+                                    start: &from,
+                                },
+                                Region {
+                                    ptr: out.ptr(),
+                                    shape: &out_shape,
+                                    start: &to,
+                                },
+                                &part,
+                                dtype.size(),
+                            )
+                        };
+                    }
+                })?;
+            Ok(Tensor::from_data(out.finish(), (&device, dtype)))
+        })
+    }
+
+    /// Waits until every rank of the group has reached the barrier.
+    pub fn barrier(&self) -> Result<(), CommError> {
+        self.barrier_async().wait()
+    }
+
+    /// [`Communicator::barrier`] without waiting.
+    pub fn barrier_async(&self) -> Work<()> {
+        let call = Call::bare(Op::Barrier);
+        self.submit(call.to_string(), move |inner, stream| {
+            let post = Post {
+                call,
+                color: 0,
+                input: std::ptr::null_mut(),
+            };
+            inner
+                .group
+                .rendezvous(inner.rank, stream.next_seq(), post, |_| ())
+        })
+    }
+
+    /// Sends `tensor` to group rank `dst`. The message is buffered, so this never waits for
+    /// the receiver; messages between two ranks arrive in the order they were sent.
+    pub fn send<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        dst: usize,
+    ) -> Result<(), CommError> {
+        self.send_async(tensor, dst).wait()
+    }
+
+    /// [`Communicator::send`] on the communication stream, without waiting.
+    pub fn send_async<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        dst: usize,
+    ) -> Work<()> {
+        let op = format!("send(to {dst})");
+        let checked = self.check_peer(&op, dst);
+        self.submit(op, move |inner, _| {
+            checked?;
+            inner.group.send(inner.rank, dst, tensor.into_data())
+        })
+    }
+
+    /// Receives the next tensor that group rank `src` sent to this rank. `shape` and the dtype
+    /// (from `options`, as in `Tensor::from_data`) must match what was sent.
+    pub fn recv<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        src: usize,
+        shape: [usize; D],
+        options: impl Into<TensorCreationOptions<B>>,
+    ) -> Result<Tensor<B, D, K>, CommError> {
+        self.recv_async(src, shape, options).wait()
+    }
+
+    /// [`Communicator::recv`] without waiting.
+    pub fn recv_async<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        src: usize,
+        shape: [usize; D],
+        options: impl Into<TensorCreationOptions<B>>,
+    ) -> Work<Tensor<B, D, K>> {
+        let options = options.into();
+        let dtype = options.dtype_or(<K::Elem as Element>::dtype());
+        let device = options.device;
+        let op = format!("recv(from {src}) of {dtype:?} {shape:?}");
+        let checked = self.check_peer(&op, src);
+        self.submit(op.clone(), move |inner, _| {
+            checked?;
+            let data = inner.group.recv(inner.rank, src, &op)?;
+            if data.dtype != dtype || data.shape.as_slice() != shape {
+                return Err(CommError::Mismatch {
+                    group: inner.group.name().to_string(),
+                    rank: inner.group.members()[inner.rank],
+                    mine: op,
+                    other_rank: inner.group.members()[src],
+                    theirs: format!("send of {:?} {:?}", data.dtype, data.shape.as_slice()),
+                });
+            }
+            Ok(Tensor::from_data(data, (&device, dtype)))
+        })
+    }
+
+    /// Splits the group: ranks that pass the same `color` form a new group, ordered as in this
+    /// one. Every rank of this group must call it, like any collective.
+    pub fn split(&self, name: &str, color: usize) -> Result<Communicator, CommError> {
+        let call = Call::bare(Op::Split);
+        let name = name.to_string();
+        self.submit(call.to_string(), move |inner, stream| {
+            let seq = stream.next_seq();
+            let post = Post {
+                call,
+                color,
+                input: std::ptr::null_mut(),
+            };
+            let me = inner.rank;
+            let group = inner.group.rendezvous(me, seq, post, |posts| {
+                inner.group.split_group(seq, name, posts, me)
+            })?;
+            let rank = group
+                .members()
+                .iter()
+                .position(|&r| r == inner.group.members()[me])
+                .expect("a rank is a member of the group of its own colour");
+            Ok(Communicator::new(group, rank))
+        })
+        .wait()
+    }
+
+    fn check_rank(&self, op: Op, root: usize) -> Result<(), CommError> {
+        if root >= self.size() {
+            return Err(self.invalid(
+                op,
+                format!("rank {root} is not in this group of {} ranks", self.size()),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_peer(&self, op: &str, peer: usize) -> Result<(), CommError> {
+        if peer >= self.size() || peer == self.rank() {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "the peer must be another rank of this group of {}, got {peer} on rank {}",
+                    self.size(),
+                    self.rank()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A result buffer that only its owner writes; allocated without zeroing, since every byte is
+/// written by the collective before it is read.
+struct Output {
+    bytes: Vec<u8>,
+    len: usize,
+    shape: Vec<usize>,
+    dtype: DType,
+}
+
+impl Output {
+    fn new(shape: &[usize], dtype: DType) -> Self {
+        let len = shape.iter().product::<usize>() * dtype.size();
+        Self {
+            bytes: Vec::with_capacity(len),
+            len,
+            shape: shape.to_vec(),
+            dtype,
+        }
+    }
+
+    fn ptr(&mut self) -> *mut u8 {
+        self.bytes.as_mut_ptr()
+    }
+
+    fn finish(mut self) -> TensorData {
+        // SAFETY: the collective wrote all `len` bytes (it returned Ok).
+        unsafe { self.bytes.set_len(self.len) };
+        TensorData::from_bytes_vec(self.bytes, self.shape, self.dtype)
+    }
+}

@@ -1,0 +1,36 @@
+//! # burn-comm
+//!
+//! Ranks, groups, a device mesh and the collectives of `torch.distributed` on burn tensors,
+//! for any burn backend.
+//!
+//! ```
+//! use burn::backend::Flex;
+//! use burn::tensor::Tensor;
+//! use burn_comm::{launch, ReduceOp};
+//!
+//! let results = launch(2, |ctx| {
+//!     let x = Tensor::<Flex, 1>::from_floats([ctx.rank() as f32 + 1.0], &Default::default());
+//!     let sum = ctx.world().all_reduce(x, ReduceOp::Sum)?;
+//!     Ok::<_, burn_comm::CommError>(sum.into_scalar())
+//! });
+//! assert!(results.into_iter().all(|r| r.unwrap() == 3.0));
+//! ```
+//!
+//! Layers, bottom up: the local transport ([`launch`] runs ranks as threads that exchange data
+//! through shared memory), the [`Communicator`] of one rank in one group, the [`DeviceMesh`] of
+//! named dimensions, and the autodiff-aware operations of tensor parallelism in [`parallel`].
+
+mod call;
+mod communicator;
+mod error;
+mod kernels;
+mod launch;
+mod local;
+mod mesh;
+pub mod parallel;
+
+pub use call::ReduceOp;
+pub use communicator::{Communicator, Work};
+pub use error::CommError;
+pub use launch::{DEFAULT_TIMEOUT, LaunchConfig, RankContext, RankError, launch, launch_with};
+pub use mesh::DeviceMesh;

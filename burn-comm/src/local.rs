@@ -1,0 +1,412 @@
+//! The local transport: ranks are threads of one process and exchange data through shared
+//! memory.
+//!
+//! A collective is a rendezvous in two phases. In the first, every rank posts pointers to its
+//! buffers; the last to arrive checks that all ranks made the same call. In the second, every
+//! rank does its own share of the work directly on its peers' buffers (for an all-reduce: its
+//! own slice of every buffer, reduced in rank order and written back to all of them), then waits
+//! until all shares are done. Failures are decided under the group's lock before any buffer is
+//! shared, so a rank that gives up never leaves a peer reading freed memory.
+
+use std::collections::{HashMap, VecDeque};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use burn::tensor::TensorData;
+
+use crate::CommError;
+use crate::call::Call;
+
+/// What a rank's function has done so far.
+#[derive(Debug, Clone)]
+pub(crate) enum RankStatus {
+    Running,
+    Returned,
+    Failed(String),
+}
+
+/// Every rank of one launch: their status, and the groups to wake when it changes.
+pub(crate) struct World {
+    timeout: Duration,
+    status: Mutex<Vec<RankStatus>>,
+    groups: Mutex<Vec<Weak<Group>>>,
+    /// Groups being built by a `split`, until every member has picked its handle up.
+    splits: Mutex<HashMap<(u64, u64, usize), (Arc<Group>, usize)>>,
+    next_group_id: AtomicU64,
+}
+
+impl World {
+    pub fn new(size: usize, timeout: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            timeout,
+            status: Mutex::new(vec![RankStatus::Running; size]),
+            groups: Mutex::new(Vec::new()),
+            splits: Mutex::new(HashMap::new()),
+            next_group_id: AtomicU64::new(0),
+        })
+    }
+
+    /// Records what a rank's function did and wakes every rank blocked in a group.
+    pub fn set_status(&self, rank: usize, status: RankStatus) {
+        lock(&self.status)[rank] = status;
+        let groups: Vec<Arc<Group>> = {
+            let mut groups = lock(&self.groups);
+            groups.retain(|g| g.strong_count() > 0);
+            groups.iter().filter_map(Weak::upgrade).collect()
+        };
+        for group in groups {
+            // Taking the lock orders this wake-up after any waiter's last check.
+            let _state = lock(&group.state);
+            group.changed.notify_all();
+        }
+    }
+
+    fn status_of(&self, rank: usize) -> RankStatus {
+        lock(&self.status)[rank].clone()
+    }
+
+    pub fn new_group(self: &Arc<Self>, name: String, members: Vec<usize>) -> Arc<Group> {
+        let size = members.len();
+        let group = Arc::new(Group {
+            id: self.next_group_id.fetch_add(1, Ordering::Relaxed),
+            name,
+            members,
+            world: self.clone(),
+            state: Mutex::new(GroupState {
+                broken: None,
+                slots: [Slot::new(size), Slot::new(size)],
+                mailboxes: HashMap::new(),
+            }),
+            changed: Condvar::new(),
+        });
+        lock(&self.groups).push(Arc::downgrade(&group));
+        group
+    }
+
+    /// The group that `members` form after split number `seq` of `parent`: the first member to
+    /// ask creates it, the others get the same one.
+    fn join_split(
+        self: &Arc<Self>,
+        key: (u64, u64, usize),
+        name: String,
+        members: Vec<usize>,
+    ) -> Arc<Group> {
+        let mut splits = lock(&self.splits);
+        let (group, waiting) = splits
+            .entry(key)
+            .or_insert_with(|| (self.new_group(name, members.clone()), members.len()));
+        let group = group.clone();
+        *waiting -= 1;
+        if *waiting == 0 {
+            splits.remove(&key);
+        }
+        group
+    }
+}
+
+/// A rank's buffers for one collective, as its peers may read and write them.
+#[derive(Debug, Clone)]
+pub(crate) struct Post {
+    pub call: Call,
+    /// Per-rank value that may differ across ranks (the colour of a split).
+    pub color: usize,
+    /// The rank's input buffer; peers read it, and write it only in place (all-reduce,
+    /// broadcast).
+    pub input: *mut u8,
+}
+
+// SAFETY: the pointers are only dereferenced during the second phase of a rendezvous, while
+// their owner is blocked in the same rendezvous and keeps the buffers alive.
+unsafe impl Send for Post {}
+
+/// One collective in flight. Two slots suffice: a rank can start call `seq + 1` only after every
+/// rank has joined call `seq`, which they do only after leaving call `seq - 1`.
+struct Slot {
+    seq: Option<u64>,
+    posts: Vec<Option<Post>>,
+    arrived: usize,
+    ready: bool,
+    done: usize,
+    left: usize,
+}
+
+impl Slot {
+    fn new(size: usize) -> Self {
+        Self {
+            seq: None,
+            posts: vec![None; size],
+            arrived: 0,
+            ready: false,
+            done: 0,
+            left: size,
+        }
+    }
+
+    fn is_free(&self) -> bool {
+        self.left == self.posts.len()
+    }
+}
+
+struct Message {
+    data: TensorData,
+}
+
+struct GroupState {
+    /// The first failure; every later call fails with it.
+    broken: Option<CommError>,
+    slots: [Slot; 2],
+    /// Point-to-point messages by (source, destination), in the order they were sent.
+    mailboxes: HashMap<(usize, usize), VecDeque<Message>>,
+}
+
+/// The shared side of one group of ranks.
+pub(crate) struct Group {
+    id: u64,
+    name: String,
+    /// Global ranks, in group-rank order.
+    members: Vec<usize>,
+    world: Arc<World>,
+    state: Mutex<GroupState>,
+    changed: Condvar,
+}
+
+impl Group {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    fn broken(&self, cause: &CommError) -> CommError {
+        CommError::GroupBroken {
+            group: self.name.clone(),
+            cause: cause.to_string(),
+        }
+    }
+
+    /// Why group rank `me` cannot wait any longer for the peers in `pending`, if it cannot.
+    fn peer_failure(&self, op: &str, pending: impl Iterator<Item = usize>) -> Option<CommError> {
+        for local in pending {
+            let rank = self.members[local];
+            let reason = match self.world.status_of(rank) {
+                RankStatus::Running => continue,
+                RankStatus::Failed(reason) => format!("failed: {reason}"),
+                RankStatus::Returned => {
+                    "returned from its function without joining this call".to_string()
+                }
+            };
+            return Some(CommError::PeerFailed {
+                rank,
+                group: self.name.clone(),
+                op: op.to_string(),
+                reason,
+            });
+        }
+        None
+    }
+
+    /// Runs one collective: posts `post` as group rank `me`'s contribution to call number
+    /// `seq`, waits for every peer, then runs `work` with all posts (in group-rank order).
+    pub fn rendezvous<R>(
+        &self,
+        me: usize,
+        seq: u64,
+        post: Post,
+        work: impl FnOnce(&[Post]) -> R,
+    ) -> Result<R, CommError> {
+        let size = self.members.len();
+        let slot_index = (seq % 2) as usize;
+        let op = post.call.to_string();
+        let deadline = Instant::now() + self.world.timeout;
+
+        let mut state = lock(&self.state);
+        // Join the slot (phase 1).
+        loop {
+            if let Some(cause) = &state.broken {
+                return Err(self.broken(cause));
+            }
+            let slot = &mut state.slots[slot_index];
+            if slot.seq == Some(seq) {
+                break;
+            }
+            if slot.is_free() {
+                *slot = Slot::new(size);
+                slot.seq = Some(seq);
+                slot.left = 0;
+                break;
+            }
+            state = self.wait(state, deadline);
+        }
+        {
+            let slot = &mut state.slots[slot_index];
+            slot.posts[me] = Some(post);
+            slot.arrived += 1;
+            if slot.arrived == size {
+                let posts: Vec<&Post> = slot.posts.iter().flatten().collect();
+                match posts.iter().position(|p| p.call != posts[0].call) {
+                    None => slot.ready = true,
+                    Some(other) => {
+                        let mismatch = CommError::Mismatch {
+                            group: self.name.clone(),
+                            rank: self.members[0],
+                            mine: posts[0].call.to_string(),
+                            other_rank: self.members[other],
+                            theirs: posts[other].call.to_string(),
+                        };
+                        state.broken = Some(mismatch);
+                    }
+                }
+                self.changed.notify_all();
+            }
+        }
+        let posts = loop {
+            let slot = &state.slots[slot_index];
+            if slot.ready {
+                break slot.posts.iter().flatten().cloned().collect::<Vec<_>>();
+            }
+            if let Some(cause) = &state.broken {
+                // A mismatch is reported as itself on every rank; anything else as a break.
+                return Err(match cause {
+                    CommError::Mismatch { .. } => cause.clone(),
+                    _ => self.broken(cause),
+                });
+            }
+            let pending = (0..size).filter(|&r| slot.posts[r].is_none());
+            let failure = self.peer_failure(&op, pending).or_else(|| {
+                (Instant::now() >= deadline).then(|| CommError::Timeout {
+                    op: op.clone(),
+                    group: self.name.clone(),
+                    rank: self.members[me],
+                    missing: (0..size)
+                        .filter(|&r| slot.posts[r].is_none())
+                        .map(|r| self.members[r])
+                        .collect(),
+                    after: self.world.timeout,
+                })
+            });
+            if let Some(error) = failure {
+                state.broken = Some(error.clone());
+                self.changed.notify_all();
+                return Err(error);
+            }
+            state = self.wait(state, deadline);
+        };
+        drop(state);
+
+        // Do this rank's share (phase 2). A panic must still count as done, or peers would
+        // wait forever; it breaks the group instead.
+        let outcome = catch_unwind(AssertUnwindSafe(|| work(&posts)));
+
+        let mut state = lock(&self.state);
+        if outcome.is_err() {
+            state.broken = Some(CommError::PeerFailed {
+                rank: self.members[me],
+                group: self.name.clone(),
+                op: op.clone(),
+                reason: "panicked inside the transport".to_string(),
+            });
+        }
+        state.slots[slot_index].done += 1;
+        self.changed.notify_all();
+        while state.slots[slot_index].done < size {
+            // Every share ends (a panic counts too), so this wait is bounded by the work.
+            state = self
+                .changed
+                .wait(state)
+                .unwrap_or_else(|poison| poison.into_inner());
+        }
+        state.slots[slot_index].left += 1;
+        let failed = state.broken.clone();
+        drop(state);
+        self.changed.notify_all();
+        match (outcome, failed) {
+            (Ok(result), None) => Ok(result),
+            (Ok(_), Some(cause)) => Err(self.broken(&cause)),
+            (Err(panic), _) => std::panic::resume_unwind(panic),
+        }
+    }
+
+    /// The group that ranks of the same colour form, after a split rendezvous numbered `seq`.
+    pub fn split_group(&self, seq: u64, name: String, posts: &[Post], me: usize) -> Arc<Group> {
+        let color = posts[me].color;
+        let members = posts
+            .iter()
+            .zip(&self.members)
+            .filter(|(post, _)| post.color == color)
+            .map(|(_, &rank)| rank)
+            .collect();
+        self.world.join_split((self.id, seq, color), name, members)
+    }
+
+    /// Queues a message from group rank `from` to group rank `to`; never blocks.
+    pub fn send(&self, from: usize, to: usize, data: TensorData) -> Result<(), CommError> {
+        let mut state = lock(&self.state);
+        if let Some(cause) = &state.broken {
+            return Err(self.broken(cause));
+        }
+        state
+            .mailboxes
+            .entry((from, to))
+            .or_default()
+            .push_back(Message { data });
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Takes the next message from group rank `from` to group rank `me`, waiting for it.
+    pub fn recv(&self, me: usize, from: usize, op: &str) -> Result<TensorData, CommError> {
+        let deadline = Instant::now() + self.world.timeout;
+        let mut state = lock(&self.state);
+        loop {
+            if let Some(message) = state
+                .mailboxes
+                .get_mut(&(from, me))
+                .and_then(VecDeque::pop_front)
+            {
+                return Ok(message.data);
+            }
+            if let Some(cause) = &state.broken {
+                return Err(self.broken(cause));
+            }
+            let failure = self.peer_failure(op, std::iter::once(from)).or_else(|| {
+                (Instant::now() >= deadline).then(|| CommError::Timeout {
+                    op: op.to_string(),
+                    group: self.name.clone(),
+                    rank: self.members[me],
+                    missing: vec![self.members[from]],
+                    after: self.world.timeout,
+                })
+            });
+            if let Some(error) = failure {
+                state.broken = Some(error.clone());
+                self.changed.notify_all();
+                return Err(error);
+            }
+            state = self.wait(state, deadline);
+        }
+    }
+
+    fn wait<'a>(
+        &self,
+        state: MutexGuard<'a, GroupState>,
+        deadline: Instant,
+    ) -> MutexGuard<'a, GroupState> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        // Wake up at the deadline at the latest, so the timeout is reported on time.
+        let wait = left.max(Duration::from_millis(1));
+        self.changed
+            .wait_timeout(state, wait)
+            .unwrap_or_else(|poison| poison.into_inner())
+            .0
+    }
+}
+
+/// Locks a mutex, going on after a panic elsewhere: the data is only counters and queues that
+/// every writer leaves consistent.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
+}

@@ -1,0 +1,229 @@
+//! Autodiff-aware communication for tensor and sequence parallelism, under Megatron-LM's
+//! names. Each operation is a pair: what it does forward and what its backward does to the
+//! gradient, which is always the forward of its adjoint ([`RegionOp::adjoint`]).
+//!
+//! | operation | forward | backward |
+//! |---|---|---|
+//! | [`copy_to_parallel_region`] | identity | all-reduce (sum) |
+//! | [`reduce_from_parallel_region`] | all-reduce (sum) | identity |
+//! | [`scatter_to_parallel_region`] | keep own part along `dim` | all-gather |
+//! | [`gather_from_parallel_region`] | all-gather along `dim` | keep own part |
+//! | [`gather_from_sequence_parallel_region`] | all-gather along `dim` | reduce-scatter (sum) |
+//! | [`reduce_scatter_to_sequence_parallel_region`] | reduce-scatter (sum) along `dim` | all-gather |
+//!
+//! On a backend without autodiff only the forward runs. In the backward pass a failed
+//! collective cannot return an error (burn's backward returns nothing), so it panics with the
+//! error's message; under [`crate::launch`] that becomes [`CommError::PeerFailed`] on the peers.
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::ndarray::{
+    FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
+};
+use burn::backend::{Flex, NdArray};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::{CommError, Communicator, ReduceOp};
+
+/// One of the six region operations, by what its forward does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RegionOp {
+    /// Identity forward, all-reduce backward (Megatron's `f`).
+    Copy,
+    /// All-reduce forward, identity backward (Megatron's `g`).
+    Reduce,
+    /// Keep this rank's part along `dim`.
+    Scatter {
+        /// The split dimension.
+        dim: usize,
+    },
+    /// All-gather along `dim`, backward keeps this rank's part.
+    Gather {
+        /// The concatenation dimension.
+        dim: usize,
+    },
+    /// All-gather along `dim`, backward reduce-scatters (sequence parallelism).
+    SequenceGather {
+        /// The sequence dimension.
+        dim: usize,
+    },
+    /// Reduce-scatter along `dim`, backward all-gathers (sequence parallelism).
+    SequenceReduceScatter {
+        /// The sequence dimension.
+        dim: usize,
+    },
+}
+
+impl RegionOp {
+    /// The operation whose forward is this one's backward.
+    pub fn adjoint(self) -> Self {
+        match self {
+            RegionOp::Copy => RegionOp::Reduce,
+            RegionOp::Reduce => RegionOp::Copy,
+            RegionOp::Scatter { dim } => RegionOp::Gather { dim },
+            RegionOp::Gather { dim } => RegionOp::Scatter { dim },
+            RegionOp::SequenceGather { dim } => RegionOp::SequenceReduceScatter { dim },
+            RegionOp::SequenceReduceScatter { dim } => RegionOp::SequenceGather { dim },
+        }
+    }
+
+    /// Runs the forward of this operation on any backend, without recording a graph.
+    pub fn forward<B: Backend, const D: usize>(
+        self,
+        x: Tensor<B, D>,
+        comm: &Communicator,
+    ) -> Result<Tensor<B, D>, CommError> {
+        match self {
+            RegionOp::Copy => Ok(x),
+            RegionOp::Reduce => comm.all_reduce(x, ReduceOp::Sum),
+            RegionOp::Scatter { dim } => own_part(x, comm, dim),
+            RegionOp::Gather { dim } | RegionOp::SequenceGather { dim } => comm.all_gather(x, dim),
+            RegionOp::SequenceReduceScatter { dim } => comm.reduce_scatter(x, ReduceOp::Sum, dim),
+        }
+    }
+}
+
+/// This rank's part of `x` along `dim`, when `x` splits into equal parts over the group.
+fn own_part<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    comm: &Communicator,
+    dim: usize,
+) -> Result<Tensor<B, D>, CommError> {
+    let invalid = |reason: String| CommError::InvalidArgument {
+        op: format!("scatter_to_parallel_region(dim {dim})"),
+        group: comm.group_name().to_string(),
+        reason,
+    };
+    if dim >= D {
+        return Err(invalid(format!(
+            "dim {dim} is out of range for a {D}-d tensor"
+        )));
+    }
+    let len = x.dims()[dim];
+    if len % comm.size() != 0 {
+        return Err(invalid(format!(
+            "size {len} along dim {dim} does not divide by the group size {}",
+            comm.size()
+        )));
+    }
+    let part = len / comm.size();
+    Ok(x.narrow(dim, comm.rank() * part, part))
+}
+
+/// A backend on which the region operations can run: every backend forwards them; on
+/// [`Autodiff`] they also record their backward.
+pub trait CommBackend: Backend {
+    /// Applies `op`, recording its backward where the backend differentiates.
+    fn region_op<const D: usize>(
+        x: Tensor<Self, D>,
+        comm: &Communicator,
+        op: RegionOp,
+    ) -> Result<Tensor<Self, D>, CommError> {
+        op.forward(x, comm)
+    }
+}
+
+impl CommBackend for Flex {}
+
+impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> CommBackend for NdArray<E, I, Q>
+where
+    NdArrayTensor: From<SharedArray<E>>,
+    NdArrayTensor: From<SharedArray<I>>,
+{
+}
+
+/// The backward step of a region operation: the adjoint's forward on the incoming gradient.
+#[derive(Debug)]
+struct RegionBackward<const D: usize>;
+
+impl<B: Backend, const D: usize> Backward<B, 1> for RegionBackward<D> {
+    type State = (Communicator, RegionOp);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (comm, op) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            let grad = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grad));
+            match op.adjoint().forward(grad, &comm) {
+                Ok(grad) => grad.into_primitive().tensor(),
+                Err(error) => panic!("backward of {op:?} failed: {error}"),
+            }
+        });
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> CommBackend for Autodiff<B, C> {
+    fn region_op<const D: usize>(
+        x: Tensor<Self, D>,
+        comm: &Communicator,
+        op: RegionOp,
+    ) -> Result<Tensor<Self, D>, CommError> {
+        let x = x.into_primitive().tensor();
+        let inner = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x.primitive.clone()));
+        let output = op.forward(inner, comm)?.into_primitive().tensor();
+        let output = match RegionBackward::<D>
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((comm.clone(), op), output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        };
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
+    }
+}
+
+/// Identity forward, all-reduce backward: enters a column-parallel region.
+pub fn copy_to_parallel_region<B: CommBackend, const D: usize>(
+    x: Tensor<B, D>,
+    comm: &Communicator,
+) -> Result<Tensor<B, D>, CommError> {
+    B::region_op(x, comm, RegionOp::Copy)
+}
+
+/// All-reduce forward, identity backward: leaves a row-parallel region.
+pub fn reduce_from_parallel_region<B: CommBackend, const D: usize>(
+    x: Tensor<B, D>,
+    comm: &Communicator,
+) -> Result<Tensor<B, D>, CommError> {
+    B::region_op(x, comm, RegionOp::Reduce)
+}
+
+/// Keeps this rank's part along `dim`; backward all-gathers the gradient.
+pub fn scatter_to_parallel_region<B: CommBackend, const D: usize>(
+    x: Tensor<B, D>,
+    comm: &Communicator,
+    dim: usize,
+) -> Result<Tensor<B, D>, CommError> {
+    B::region_op(x, comm, RegionOp::Scatter { dim })
+}
+
+/// All-gathers along `dim`; backward keeps this rank's part of the gradient.
+pub fn gather_from_parallel_region<B: CommBackend, const D: usize>(
+    x: Tensor<B, D>,
+    comm: &Communicator,
+    dim: usize,
+) -> Result<Tensor<B, D>, CommError> {
+    B::region_op(x, comm, RegionOp::Gather { dim })
+}
+
+/// All-gathers the sequence shards along `dim`; backward reduce-scatters the gradient.
+pub fn gather_from_sequence_parallel_region<B: CommBackend, const D: usize>(
+    x: Tensor<B, D>,
+    comm: &Communicator,
+    dim: usize,
+) -> Result<Tensor<B, D>, CommError> {
+    B::region_op(x, comm, RegionOp::SequenceGather { dim })
+}
+
+/// Reduce-scatters along the sequence `dim`; backward all-gathers the gradient.
+pub fn reduce_scatter_to_sequence_parallel_region<B: CommBackend, const D: usize>(
+    x: Tensor<B, D>,
+    comm: &Communicator,
+    dim: usize,
+) -> Result<Tensor<B, D>, CommError> {
+    B::region_op(x, comm, RegionOp::SequenceReduceScatter { dim })
+}

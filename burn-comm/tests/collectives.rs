@@ -1,0 +1,439 @@
+//! Every collective against a single-process reference built from burn's own tensor ops, at
+//! world sizes 1, 2, 3, 4 and 8, on random shapes and dimensions. The local transport reduces
+//! in rank order, so results must equal the reference bit for bit, on every rank.
+
+mod common;
+
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn_comm::ReduceOp;
+use common::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// The reduction of `inputs` in rank order, as one device computes it (half precision in f32,
+/// rounded once, as the transport does).
+fn reduce_reference<const D: usize>(inputs: &[Tensor<B, D>], op: ReduceOp) -> Tensor<B, D> {
+    let dtype = inputs[0].dtype();
+    let wide = |t: &Tensor<B, D>| match dtype {
+        DType::F16 | DType::BF16 => t.clone().cast(DType::F32),
+        _ => t.clone(),
+    };
+    let mut acc = wide(&inputs[0]);
+    for x in &inputs[1..] {
+        let x = wide(x);
+        acc = match op {
+            ReduceOp::Sum | ReduceOp::Avg => acc + x,
+            ReduceOp::Max => acc.max_pair(x),
+            ReduceOp::Min => acc.min_pair(x),
+        };
+    }
+    if op == ReduceOp::Avg {
+        acc = acc.div_scalar(inputs.len() as f32);
+    }
+    acc.cast(dtype)
+}
+
+fn inputs<const D: usize>(
+    seed: u64,
+    world: usize,
+    shape: [usize; D],
+    dtype: DType,
+) -> Vec<Tensor<B, D>> {
+    (0..world)
+        .map(|r| random(seed * 1000 + r as u64, shape, dtype))
+        .collect()
+}
+
+fn check_all_reduce<const D: usize>(
+    seed: u64,
+    world: usize,
+    shape: [usize; D],
+    dtype: DType,
+    op: ReduceOp,
+) {
+    let xs = inputs(seed, world, shape, dtype);
+    let expected = reduce_reference(&xs, op).into_data();
+    let results = run(world, |ctx| {
+        let x = xs[ctx.rank()].clone();
+        Ok(ctx.world().all_reduce(x, op)?.into_data())
+    });
+    for (rank, actual) in results.iter().enumerate() {
+        let what = format!("all_reduce({op}) {dtype:?} {shape:?} world {world} rank {rank}");
+        assert_bits_eq(actual, &expected, &what);
+    }
+}
+
+#[test]
+fn all_reduce_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(1);
+    for world in WORLD_SIZES {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            let seed = rng.random();
+            check_all_reduce::<1>(
+                seed,
+                world,
+                random_shape(&mut rng, 300, 0, 1),
+                DType::F32,
+                op,
+            );
+            check_all_reduce::<2>(
+                seed,
+                world,
+                random_shape(&mut rng, 40, 0, 1),
+                DType::F32,
+                op,
+            );
+            check_all_reduce::<3>(
+                seed,
+                world,
+                random_shape(&mut rng, 12, 0, 1),
+                DType::F32,
+                op,
+            );
+        }
+    }
+}
+
+#[test]
+fn all_reduce_of_large_odd_tensors_is_bit_identical_on_every_rank() {
+    // 100_003 elements: several reduction blocks per rank and slices that do not split evenly.
+    for world in [3, 8] {
+        check_all_reduce::<1>(7, world, [100_003], DType::F32, ReduceOp::Sum);
+        check_all_reduce::<2>(8, world, [317, 331], DType::F64, ReduceOp::Avg);
+    }
+}
+
+#[test]
+fn all_reduce_half_precision_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(2);
+    for world in WORLD_SIZES {
+        for dtype in [DType::F16, DType::BF16] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let shape = random_shape::<2>(&mut rng, 50, 0, 1);
+                check_all_reduce(rng.random(), world, shape, dtype, op);
+            }
+        }
+    }
+}
+
+#[test]
+fn all_reduce_of_integers_matches_reference() {
+    for world in WORLD_SIZES {
+        let xs: Vec<Tensor<B, 2, Int>> = (0..world)
+            .map(|r| {
+                let values: Vec<i32> = (0..12).map(|i| (i * 7 + r as i32 * 13) % 23 - 11).collect();
+                Tensor::from_data(TensorData::new(values, [3, 4]), &Default::default())
+            })
+            .collect();
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+            let mut expected = xs[0].clone();
+            for x in &xs[1..] {
+                expected = match op {
+                    ReduceOp::Sum => expected + x.clone(),
+                    ReduceOp::Max => expected.max_pair(x.clone()),
+                    _ => expected.min_pair(x.clone()),
+                };
+            }
+            let expected = expected.into_data();
+            let results = run(world, |ctx| {
+                Ok(ctx
+                    .world()
+                    .all_reduce(xs[ctx.rank()].clone(), op)?
+                    .into_data())
+            });
+            for actual in &results {
+                assert_bits_eq(
+                    actual,
+                    &expected,
+                    &format!("int all_reduce({op}) world {world}"),
+                );
+            }
+        }
+    }
+}
+
+fn check_all_gather<const D: usize>(
+    seed: u64,
+    world: usize,
+    shape: [usize; D],
+    dim: usize,
+    dtype: DType,
+) {
+    let xs = inputs(seed, world, shape, dtype);
+    let expected = Tensor::cat(xs.clone(), dim).into_data();
+    let results = run(world, |ctx| {
+        Ok(ctx
+            .world()
+            .all_gather(xs[ctx.rank()].clone(), dim)?
+            .into_data())
+    });
+    for (rank, actual) in results.iter().enumerate() {
+        assert_bits_eq(
+            actual,
+            &expected,
+            &format!("all_gather dim {dim} {shape:?} world {world} rank {rank}"),
+        );
+    }
+}
+
+#[test]
+fn all_gather_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(3);
+    for world in WORLD_SIZES {
+        for _ in 0..3 {
+            let seed = rng.random();
+            check_all_gather::<1>(seed, world, random_shape(&mut rng, 50, 0, 1), 0, DType::F32);
+            let dim = rng.random_range(0..2);
+            check_all_gather::<2>(
+                seed,
+                world,
+                random_shape(&mut rng, 20, 0, 1),
+                dim,
+                DType::F32,
+            );
+            let dim = rng.random_range(0..3);
+            check_all_gather::<3>(
+                seed,
+                world,
+                random_shape(&mut rng, 8, 0, 1),
+                dim,
+                DType::BF16,
+            );
+        }
+    }
+}
+
+fn check_reduce_scatter<const D: usize>(
+    seed: u64,
+    world: usize,
+    shape: [usize; D],
+    dim: usize,
+    op: ReduceOp,
+) {
+    let xs = inputs(seed, world, shape, DType::F32);
+    let full = reduce_reference(&xs, op);
+    let part = shape[dim] / world;
+    let results = run(world, |ctx| {
+        Ok(ctx
+            .world()
+            .reduce_scatter(xs[ctx.rank()].clone(), op, dim)?
+            .into_data())
+    });
+    for (rank, actual) in results.iter().enumerate() {
+        let expected = full.clone().narrow(dim, rank * part, part).into_data();
+        assert_bits_eq(
+            actual,
+            &expected,
+            &format!("reduce_scatter({op}) dim {dim} {shape:?} world {world} rank {rank}"),
+        );
+    }
+}
+
+#[test]
+fn reduce_scatter_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(4);
+    for world in WORLD_SIZES {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+            let seed = rng.random();
+            check_reduce_scatter::<1>(seed, world, random_shape(&mut rng, 40, 0, world), 0, op);
+            let dim = rng.random_range(0..2);
+            check_reduce_scatter::<2>(seed, world, random_shape(&mut rng, 12, dim, world), dim, op);
+            let dim = rng.random_range(0..3);
+            check_reduce_scatter::<3>(seed, world, random_shape(&mut rng, 6, dim, world), dim, op);
+        }
+    }
+}
+
+#[test]
+fn broadcast_from_every_root() {
+    for world in WORLD_SIZES {
+        for root in 0..world {
+            let xs = inputs(root as u64, world, [5, 3], DType::F32);
+            let expected = xs[root].to_data();
+            let results = run(world, |ctx| {
+                Ok(ctx
+                    .world()
+                    .broadcast(xs[ctx.rank()].clone(), root)?
+                    .into_data())
+            });
+            for actual in &results {
+                assert_bits_eq(
+                    actual,
+                    &expected,
+                    &format!("broadcast root {root} world {world}"),
+                );
+            }
+        }
+    }
+}
+
+fn check_all_to_all<const D: usize>(
+    seed: u64,
+    world: usize,
+    shape: [usize; D],
+    split: usize,
+    concat: usize,
+) {
+    let xs = inputs(seed, world, shape, DType::F32);
+    let part = shape[split] / world;
+    let results = run(world, |ctx| {
+        Ok(ctx
+            .world()
+            .all_to_all(xs[ctx.rank()].clone(), split, concat)?
+            .into_data())
+    });
+    for (rank, actual) in results.iter().enumerate() {
+        let parts = xs
+            .iter()
+            .map(|x| x.clone().narrow(split, rank * part, part))
+            .collect();
+        let expected = Tensor::cat(parts, concat).into_data();
+        let what =
+            format!("all_to_all split {split} concat {concat} {shape:?} world {world} rank {rank}");
+        assert_bits_eq(actual, &expected, &what);
+    }
+}
+
+#[test]
+fn all_to_all_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(5);
+    for world in WORLD_SIZES {
+        for _ in 0..3 {
+            let seed = rng.random();
+            check_all_to_all::<1>(seed, world, random_shape(&mut rng, 10, 0, world), 0, 0);
+            let (split, concat) = (rng.random_range(0..2), rng.random_range(0..2));
+            check_all_to_all::<2>(
+                seed,
+                world,
+                random_shape(&mut rng, 7, split, world),
+                split,
+                concat,
+            );
+            let (split, concat) = (rng.random_range(0..3), rng.random_range(0..3));
+            check_all_to_all::<3>(
+                seed,
+                world,
+                random_shape(&mut rng, 5, split, world),
+                split,
+                concat,
+            );
+        }
+    }
+}
+
+#[test]
+fn send_and_recv_around_a_ring_keep_order() {
+    for world in [2, 3, 4, 8] {
+        let results = run(world, |ctx| {
+            let comm = ctx.world();
+            let (next, prev) = ((ctx.rank() + 1) % world, (ctx.rank() + world - 1) % world);
+            for i in 0..3 {
+                comm.send(
+                    random::<2>((ctx.rank() * 10 + i) as u64, [4, 2], DType::F32),
+                    next,
+                )?;
+            }
+            let mut got = Vec::new();
+            for _ in 0..3 {
+                got.push(
+                    comm.recv::<B, 2, burn::tensor::Float>(prev, [4, 2], &Default::default())?
+                        .into_data(),
+                );
+            }
+            Ok((prev, got))
+        });
+        for (prev, got) in results {
+            for (i, actual) in got.iter().enumerate() {
+                let expected = random::<2>((prev * 10 + i) as u64, [4, 2], DType::F32).into_data();
+                assert_bits_eq(
+                    actual,
+                    &expected,
+                    &format!("message {i} from rank {prev} of {world}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn async_calls_overlap_and_complete_in_issue_order() {
+    for world in [1, 2, 4] {
+        let xs = inputs(9, world, [64, 8], DType::F32);
+        let expected_sum = reduce_reference(&xs, ReduceOp::Sum).into_data();
+        let expected_gather = Tensor::cat(xs.clone(), 1).into_data();
+        let results = run(world, |ctx| {
+            let comm = ctx.world();
+            let x = xs[ctx.rank()].clone();
+            let sum = comm.all_reduce_async(x.clone(), ReduceOp::Sum);
+            let gather = comm.all_gather_async(x.clone(), 1);
+            let barrier = comm.barrier_async();
+            // Work on this thread while the collectives run on the communication stream.
+            let local = (x.clone() * 2.0).sum().into_scalar();
+            barrier.wait()?;
+            Ok((gather.wait()?.into_data(), sum.wait()?.into_data(), local))
+        });
+        for (gather, sum, _) in &results {
+            assert_bits_eq(sum, &expected_sum, "async all_reduce");
+            assert_bits_eq(gather, &expected_gather, "async all_gather");
+        }
+    }
+}
+
+#[test]
+fn split_forms_groups_by_colour() {
+    let results = run(6, |ctx| {
+        let comm = ctx.world().split("parity", ctx.rank() % 2)?;
+        let x = Tensor::<B, 1>::from_floats([ctx.rank() as f32], &Default::default());
+        let sum = comm.all_reduce(x, ReduceOp::Sum)?.into_scalar();
+        Ok((comm.ranks().to_vec(), comm.rank(), sum))
+    });
+    for (rank, (members, local, sum)) in results.into_iter().enumerate() {
+        let expected: Vec<usize> = (0..6).filter(|r| r % 2 == rank % 2).collect();
+        assert_eq!(local, expected.iter().position(|&r| r == rank).unwrap());
+        assert_eq!(sum, expected.iter().sum::<usize>() as f32);
+        assert_eq!(members, expected);
+    }
+}
+
+#[test]
+fn mesh_groups_vary_tp_fastest() {
+    let results = run(8, |ctx| {
+        let mesh = ctx.mesh(&[("dp", 2), ("pp", 2), ("tp", 2)])?;
+        let x = Tensor::<B, 1>::from_floats([ctx.rank() as f32], &Default::default());
+        let tp_sum = mesh
+            .group("tp")?
+            .all_reduce(x, ReduceOp::Sum)?
+            .into_scalar();
+        let members = |n| mesh.group(n).map(|c| c.ranks().to_vec());
+        Ok((
+            members("dp")?,
+            members("pp")?,
+            members("tp")?,
+            tp_sum,
+            mesh.coord("pp")?,
+        ))
+    });
+    let (dp, pp, tp, tp_sum, pp_coord) = &results[5];
+    // Rank 5 sits at dp=1, pp=0, tp=1.
+    assert_eq!(dp, &vec![1, 5]);
+    assert_eq!(pp, &vec![5, 7]);
+    assert_eq!(tp, &vec![4, 5]);
+    assert_eq!(*tp_sum, 9.0);
+    assert_eq!(*pp_coord, 0);
+}
+
+#[test]
+fn mesh_rejects_a_product_that_is_not_the_world_size() {
+    let results = run(4, |ctx| {
+        Ok(ctx.mesh(&[("dp", 2), ("tp", 3)]).unwrap_err().to_string())
+    });
+    assert_eq!(
+        results[0],
+        "the mesh dp=2 x tp=3 has 6 ranks but the world has 4; choose sizes whose product is 4"
+    );
+    let results = run(2, |ctx| {
+        let mesh = ctx.mesh(&[("dp", 2)])?;
+        Ok(mesh.group("tp").unwrap_err().to_string())
+    });
+    assert!(results[0].contains("no dimension 'tp'"), "{}", results[0]);
+}

@@ -1,11 +1,12 @@
 //! The public handle of one rank in one group, and the collectives it offers.
 
 use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{BasicOps, DType, Element, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{BasicOps, Bytes, DType, Element, Tensor, TensorCreationOptions, TensorData};
 
 use crate::call::{Call, Op};
 use crate::kernels::{self, Region};
@@ -63,6 +64,7 @@ pub struct Work<T> {
     result: mpsc::Receiver<Result<T, CommError>>,
     op: String,
     group: String,
+    rank: usize,
 }
 
 impl<T> Work<T> {
@@ -70,7 +72,7 @@ impl<T> Work<T> {
     pub fn wait(self) -> Result<T, CommError> {
         self.result.recv().unwrap_or_else(|_| {
             Err(CommError::PeerFailed {
-                rank: usize::MAX,
+                rank: self.rank,
                 group: self.group,
                 op: self.op,
                 reason: "lost its communication thread".to_string(),
@@ -134,16 +136,30 @@ impl Communicator {
     ) -> Work<T> {
         let (done, result) = mpsc::sync_channel(1);
         let inner = self.inner.clone();
+        let rank = self.global_rank();
+        let (group, what) = (self.group_name().to_string(), op.clone());
         let boxed: Job = Box::new(move |stream| {
-            let _ = done.send(job(&inner, stream));
+            let outcome = catch_unwind(AssertUnwindSafe(|| job(&inner, stream)));
+            let result = outcome.unwrap_or_else(|panic| {
+                Err(CommError::PeerFailed {
+                    rank,
+                    group,
+                    op: what,
+                    reason: format!("panicked: {}", panic_message(panic.as_ref())),
+                })
+            });
+            let _ = done.send(result);
+            inner.group.world().job_finished(rank);
         });
+        self.inner.group.world().job_started(rank);
         let jobs = self.inner.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        // The worker lives as long as any handle, so this send cannot fail.
+        // The worker catches every panic and lives as long as any handle: this cannot fail.
         let _ = jobs.send(boxed);
         Work {
             result,
             op,
             group: self.group_name().to_string(),
+            rank,
         }
     }
 
@@ -155,6 +171,17 @@ impl Communicator {
         }
     }
 
+    /// Quantized tensors carry scales beside their values; they are not moved as plain data.
+    fn check_plain(&self, op: impl fmt::Display, dtype: DType) -> Result<(), CommError> {
+        if let DType::QFloat(_) = dtype {
+            return Err(self.invalid(
+                op,
+                "quantized tensors cannot be communicated; dequantize them first".to_string(),
+            ));
+        }
+        Ok(())
+    }
+
     fn check_dim<const D: usize>(&self, op: Op, dim: usize) -> Result<(), CommError> {
         if dim >= D {
             return Err(self.invalid(op, format!("dim {dim} is out of range for a {D}-d tensor")));
@@ -164,7 +191,7 @@ impl Communicator {
 
     fn check_divisible(&self, op: Op, shape: &[usize], dim: usize) -> Result<(), CommError> {
         let size = self.size();
-        if shape[dim] % size != 0 {
+        if !shape[dim].is_multiple_of(size) {
             let padded = shape[dim].div_ceil(size) * size;
             return Err(self.invalid(
                 op,
@@ -201,16 +228,14 @@ impl Communicator {
         let call = Call::new(op, tensor.dtype(), &tensor.dims());
         let checked = self.check_reducible(op, tensor.dtype(), reduce);
         self.submit(call.to_string(), move |inner, stream| {
-            checked?;
+            if let Err(error) = checked {
+                return refuse(inner, stream, call, error);
+            }
             let device = tensor.device();
             let mut data = tensor.into_data();
             let dtype = data.dtype;
             let len = data.num_elements();
-            let post = Post {
-                call,
-                color: 0,
-                input: data.bytes.as_mut_ptr(),
-            };
+            let post = Post::new(call, data.bytes.as_mut_ptr());
             let (me, size) = (inner.rank, inner.group.members().len());
             let elem = dtype.size();
             inner
@@ -246,21 +271,21 @@ impl Communicator {
     ) -> Work<Tensor<B, D, K>> {
         let op = Op::AllGather { dim };
         let call = Call::new(op, tensor.dtype(), &tensor.dims());
-        let checked = self.check_dim::<D>(op, dim);
+        let checked = self
+            .check_plain(op, tensor.dtype())
+            .and_then(|_| self.check_dim::<D>(op, dim));
         self.submit(call.to_string(), move |inner, stream| {
-            checked?;
+            if let Err(error) = checked {
+                return refuse(inner, stream, call, error);
+            }
             let device = tensor.device();
-            let mut data = tensor.into_data();
+            let data = tensor.into_data();
             let (dtype, shape) = (data.dtype, data.shape.as_slice().to_vec());
             let size = inner.group.members().len();
             let mut out_shape = shape.clone();
             out_shape[dim] *= size;
             let mut out = Output::new(&out_shape, dtype);
-            let post = Post {
-                call,
-                color: 0,
-                input: data.bytes.as_mut_ptr(),
-            };
+            let post = Post::read_only(call, &data);
             inner
                 .group
                 .rendezvous(inner.rank, stream.next_seq(), post, |posts| {
@@ -316,9 +341,11 @@ impl Communicator {
             .and_then(|_| self.check_divisible(op, &dims, dim))
             .and_then(|_| self.check_reducible(op, tensor.dtype(), reduce));
         self.submit(call.to_string(), move |inner, stream| {
-            checked?;
+            if let Err(error) = checked {
+                return refuse(inner, stream, call, error);
+            }
             let device = tensor.device();
-            let mut data = tensor.into_data();
+            let data = tensor.into_data();
             let dtype = data.dtype;
             let (me, size) = (inner.rank, inner.group.members().len());
             let mut out_shape = dims.to_vec();
@@ -328,11 +355,7 @@ impl Communicator {
             let outer: usize = dims[..dim].iter().product();
             let row: usize = dims[dim..].iter().product();
             let part = row / size;
-            let post = Post {
-                call,
-                color: 0,
-                input: data.bytes.as_mut_ptr(),
-            };
+            let post = Post::read_only(call, &data);
             let elem = dtype.size();
             inner
                 .group
@@ -370,22 +393,27 @@ impl Communicator {
     ) -> Work<Tensor<B, D, K>> {
         let op = Op::Broadcast { root };
         let call = Call::new(op, tensor.dtype(), &tensor.dims());
-        let checked = self.check_rank(op, root);
+        let checked = self
+            .check_plain(op, tensor.dtype())
+            .and_then(|_| self.check_rank(op, root));
         self.submit(call.to_string(), move |inner, stream| {
-            checked?;
-            if inner.rank == root && inner.group.members().len() == 1 {
+            if let Err(error) = checked {
+                return refuse(inner, stream, call, error);
+            }
+            if inner.group.members().len() == 1 {
                 return Ok(tensor);
             }
             let device = tensor.device();
             let mut data = tensor.into_data();
             let dtype = data.dtype;
             let bytes = data.bytes.len();
-            let post = Post {
-                call,
-                color: 0,
-                input: data.bytes.as_mut_ptr(),
-            };
             let me = inner.rank;
+            // Only non-roots are written to; the root's buffer is only read.
+            let post = if me == root {
+                Post::read_only(call, &data)
+            } else {
+                Post::new(call, data.bytes.as_mut_ptr())
+            };
             inner
                 .group
                 .rendezvous(me, stream.next_seq(), post, |posts| {
@@ -425,13 +453,16 @@ impl Communicator {
         let dims = tensor.dims();
         let call = Call::new(op, tensor.dtype(), &dims);
         let checked = self
-            .check_dim::<D>(op, split_dim)
+            .check_plain(op, tensor.dtype())
+            .and_then(|_| self.check_dim::<D>(op, split_dim))
             .and_then(|_| self.check_dim::<D>(op, concat_dim))
             .and_then(|_| self.check_divisible(op, &dims, split_dim));
         self.submit(call.to_string(), move |inner, stream| {
-            checked?;
+            if let Err(error) = checked {
+                return refuse(inner, stream, call, error);
+            }
             let device = tensor.device();
-            let mut data = tensor.into_data();
+            let data = tensor.into_data();
             let dtype = data.dtype;
             let (me, size) = (inner.rank, inner.group.members().len());
             let mut part = dims.to_vec();
@@ -439,11 +470,7 @@ impl Communicator {
             let mut out_shape = part.clone();
             out_shape[concat_dim] *= size;
             let mut out = Output::new(&out_shape, dtype);
-            let post = Post {
-                call,
-                color: 0,
-                input: data.bytes.as_mut_ptr(),
-            };
+            let post = Post::read_only(call, &data);
             inner
                 .group
                 .rendezvous(me, stream.next_seq(), post, |posts| {
@@ -483,11 +510,7 @@ impl Communicator {
     pub fn barrier_async(&self) -> Work<()> {
         let call = Call::bare(Op::Barrier);
         self.submit(call.to_string(), move |inner, stream| {
-            let post = Post {
-                call,
-                color: 0,
-                input: std::ptr::null_mut(),
-            };
+            let post = Post::bare(call);
             inner
                 .group
                 .rendezvous(inner.rank, stream.next_seq(), post, |_| ())
@@ -511,7 +534,9 @@ impl Communicator {
         dst: usize,
     ) -> Work<()> {
         let op = format!("send(to {dst})");
-        let checked = self.check_peer(&op, dst);
+        let checked = self
+            .check_plain(&op, tensor.dtype())
+            .and_then(|_| self.check_peer(&op, dst));
         self.submit(op, move |inner, _| {
             checked?;
             inner.group.send(inner.rank, dst, tensor.into_data())
@@ -565,9 +590,8 @@ impl Communicator {
         self.submit(call.to_string(), move |inner, stream| {
             let seq = stream.next_seq();
             let post = Post {
-                call,
                 color,
-                input: std::ptr::null_mut(),
+                ..Post::bare(call)
             };
             let me = inner.rank;
             let group = inner.group.rendezvous(me, seq, post, |posts| {
@@ -608,33 +632,97 @@ impl Communicator {
     }
 }
 
-/// A result buffer that only its owner writes; allocated without zeroing, since every byte is
-/// written by the collective before it is read.
+/// Joins a call whose arguments this rank refused, so that every rank learns of it: ranks that
+/// made the same call refused it too (the checks depend only on the call), and ranks that made
+/// another call get a `Mismatch` naming both.
+fn refuse<T>(
+    inner: &Inner,
+    stream: &mut Stream,
+    call: Call,
+    error: CommError,
+) -> Result<T, CommError> {
+    inner
+        .group
+        .rendezvous(inner.rank, stream.next_seq(), Post::bare(call), |_| ())?;
+    Err(error)
+}
+
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a non-string panic payload".to_string()
+    }
+}
+
+/// A result buffer that only its owner writes, allocated with its elements' alignment (so burn
+/// takes it without a copy) and without zeroing (every byte is written before it is read).
 struct Output {
-    bytes: Vec<u8>,
-    len: usize,
+    storage: Storage,
+    elems: usize,
     shape: Vec<usize>,
     dtype: DType,
 }
 
+/// Storage by element width, for the alignment.
+enum Storage {
+    W1(Vec<u8>),
+    W2(Vec<u16>),
+    W4(Vec<u32>),
+    W8(Vec<u64>),
+}
+
 impl Output {
     fn new(shape: &[usize], dtype: DType) -> Self {
-        let len = shape.iter().product::<usize>() * dtype.size();
+        let elems = shape.iter().product::<usize>();
+        let storage = match dtype.size() {
+            2 => Storage::W2(Vec::with_capacity(elems)),
+            4 => Storage::W4(Vec::with_capacity(elems)),
+            8 => Storage::W8(Vec::with_capacity(elems)),
+            width => Storage::W1(Vec::with_capacity(elems * width)),
+        };
         Self {
-            bytes: Vec::with_capacity(len),
-            len,
+            storage,
+            elems,
             shape: shape.to_vec(),
             dtype,
         }
     }
 
     fn ptr(&mut self) -> *mut u8 {
-        self.bytes.as_mut_ptr()
+        match &mut self.storage {
+            Storage::W1(v) => v.as_mut_ptr(),
+            Storage::W2(v) => v.as_mut_ptr().cast(),
+            Storage::W4(v) => v.as_mut_ptr().cast(),
+            Storage::W8(v) => v.as_mut_ptr().cast(),
+        }
     }
 
-    fn finish(mut self) -> TensorData {
-        // SAFETY: the collective wrote all `len` bytes (it returned Ok).
-        unsafe { self.bytes.set_len(self.len) };
-        TensorData::from_bytes_vec(self.bytes, self.shape, self.dtype)
+    fn finish(self) -> TensorData {
+        let n = self.elems;
+        // SAFETY: the collective wrote every element (it returned Ok).
+        let bytes = unsafe {
+            match self.storage {
+                Storage::W1(mut v) => {
+                    v.set_len(n * self.dtype.size());
+                    Bytes::from_elems(v)
+                }
+                Storage::W2(mut v) => {
+                    v.set_len(n);
+                    Bytes::from_elems(v)
+                }
+                Storage::W4(mut v) => {
+                    v.set_len(n);
+                    Bytes::from_elems(v)
+                }
+                Storage::W8(mut v) => {
+                    v.set_len(n);
+                    Bytes::from_elems(v)
+                }
+            }
+        };
+        TensorData::from_bytes(bytes, self.shape, self.dtype)
     }
 }

@@ -321,7 +321,7 @@ mod tests {
                 for i in 0..parts {
                     let r = partition(len, parts, i, 16);
                     assert_eq!(r.start, next);
-                    assert!(r.start == len || r.start % 16 == 0);
+                    assert!(r.start == len || r.start.is_multiple_of(16));
                     next = r.end;
                 }
                 assert_eq!(next, len);

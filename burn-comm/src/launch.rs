@@ -1,10 +1,10 @@
 //! Running one function on every rank of a world, as threads of this process.
 
-use std::any::Any;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
+use crate::communicator::panic_message;
 use crate::local::{RankStatus, World};
 use crate::mesh::DeviceMesh;
 use crate::{CommError, Communicator};
@@ -28,8 +28,8 @@ impl LaunchConfig {
         let timeout = std::env::var("BURN_COMM_TIMEOUT_SECS")
             .ok()
             .and_then(|s| s.parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64)
+            .filter(|s| *s > 0.0)
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
             .unwrap_or(DEFAULT_TIMEOUT);
         Self {
             world_size,
@@ -137,7 +137,11 @@ where
                     .spawn_scoped(scope, move || {
                         let outcome = catch_unwind(AssertUnwindSafe(|| f(context)));
                         let (status, result) = match outcome {
-                            Ok(Ok(value)) => (RankStatus::Returned, Ok(value)),
+                            Ok(Ok(value)) => {
+                                // Calls it left in flight still count as the rank being there.
+                                world.wait_until_drained(rank);
+                                (RankStatus::Returned, Ok(value))
+                            }
                             Ok(Err(error)) => (
                                 RankStatus::Failed(format!("returned an error: {error}")),
                                 Err(RankError::Failed { rank, error }),
@@ -161,14 +165,4 @@ where
             .map(|h| h.join().expect("rank threads catch their panics"))
             .collect()
     })
-}
-
-fn panic_message(panic: &(dyn Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a non-string panic payload".to_string()
-    }
 }

@@ -18,6 +18,7 @@ use burn::tensor::TensorData;
 
 use crate::CommError;
 use crate::call::Call;
+use crate::communicator::panic_message;
 
 /// What a rank's function has done so far.
 #[derive(Debug, Clone)]
@@ -27,14 +28,20 @@ pub(crate) enum RankStatus {
     Failed(String),
 }
 
+/// A group being formed by a split: (parent group id, call number, colour).
+type SplitKey = (u64, u64, usize);
+
 /// Every rank of one launch: their status, and the groups to wake when it changes.
 pub(crate) struct World {
     timeout: Duration,
     status: Mutex<Vec<RankStatus>>,
     groups: Mutex<Vec<Weak<Group>>>,
     /// Groups being built by a `split`, until every member has picked its handle up.
-    splits: Mutex<HashMap<(u64, u64, usize), (Arc<Group>, usize)>>,
+    splits: Mutex<HashMap<SplitKey, (Arc<Group>, usize)>>,
     next_group_id: AtomicU64,
+    /// Communication jobs queued or running, per rank.
+    pending: Mutex<Vec<usize>>,
+    drained: Condvar,
 }
 
 impl World {
@@ -45,7 +52,30 @@ impl World {
             groups: Mutex::new(Vec::new()),
             splits: Mutex::new(HashMap::new()),
             next_group_id: AtomicU64::new(0),
+            pending: Mutex::new(vec![0; size]),
+            drained: Condvar::new(),
         })
+    }
+
+    pub fn job_started(&self, rank: usize) {
+        lock(&self.pending)[rank] += 1;
+    }
+
+    pub fn job_finished(&self, rank: usize) {
+        lock(&self.pending)[rank] -= 1;
+        self.drained.notify_all();
+    }
+
+    /// Waits until every communication job of `rank` has ended. Each ends by itself: a call
+    /// completes, or fails within the timeout.
+    pub fn wait_until_drained(&self, rank: usize) {
+        let mut pending = lock(&self.pending);
+        while pending[rank] > 0 {
+            pending = self
+                .drained
+                .wait(pending)
+                .unwrap_or_else(|poison| poison.into_inner());
+        }
     }
 
     /// Records what a rank's function did and wakes every rank blocked in a group.
@@ -76,6 +106,7 @@ impl World {
             world: self.clone(),
             state: Mutex::new(GroupState {
                 broken: None,
+                told: vec![false; size],
                 slots: [Slot::new(size), Slot::new(size)],
                 mailboxes: HashMap::new(),
             }),
@@ -89,7 +120,7 @@ impl World {
     /// ask creates it, the others get the same one.
     fn join_split(
         self: &Arc<Self>,
-        key: (u64, u64, usize),
+        key: SplitKey,
         name: String,
         members: Vec<usize>,
     ) -> Arc<Group> {
@@ -121,6 +152,27 @@ pub(crate) struct Post {
 // their owner is blocked in the same rendezvous and keeps the buffers alive.
 unsafe impl Send for Post {}
 
+impl Post {
+    /// A post whose buffer peers may write to.
+    pub fn new(call: Call, input: *mut u8) -> Self {
+        Self {
+            call,
+            color: 0,
+            input,
+        }
+    }
+
+    /// A post whose buffer peers only read.
+    pub fn read_only(call: Call, data: &TensorData) -> Self {
+        Self::new(call, data.bytes.as_ptr() as *mut u8)
+    }
+
+    /// A post without a buffer (barrier, split, a refused call).
+    pub fn bare(call: Call) -> Self {
+        Self::new(call, std::ptr::null_mut())
+    }
+}
+
 /// One collective in flight. Two slots suffice: a rank can start call `seq + 1` only after every
 /// rank has joined call `seq`, which they do only after leaving call `seq - 1`.
 struct Slot {
@@ -128,6 +180,8 @@ struct Slot {
     posts: Vec<Option<Post>>,
     arrived: usize,
     ready: bool,
+    /// A rank's share panicked: the call failed on every rank.
+    failed: Option<CommError>,
     done: usize,
     left: usize,
 }
@@ -139,6 +193,7 @@ impl Slot {
             posts: vec![None; size],
             arrived: 0,
             ready: false,
+            failed: None,
             done: 0,
             left: size,
         }
@@ -156,6 +211,8 @@ struct Message {
 struct GroupState {
     /// The first failure; every later call fails with it.
     broken: Option<CommError>,
+    /// Which group ranks have already been told of `broken`.
+    told: Vec<bool>,
     slots: [Slot; 2],
     /// Point-to-point messages by (source, destination), in the order they were sent.
     mailboxes: HashMap<(usize, usize), VecDeque<Message>>,
@@ -181,11 +238,45 @@ impl Group {
         &self.members
     }
 
-    fn broken(&self, cause: &CommError) -> CommError {
-        CommError::GroupBroken {
-            group: self.name.clone(),
-            cause: cause.to_string(),
+    pub fn world(&self) -> &World {
+        &self.world
+    }
+
+    /// The error group rank `me` gets from a broken group. The first time, a peer failure is
+    /// reported as itself, and so is any failure of a call that `me` had `joined`; after that,
+    /// and for calls started later, it is `GroupBroken`.
+    fn failure(&self, state: &mut GroupState, me: usize, joined: bool) -> CommError {
+        let cause = state.broken.clone().expect("only called on a broken group");
+        let first = !std::mem::replace(&mut state.told[me], true);
+        match cause {
+            CommError::PeerFailed { .. } if first => cause,
+            CommError::Timeout {
+                op,
+                group,
+                missing,
+                after,
+                ..
+            } if first && joined => CommError::Timeout {
+                op,
+                group,
+                rank: self.members[me],
+                missing,
+                after,
+            },
+            _ if first && joined => cause,
+            _ => CommError::GroupBroken {
+                group: self.name.clone(),
+                cause: cause.to_string(),
+            },
         }
+    }
+
+    /// Breaks the group with `error`, which rank `me` reports itself.
+    fn break_with(&self, state: &mut GroupState, me: usize, error: CommError) -> CommError {
+        state.broken = Some(error.clone());
+        state.told[me] = true;
+        self.changed.notify_all();
+        error
     }
 
     /// Why group rank `me` cannot wait any longer for the peers in `pending`, if it cannot.
@@ -221,13 +312,13 @@ impl Group {
         let size = self.members.len();
         let slot_index = (seq % 2) as usize;
         let op = post.call.to_string();
-        let deadline = Instant::now() + self.world.timeout;
+        let deadline = Instant::now().checked_add(self.world.timeout);
 
         let mut state = lock(&self.state);
         // Join the slot (phase 1).
         loop {
-            if let Some(cause) = &state.broken {
-                return Err(self.broken(cause));
+            if state.broken.is_some() {
+                return Err(self.failure(&mut state, me, false));
             }
             let slot = &mut state.slots[slot_index];
             if slot.seq == Some(seq) {
@@ -268,30 +359,26 @@ impl Group {
             if slot.ready {
                 break slot.posts.iter().flatten().cloned().collect::<Vec<_>>();
             }
-            if let Some(cause) = &state.broken {
-                // A mismatch is reported as itself on every rank; anything else as a break.
-                return Err(match cause {
-                    CommError::Mismatch { .. } => cause.clone(),
-                    _ => self.broken(cause),
-                });
+            if state.broken.is_some() {
+                return Err(self.failure(&mut state, me, true));
             }
             let pending = (0..size).filter(|&r| slot.posts[r].is_none());
             let failure = self.peer_failure(&op, pending).or_else(|| {
-                (Instant::now() >= deadline).then(|| CommError::Timeout {
-                    op: op.clone(),
-                    group: self.name.clone(),
-                    rank: self.members[me],
-                    missing: (0..size)
-                        .filter(|&r| slot.posts[r].is_none())
-                        .map(|r| self.members[r])
-                        .collect(),
-                    after: self.world.timeout,
-                })
+                deadline
+                    .is_some_and(|d| Instant::now() >= d)
+                    .then(|| CommError::Timeout {
+                        op: op.clone(),
+                        group: self.name.clone(),
+                        rank: self.members[me],
+                        missing: (0..size)
+                            .filter(|&r| slot.posts[r].is_none())
+                            .map(|r| self.members[r])
+                            .collect(),
+                        after: self.world.timeout,
+                    })
             });
             if let Some(error) = failure {
-                state.broken = Some(error.clone());
-                self.changed.notify_all();
-                return Err(error);
+                return Err(self.break_with(&mut state, me, error));
             }
             state = self.wait(state, deadline);
         };
@@ -302,13 +389,18 @@ impl Group {
         let outcome = catch_unwind(AssertUnwindSafe(|| work(&posts)));
 
         let mut state = lock(&self.state);
-        if outcome.is_err() {
-            state.broken = Some(CommError::PeerFailed {
+        if let Err(panic) = &outcome {
+            let error = CommError::PeerFailed {
                 rank: self.members[me],
                 group: self.name.clone(),
                 op: op.clone(),
-                reason: "panicked inside the transport".to_string(),
-            });
+                reason: format!(
+                    "panicked inside the transport: {}",
+                    panic_message(panic.as_ref())
+                ),
+            };
+            state.slots[slot_index].failed = Some(error.clone());
+            state.broken = Some(error);
         }
         state.slots[slot_index].done += 1;
         self.changed.notify_all();
@@ -320,13 +412,17 @@ impl Group {
                 .unwrap_or_else(|poison| poison.into_inner());
         }
         state.slots[slot_index].left += 1;
-        let failed = state.broken.clone();
+        // Only a failure of this very call fails it; later breaks are for later calls.
+        let failed = state.slots[slot_index].failed.clone();
+        if failed.is_some() {
+            state.told[me] = true;
+        }
         drop(state);
         self.changed.notify_all();
         match (outcome, failed) {
             (Ok(result), None) => Ok(result),
-            (Ok(_), Some(cause)) => Err(self.broken(&cause)),
-            (Err(panic), _) => std::panic::resume_unwind(panic),
+            (_, Some(error)) => Err(error),
+            (Err(_), None) => unreachable!("a panicking share records its failure"),
         }
     }
 
@@ -345,8 +441,8 @@ impl Group {
     /// Queues a message from group rank `from` to group rank `to`; never blocks.
     pub fn send(&self, from: usize, to: usize, data: TensorData) -> Result<(), CommError> {
         let mut state = lock(&self.state);
-        if let Some(cause) = &state.broken {
-            return Err(self.broken(cause));
+        if state.broken.is_some() {
+            return Err(self.failure(&mut state, from, false));
         }
         state
             .mailboxes
@@ -359,7 +455,7 @@ impl Group {
 
     /// Takes the next message from group rank `from` to group rank `me`, waiting for it.
     pub fn recv(&self, me: usize, from: usize, op: &str) -> Result<TensorData, CommError> {
-        let deadline = Instant::now() + self.world.timeout;
+        let deadline = Instant::now().checked_add(self.world.timeout);
         let mut state = lock(&self.state);
         loop {
             if let Some(message) = state
@@ -369,33 +465,36 @@ impl Group {
             {
                 return Ok(message.data);
             }
-            if let Some(cause) = &state.broken {
-                return Err(self.broken(cause));
+            if state.broken.is_some() {
+                return Err(self.failure(&mut state, me, true));
             }
             let failure = self.peer_failure(op, std::iter::once(from)).or_else(|| {
-                (Instant::now() >= deadline).then(|| CommError::Timeout {
-                    op: op.to_string(),
-                    group: self.name.clone(),
-                    rank: self.members[me],
-                    missing: vec![self.members[from]],
-                    after: self.world.timeout,
-                })
+                deadline
+                    .is_some_and(|d| Instant::now() >= d)
+                    .then(|| CommError::Timeout {
+                        op: op.to_string(),
+                        group: self.name.clone(),
+                        rank: self.members[me],
+                        missing: vec![self.members[from]],
+                        after: self.world.timeout,
+                    })
             });
             if let Some(error) = failure {
-                state.broken = Some(error.clone());
-                self.changed.notify_all();
-                return Err(error);
+                return Err(self.break_with(&mut state, me, error));
             }
             state = self.wait(state, deadline);
         }
     }
 
+    /// Waits for a change, or until `deadline` (none: a timeout too long to represent).
     fn wait<'a>(
         &self,
         state: MutexGuard<'a, GroupState>,
-        deadline: Instant,
+        deadline: Option<Instant>,
     ) -> MutexGuard<'a, GroupState> {
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.map_or(Duration::from_secs(3600), |d| {
+            d.saturating_duration_since(Instant::now())
+        });
         // Wake up at the deadline at the latest, so the timeout is reported on time.
         let wait = left.max(Duration::from_millis(1));
         self.changed
@@ -409,4 +508,31 @@ impl Group {
 /// every writer leaves consistent.
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    #[test]
+    fn a_rank_is_drained_only_when_its_last_job_ends() {
+        let world = World::new(2, Duration::from_secs(5));
+        world.job_started(0);
+        world.job_started(0);
+        let drained = Arc::new(AtomicBool::new(false));
+        let waiter = {
+            let (world, drained) = (world.clone(), drained.clone());
+            std::thread::spawn(move || {
+                world.wait_until_drained(0);
+                drained.store(true, Ordering::SeqCst);
+            })
+        };
+        world.job_finished(0);
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!drained.load(Ordering::SeqCst), "one job is still pending");
+        world.job_finished(0);
+        waiter.join().unwrap();
+        assert!(drained.load(Ordering::SeqCst));
+    }
 }

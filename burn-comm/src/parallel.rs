@@ -104,7 +104,7 @@ fn own_part<B: Backend, const D: usize>(
         )));
     }
     let len = x.dims()[dim];
-    if len % comm.size() != 0 {
+    if !len.is_multiple_of(comm.size()) {
         return Err(invalid(format!(
             "size {len} along dim {dim} does not divide by the group size {}",
             comm.size()

@@ -6,11 +6,12 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{BasicOps, Bytes, DType, Element, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{BasicOps, DType, Element, Tensor, TensorCreationOptions};
 
 use crate::call::{Call, Op};
 use crate::kernels::{self, Region};
 use crate::local::{Group, Post};
+use crate::shared::SharedBuffer;
 use crate::{CommError, ReduceOp};
 
 /// Elements per cache line of the smallest element type: all-reduce slices start on one.
@@ -21,12 +22,19 @@ type Job = Box<dyn FnOnce(&mut Stream) + Send>;
 /// The state that only the worker thread touches: calls are numbered in the order they run.
 struct Stream {
     seq: u64,
+    /// Buffers a call is done with, freed after its caller has the result.
+    retired: Vec<Box<dyn std::any::Any + Send>>,
 }
 
 impl Stream {
     fn next_seq(&mut self) -> u64 {
         self.seq += 1;
         self.seq - 1
+    }
+
+    /// Frees `data` later, off the caller's critical path (freeing a large buffer unmaps it).
+    fn retire(&mut self, data: impl Send + 'static) {
+        self.retired.push(Box::new(data));
     }
 }
 
@@ -88,9 +96,13 @@ impl Communicator {
         std::thread::Builder::new()
             .name(name)
             .spawn(move || {
-                let mut stream = Stream { seq: 0 };
+                let mut stream = Stream {
+                    seq: 0,
+                    retired: Vec::new(),
+                };
                 for job in queue {
                     job(&mut stream);
+                    stream.retired.clear();
                 }
             })
             .expect("the OS refused to start a communication thread");
@@ -231,22 +243,27 @@ impl Communicator {
             if let Err(error) = checked {
                 return refuse(inner, stream, call, error);
             }
+            if inner.group.members().len() == 1 {
+                return Ok(tensor);
+            }
             let device = tensor.device();
             let mut data = tensor.into_data();
             let dtype = data.dtype;
-            let len = data.num_elements();
-            let post = Post::new(call, data.bytes.as_mut_ptr());
             let (me, size) = (inner.rank, inner.group.members().len());
-            let elem = dtype.size();
+            let (len, elem) = (data.num_elements(), dtype.size());
+            let post = Post::in_place(call, &mut data);
             inner
                 .group
                 .rendezvous(me, stream.next_seq(), post, |posts| {
-                    // Reduce this rank's slice of every buffer and write it back to all of them.
+                    // Reduce this rank's slice of every input, in rank order, and write it back to
+                    // all of them: every rank ends with the same bits, in its own buffer.
+                    // (Measured faster than reducing into one shared output: see BENCHMARKS.md.)
                     let mine = kernels::partition(len, size, me, SLICE_ALIGN);
                     let at = |p: &Post| p.input.wrapping_add(mine.start * elem);
-                    let srcs: Vec<*const u8> = posts.iter().map(|p| at(p) as *const u8).collect();
-                    let dsts: Vec<*mut u8> = posts.iter().map(at).collect();
-                    // SAFETY: every rank owns a disjoint slice of all buffers until `done`.
+                    let srcs: Vec<*const u8> = posts.iter().map(at).collect();
+                    let dsts: Vec<*mut u8> = srcs.iter().map(|&p| p as *mut u8).collect();
+                    // SAFETY: every rank owns a disjoint slice of all inputs until `done`, and
+                    // in-place posts carry pointers that may be written through.
                     unsafe { kernels::reduce(dtype, reduce, &srcs, &dsts, mine.len()) };
                 })?;
             Ok(Tensor::from_data(data, (&device, dtype)))
@@ -278,40 +295,51 @@ impl Communicator {
             if let Err(error) = checked {
                 return refuse(inner, stream, call, error);
             }
+            if inner.group.members().len() == 1 {
+                return Ok(tensor);
+            }
             let device = tensor.device();
             let data = tensor.into_data();
             let (dtype, shape) = (data.dtype, data.shape.as_slice().to_vec());
-            let size = inner.group.members().len();
+            let (me, size) = (inner.rank, inner.group.members().len());
             let mut out_shape = shape.clone();
             out_shape[dim] *= size;
-            let mut out = Output::new(&out_shape, dtype);
-            let post = Post::read_only(call, &data);
-            inner
+            // Rank 0 provides the one output buffer; each rank writes its own part of it.
+            let mut post = Post::bare(call);
+            if me == 0 {
+                let bytes = out_shape.iter().product::<usize>() * dtype.size();
+                post.shared = Some(SharedBuffer::uninit(bytes));
+            }
+            let out = inner
                 .group
-                .rendezvous(inner.rank, stream.next_seq(), post, |posts| {
+                .rendezvous(me, stream.next_seq(), post, |posts| {
+                    let out = posts[0].shared.clone().expect("rank 0 shares the output");
                     let mut start = vec![0; D];
-                    for (k, p) in posts.iter().enumerate() {
-                        start[dim] = k * shape[dim];
-                        // SAFETY: peers' inputs are read-only during the call; `out` is ours.
-                        unsafe {
-                            kernels::copy_box(
-                                Region {
-                                    ptr: p.input as *const u8,
-                                    shape: &shape,
-                                    start: &[0; D],
-                                },
-                                Region {
-                                    ptr: out.ptr(),
-                                    shape: &out_shape,
-                                    start: &start,
-                                },
-                                &shape,
-                                dtype.size(),
-                            )
-                        };
-                    }
+                    start[dim] = me * shape[dim];
+                    // SAFETY: each rank writes only its own part of the shared output.
+                    unsafe {
+                        kernels::copy_box(
+                            Region {
+                                ptr: data.bytes.as_ptr(),
+                                shape: &shape,
+                                start: &[0; D],
+                            },
+                            Region {
+                                ptr: out.ptr(),
+                                shape: &out_shape,
+                                start: &start,
+                            },
+                            &shape,
+                            dtype.size(),
+                        )
+                    };
+                    out
                 })?;
-            Ok(Tensor::from_data(out.finish(), (&device, dtype)))
+            stream.retire(data);
+            Ok(Tensor::from_data(
+                out.view(out_shape, dtype),
+                (&device, dtype),
+            ))
         })
     }
 
@@ -344,13 +372,16 @@ impl Communicator {
             if let Err(error) = checked {
                 return refuse(inner, stream, call, error);
             }
+            if inner.group.members().len() == 1 {
+                return Ok(tensor);
+            }
             let device = tensor.device();
             let data = tensor.into_data();
             let dtype = data.dtype;
             let (me, size) = (inner.rank, inner.group.members().len());
             let mut out_shape = dims.to_vec();
             out_shape[dim] /= size;
-            let mut out = Output::new(&out_shape, dtype);
+            let out = SharedBuffer::uninit(out_shape.iter().product::<usize>() * dtype.size());
             // Rows of the [outer, dims[dim] * inner] view; this rank reduces part `me` of each.
             let outer: usize = dims[..dim].iter().product();
             let row: usize = dims[dim..].iter().product();
@@ -362,16 +393,18 @@ impl Communicator {
                 .rendezvous(me, stream.next_seq(), post, |posts| {
                     for o in 0..outer {
                         let offset = (o * row + me * part) * elem;
-                        let srcs: Vec<*const u8> = posts
-                            .iter()
-                            .map(|p| p.input.wrapping_add(offset) as *const u8)
-                            .collect();
+                        let srcs: Vec<*const u8> =
+                            posts.iter().map(|p| p.input.wrapping_add(offset)).collect();
                         let dst = out.ptr().wrapping_add(o * part * elem);
                         // SAFETY: peers' inputs are read-only during the call; `out` is ours.
                         unsafe { kernels::reduce(dtype, reduce, &srcs, &[dst], part) };
                     }
                 })?;
-            Ok(Tensor::from_data(out.finish(), (&device, dtype)))
+            stream.retire(data);
+            Ok(Tensor::from_data(
+                out.view(out_shape, dtype),
+                (&device, dtype),
+            ))
         })
     }
 
@@ -404,27 +437,24 @@ impl Communicator {
                 return Ok(tensor);
             }
             let device = tensor.device();
-            let mut data = tensor.into_data();
-            let dtype = data.dtype;
-            let bytes = data.bytes.len();
-            let me = inner.rank;
-            // Only non-roots are written to; the root's buffer is only read.
-            let post = if me == root {
-                Post::read_only(call, &data)
+            let (me, dtype, shape) = (inner.rank, tensor.dtype(), tensor.dims().to_vec());
+            // The root shares its buffer as it is: no rank copies anything.
+            let mut post = Post::bare(call);
+            if me == root {
+                post.shared = Some(SharedBuffer::from_data(tensor.into_data()));
             } else {
-                Post::new(call, data.bytes.as_mut_ptr())
-            };
-            inner
+                // Only its shape mattered.
+                stream.retire(tensor);
+            }
+            let out = inner
                 .group
                 .rendezvous(me, stream.next_seq(), post, |posts| {
-                    if me != root {
-                        // SAFETY: the root's buffer is read-only during the call; ours is ours.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(posts[root].input, posts[me].input, bytes)
-                        };
-                    }
+                    posts[root]
+                        .shared
+                        .clone()
+                        .expect("the root shares its tensor")
                 })?;
-            Ok(Tensor::from_data(data, (&device, dtype)))
+            Ok(Tensor::from_data(out.view(shape, dtype), (&device, dtype)))
         })
     }
 
@@ -461,6 +491,9 @@ impl Communicator {
             if let Err(error) = checked {
                 return refuse(inner, stream, call, error);
             }
+            if inner.group.members().len() == 1 {
+                return Ok(tensor);
+            }
             let device = tensor.device();
             let data = tensor.into_data();
             let dtype = data.dtype;
@@ -469,7 +502,7 @@ impl Communicator {
             part[split_dim] /= size;
             let mut out_shape = part.clone();
             out_shape[concat_dim] *= size;
-            let mut out = Output::new(&out_shape, dtype);
+            let out = SharedBuffer::uninit(out_shape.iter().product::<usize>() * dtype.size());
             let post = Post::read_only(call, &data);
             inner
                 .group
@@ -482,7 +515,7 @@ impl Communicator {
                         unsafe {
                             kernels::copy_box(
                                 Region {
-                                    ptr: p.input as *const u8,
+                                    ptr: p.input,
                                     shape: &dims,
                                     start: &from,
                                 },
@@ -497,7 +530,11 @@ impl Communicator {
                         };
                     }
                 })?;
-            Ok(Tensor::from_data(out.finish(), (&device, dtype)))
+            stream.retire(data);
+            Ok(Tensor::from_data(
+                out.view(out_shape, dtype),
+                (&device, dtype),
+            ))
         })
     }
 
@@ -654,75 +691,5 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "a non-string panic payload".to_string()
-    }
-}
-
-/// A result buffer that only its owner writes, allocated with its elements' alignment (so burn
-/// takes it without a copy) and without zeroing (every byte is written before it is read).
-struct Output {
-    storage: Storage,
-    elems: usize,
-    shape: Vec<usize>,
-    dtype: DType,
-}
-
-/// Storage by element width, for the alignment.
-enum Storage {
-    W1(Vec<u8>),
-    W2(Vec<u16>),
-    W4(Vec<u32>),
-    W8(Vec<u64>),
-}
-
-impl Output {
-    fn new(shape: &[usize], dtype: DType) -> Self {
-        let elems = shape.iter().product::<usize>();
-        let storage = match dtype.size() {
-            2 => Storage::W2(Vec::with_capacity(elems)),
-            4 => Storage::W4(Vec::with_capacity(elems)),
-            8 => Storage::W8(Vec::with_capacity(elems)),
-            width => Storage::W1(Vec::with_capacity(elems * width)),
-        };
-        Self {
-            storage,
-            elems,
-            shape: shape.to_vec(),
-            dtype,
-        }
-    }
-
-    fn ptr(&mut self) -> *mut u8 {
-        match &mut self.storage {
-            Storage::W1(v) => v.as_mut_ptr(),
-            Storage::W2(v) => v.as_mut_ptr().cast(),
-            Storage::W4(v) => v.as_mut_ptr().cast(),
-            Storage::W8(v) => v.as_mut_ptr().cast(),
-        }
-    }
-
-    fn finish(self) -> TensorData {
-        let n = self.elems;
-        // SAFETY: the collective wrote every element (it returned Ok).
-        let bytes = unsafe {
-            match self.storage {
-                Storage::W1(mut v) => {
-                    v.set_len(n * self.dtype.size());
-                    Bytes::from_elems(v)
-                }
-                Storage::W2(mut v) => {
-                    v.set_len(n);
-                    Bytes::from_elems(v)
-                }
-                Storage::W4(mut v) => {
-                    v.set_len(n);
-                    Bytes::from_elems(v)
-                }
-                Storage::W8(mut v) => {
-                    v.set_len(n);
-                    Bytes::from_elems(v)
-                }
-            }
-        };
-        TensorData::from_bytes(bytes, self.shape, self.dtype)
     }
 }

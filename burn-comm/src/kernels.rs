@@ -171,8 +171,8 @@ pub(crate) fn check_reducible(dtype: DType, op: ReduceOp) -> Result<(), String> 
 }
 
 /// Reduces `len` elements from every source, in source order, and writes the result to every
-/// destination. Sources and destinations may be the same buffers (in-place all-reduce): each
-/// block is read completely before it is written.
+/// destination. A destination may be one of the sources: each block is read completely before
+/// it is written.
 ///
 /// # Safety
 /// Every pointer must be valid for `len` elements of `dtype`, and no other thread may access

@@ -28,6 +28,7 @@ mod launch;
 mod local;
 mod mesh;
 pub mod parallel;
+mod shared;
 
 pub use call::ReduceOp;
 pub use communicator::{Communicator, Work};

@@ -1,12 +1,12 @@
 //! The local transport: ranks are threads of one process and exchange data through shared
 //! memory.
 //!
-//! A collective is a rendezvous in two phases. In the first, every rank posts pointers to its
-//! buffers; the last to arrive checks that all ranks made the same call. In the second, every
-//! rank does its own share of the work directly on its peers' buffers (for an all-reduce: its
-//! own slice of every buffer, reduced in rank order and written back to all of them), then waits
-//! until all shares are done. Failures are decided under the group's lock before any buffer is
-//! shared, so a rank that gives up never leaves a peer reading freed memory.
+//! A collective is a rendezvous in two phases. In the first, every rank posts a pointer to its
+//! input; the last to arrive checks that all ranks made the same call. In the second, every rank
+//! does its own share of the work on its peers' buffers directly (for an all-reduce: its own
+//! slice of every input, reduced in rank order and written back to all of them), then waits
+//! until all shares are done. Failures are decided under the group's lock before any buffer is shared,
+//! so a rank that gives up never leaves a peer reading freed memory.
 
 use std::collections::{HashMap, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -19,6 +19,7 @@ use burn::tensor::TensorData;
 use crate::CommError;
 use crate::call::Call;
 use crate::communicator::panic_message;
+use crate::shared::SharedBuffer;
 
 /// What a rank's function has done so far.
 #[derive(Debug, Clone)]
@@ -137,39 +138,48 @@ impl World {
     }
 }
 
-/// A rank's buffers for one collective, as its peers may read and write them.
+/// A rank's contribution to one collective, as its peers see it.
 #[derive(Debug, Clone)]
 pub(crate) struct Post {
     pub call: Call,
     /// Per-rank value that may differ across ranks (the colour of a split).
     pub color: usize,
-    /// The rank's input buffer; peers read it, and write it only in place (all-reduce,
-    /// broadcast).
-    pub input: *mut u8,
+    /// The rank's input; peers only read it, unless it was posted [`Post::in_place`].
+    pub input: *const u8,
+    /// A result buffer this rank provides for the whole group.
+    pub shared: Option<SharedBuffer>,
 }
 
-// SAFETY: the pointers are only dereferenced during the second phase of a rendezvous, while
-// their owner is blocked in the same rendezvous and keeps the buffers alive.
+// SAFETY: `input` is only read during the second phase of a rendezvous, while its owner is
+// blocked in the same rendezvous and keeps the buffer alive.
 unsafe impl Send for Post {}
 
 impl Post {
-    /// A post whose buffer peers may write to.
-    pub fn new(call: Call, input: *mut u8) -> Self {
+    /// A post whose input peers read.
+    pub fn read_only(call: Call, data: &TensorData) -> Self {
         Self {
-            call,
-            color: 0,
-            input,
+            input: data.bytes.as_ptr(),
+            ..Self::bare(call)
         }
     }
 
-    /// A post whose buffer peers only read.
-    pub fn read_only(call: Call, data: &TensorData) -> Self {
-        Self::new(call, data.bytes.as_ptr() as *mut u8)
+    /// A post whose input peers may also write (in-place all-reduce): the pointer comes from a
+    /// mutable borrow, so writing through it is allowed.
+    pub fn in_place(call: Call, data: &mut TensorData) -> Self {
+        Self {
+            input: data.bytes.as_mut_ptr(),
+            ..Self::bare(call)
+        }
     }
 
-    /// A post without a buffer (barrier, split, a refused call).
+    /// A post without an input (barrier, split, a refused call, a shared result).
     pub fn bare(call: Call) -> Self {
-        Self::new(call, std::ptr::null_mut())
+        Self {
+            call,
+            color: 0,
+            input: std::ptr::null(),
+            shared: None,
+        }
     }
 }
 

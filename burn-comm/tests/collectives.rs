@@ -437,3 +437,45 @@ fn mesh_rejects_a_product_that_is_not_the_world_size() {
     });
     assert!(results[0].contains("no dimension 'tp'"), "{}", results[0]);
 }
+
+#[test]
+fn shared_results_are_copied_on_write() {
+    // Broadcast and all-gather results share one buffer between ranks, and all-reduce writes
+    // into peers' buffers; either way, a rank that changes its result in place must not
+    // change its peers'.
+    let xs = inputs(11, 3, [64], DType::F32);
+    let expected = [
+        reduce_reference(&xs, ReduceOp::Sum).into_data(),
+        xs[0].to_data(),
+        Tensor::cat(xs.clone(), 0).into_data(),
+    ];
+    let results = run(3, |ctx| {
+        let comm = ctx.world();
+        let x = xs[ctx.rank()].clone();
+        let results = [
+            comm.all_reduce(x.clone(), ReduceOp::Sum)?,
+            comm.broadcast(x.clone(), 0)?,
+            comm.all_gather(x, 0)?,
+        ];
+        comm.barrier()?;
+        // Rank 1 writes into its results; the others read theirs afterwards.
+        let results = results.map(|t| {
+            if ctx.rank() == 1 {
+                t.mul_scalar(0.0).add_scalar(5.0)
+            } else {
+                t
+            }
+        });
+        comm.barrier()?;
+        Ok(results.map(|t| t.into_data()))
+    });
+    for (rank, got) in results.iter().enumerate() {
+        for (actual, expected) in got.iter().zip(&expected) {
+            if rank == 1 {
+                assert!(actual.to_vec::<f32>().unwrap().iter().all(|&v| v == 5.0));
+            } else {
+                assert_bits_eq(actual, expected, &format!("rank {rank}"));
+            }
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Result buffers of the collectives. Results that every rank receives identically
+//! (all-gather, broadcast) are held once, in a buffer all ranks' tensors view; burn copies such
+//! a buffer on the first in-place write (`Bytes::from_shared` is copy-on-write), so ranks never
+//! see each other's changes. Fresh buffers come from a small pool, so that a training step that
+//! repeats the same calls allocates nothing.
+
+use std::mem::MaybeUninit;
+use std::sync::{Arc, Mutex};
+
+use burn::tensor::{AllocationProperty, Bytes, DType, TensorData};
+
+/// A buffer that ranks fill in disjoint parts during a call and all read afterwards.
+#[derive(Clone)]
+pub(crate) struct SharedBuffer {
+    memory: Arc<dyn Memory>,
+    /// Where ranks write their parts; valid while `memory` is alive.
+    ptr: *mut u8,
+}
+
+impl std::fmt::Debug for SharedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedBuffer({} bytes)", self.memory.len())
+    }
+}
+
+// SAFETY: ranks write disjoint parts through `ptr` during a call, and read only after every
+// write is done (the rendezvous' last phase orders them).
+unsafe impl Send for SharedBuffer {}
+
+trait Memory: Send + Sync {
+    fn ptr(&self) -> *const u8;
+    fn len(&self) -> usize;
+}
+
+/// Fresh memory, written by the ranks before anyone reads it.
+struct Fresh {
+    words: Words,
+    len: usize,
+}
+
+type Words = Box<[MaybeUninit<u128>]>;
+
+/// Freed result buffers kept for reuse, as a caching allocator does: training repeats the same
+/// sizes every step, and fresh large allocations cost a page fault per page (and `munmap` on
+/// free), which is slower than the copy itself.
+static POOL: Mutex<Vec<Words>> = Mutex::new(Vec::new());
+/// At most this many bytes are kept.
+const POOL_BYTES: usize = 1 << 30;
+
+fn take_words(words: usize) -> Words {
+    let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
+    // The smallest kept buffer that fits without wasting more than half of it.
+    let best = (0..pool.len())
+        .filter(|&i| pool[i].len() >= words && pool[i].len() <= 2 * words.max(1))
+        .min_by_key(|&i| pool[i].len());
+    match best {
+        Some(i) => pool.swap_remove(i),
+        None => Box::new_uninit_slice(words),
+    }
+}
+
+impl Drop for Fresh {
+    fn drop(&mut self) {
+        let words = std::mem::take(&mut self.words);
+        let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
+        let kept: usize = pool.iter().map(|w| w.len() * 16).sum();
+        if kept + words.len() * 16 <= POOL_BYTES {
+            pool.push(words);
+        }
+    }
+}
+
+impl Memory for Fresh {
+    fn ptr(&self) -> *const u8 {
+        self.words.as_ptr() as *const u8
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A rank's own buffer, handed over to be shared.
+struct Owned(Bytes);
+
+impl Memory for Owned {
+    fn ptr(&self) -> *const u8 {
+        self.0.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// One rank's read-only view; created only once the buffer is fully written.
+struct View(Arc<dyn Memory>);
+
+impl AsRef<[u8]> for View {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: views are made after every byte was written, and nobody writes afterwards.
+        unsafe { std::slice::from_raw_parts(self.0.ptr(), self.0.len()) }
+    }
+}
+
+impl SharedBuffer {
+    /// `len` bytes, 16-byte aligned and not initialised: the call must write every byte.
+    pub fn uninit(len: usize) -> Self {
+        let memory = Fresh {
+            words: take_words(len.div_ceil(16)),
+            len,
+        };
+        let ptr = memory.ptr() as *mut u8;
+        Self {
+            memory: Arc::new(memory),
+            ptr,
+        }
+    }
+
+    /// Shares `data`'s buffer as it is, without a copy. Nobody writes to it.
+    pub fn from_data(data: TensorData) -> Self {
+        let memory = Owned(data.bytes);
+        let ptr = memory.ptr() as *mut u8;
+        Self {
+            memory: Arc::new(memory),
+            ptr,
+        }
+    }
+
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// One rank's view of the result, once every byte of it has been written.
+    pub fn view(&self, shape: Vec<usize>, dtype: DType) -> TensorData {
+        let shared = bytes::Bytes::from_owner(View(self.memory.clone()));
+        let bytes = Bytes::from_shared(shared, AllocationProperty::Native);
+        TensorData::from_bytes(bytes, shape, dtype)
+    }
+}

@@ -175,6 +175,33 @@ impl Communicator {
         }
     }
 
+    /// Submits a collective on `tensor`: every rank joins it even when `checked` refused its
+    /// arguments (see [`refuse`]), and a single-rank group returns `tensor` as it is.
+    fn collective<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        call: Call,
+        checked: Result<(), CommError>,
+        tensor: Tensor<B, D, K>,
+        body: impl FnOnce(
+            &Inner,
+            &mut Stream,
+            Call,
+            Tensor<B, D, K>,
+        ) -> Result<Tensor<B, D, K>, CommError>
+        + Send
+        + 'static,
+    ) -> Work<Tensor<B, D, K>> {
+        self.submit(call.to_string(), move |inner, stream| {
+            if let Err(error) = checked {
+                return refuse(inner, stream, call, error);
+            }
+            if inner.group.members().len() == 1 {
+                return Ok(tensor);
+            }
+            body(inner, stream, call, tensor)
+        })
+    }
+
     fn invalid(&self, op: impl fmt::Display, reason: String) -> CommError {
         CommError::InvalidArgument {
             op: op.to_string(),
@@ -239,13 +266,7 @@ impl Communicator {
         let op = Op::AllReduce(reduce);
         let call = Call::new(op, tensor.dtype(), &tensor.dims());
         let checked = self.check_reducible(op, tensor.dtype(), reduce);
-        self.submit(call.to_string(), move |inner, stream| {
-            if let Err(error) = checked {
-                return refuse(inner, stream, call, error);
-            }
-            if inner.group.members().len() == 1 {
-                return Ok(tensor);
-            }
+        self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
             let device = tensor.device();
             let mut data = tensor.into_data();
             let dtype = data.dtype;
@@ -291,13 +312,7 @@ impl Communicator {
         let checked = self
             .check_plain(op, tensor.dtype())
             .and_then(|_| self.check_dim::<D>(op, dim));
-        self.submit(call.to_string(), move |inner, stream| {
-            if let Err(error) = checked {
-                return refuse(inner, stream, call, error);
-            }
-            if inner.group.members().len() == 1 {
-                return Ok(tensor);
-            }
+        self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
             let device = tensor.device();
             let data = tensor.into_data();
             let (dtype, shape) = (data.dtype, data.shape.as_slice().to_vec());
@@ -368,13 +383,7 @@ impl Communicator {
             .check_dim::<D>(op, dim)
             .and_then(|_| self.check_divisible(op, &dims, dim))
             .and_then(|_| self.check_reducible(op, tensor.dtype(), reduce));
-        self.submit(call.to_string(), move |inner, stream| {
-            if let Err(error) = checked {
-                return refuse(inner, stream, call, error);
-            }
-            if inner.group.members().len() == 1 {
-                return Ok(tensor);
-            }
+        self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
             let device = tensor.device();
             let data = tensor.into_data();
             let dtype = data.dtype;
@@ -429,13 +438,7 @@ impl Communicator {
         let checked = self
             .check_plain(op, tensor.dtype())
             .and_then(|_| self.check_rank(op, root));
-        self.submit(call.to_string(), move |inner, stream| {
-            if let Err(error) = checked {
-                return refuse(inner, stream, call, error);
-            }
-            if inner.group.members().len() == 1 {
-                return Ok(tensor);
-            }
+        self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
             let device = tensor.device();
             let (me, dtype, shape) = (inner.rank, tensor.dtype(), tensor.dims().to_vec());
             // The root shares its buffer as it is: no rank copies anything.
@@ -487,13 +490,7 @@ impl Communicator {
             .and_then(|_| self.check_dim::<D>(op, split_dim))
             .and_then(|_| self.check_dim::<D>(op, concat_dim))
             .and_then(|_| self.check_divisible(op, &dims, split_dim));
-        self.submit(call.to_string(), move |inner, stream| {
-            if let Err(error) = checked {
-                return refuse(inner, stream, call, error);
-            }
-            if inner.group.members().len() == 1 {
-                return Ok(tensor);
-            }
+        self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
             let device = tensor.device();
             let data = tensor.into_data();
             let dtype = data.dtype;

@@ -310,6 +310,26 @@ impl Group {
         None
     }
 
+    /// The timeout of group rank `me`'s call `op` once `deadline` has passed, naming the group
+    /// ranks in `missing` by their global ranks.
+    fn timeout_if_due(
+        &self,
+        op: &str,
+        me: usize,
+        deadline: Option<Instant>,
+        missing: impl Iterator<Item = usize>,
+    ) -> Option<CommError> {
+        deadline
+            .is_some_and(|d| Instant::now() >= d)
+            .then(|| CommError::Timeout {
+                op: op.to_string(),
+                group: self.name.clone(),
+                rank: self.members[me],
+                missing: missing.map(|r| self.members[r]).collect(),
+                after: self.world.timeout,
+            })
+    }
+
     /// Runs one collective: posts `post` as group rank `me`'s contribution to call number
     /// `seq`, waits for every peer, then runs `work` with all posts (in group-rank order).
     pub fn rendezvous<R>(
@@ -372,21 +392,10 @@ impl Group {
             if state.broken.is_some() {
                 return Err(self.failure(&mut state, me, true));
             }
-            let pending = (0..size).filter(|&r| slot.posts[r].is_none());
-            let failure = self.peer_failure(&op, pending).or_else(|| {
-                deadline
-                    .is_some_and(|d| Instant::now() >= d)
-                    .then(|| CommError::Timeout {
-                        op: op.clone(),
-                        group: self.name.clone(),
-                        rank: self.members[me],
-                        missing: (0..size)
-                            .filter(|&r| slot.posts[r].is_none())
-                            .map(|r| self.members[r])
-                            .collect(),
-                        after: self.world.timeout,
-                    })
-            });
+            let missing = || (0..size).filter(|&r| slot.posts[r].is_none());
+            let failure = self
+                .peer_failure(&op, missing())
+                .or_else(|| self.timeout_if_due(&op, me, deadline, missing()));
             if let Some(error) = failure {
                 return Err(self.break_with(&mut state, me, error));
             }
@@ -478,17 +487,9 @@ impl Group {
             if state.broken.is_some() {
                 return Err(self.failure(&mut state, me, true));
             }
-            let failure = self.peer_failure(op, std::iter::once(from)).or_else(|| {
-                deadline
-                    .is_some_and(|d| Instant::now() >= d)
-                    .then(|| CommError::Timeout {
-                        op: op.to_string(),
-                        group: self.name.clone(),
-                        rank: self.members[me],
-                        missing: vec![self.members[from]],
-                        after: self.world.timeout,
-                    })
-            });
+            let failure = self
+                .peer_failure(op, std::iter::once(from))
+                .or_else(|| self.timeout_if_due(op, me, deadline, std::iter::once(from)));
             if let Some(error) = failure {
                 return Err(self.break_with(&mut state, me, error));
             }

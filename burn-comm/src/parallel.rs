@@ -115,7 +115,8 @@ fn own_part<B: Backend, const D: usize>(
 }
 
 /// A backend on which the region operations can run: every backend forwards them; on
-/// [`Autodiff`] they also record their backward.
+/// [`Autodiff`] they also record their backward. Implemented for `Flex`, `NdArray`, the cubecl
+/// GPU backends (feature `cuda`) and `Autodiff` over any backend.
 pub trait CommBackend: Backend {
     /// Applies `op`, recording its backward where the backend differentiates.
     fn region_op<const D: usize>(
@@ -134,6 +135,30 @@ where
     NdArrayTensor: From<SharedArray<E>>,
     NdArrayTensor: From<SharedArray<I>>,
 {
+}
+
+/// The GPU backends of cubecl (CUDA and the others), with and without burn's fusion.
+#[cfg(feature = "cuda")]
+mod cubecl_backends {
+    use burn::tensor::backend::DeviceOps;
+    use burn_cubecl::cubecl::server::ComputeServer;
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_fusion::{Fusion, FusionBackend};
+
+    use super::CommBackend;
+
+    impl<R, F, I, BT> CommBackend for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        R::Server: ComputeServer,
+        R::Device: DeviceOps,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+    }
+
+    impl<B: FusionBackend> CommBackend for Fusion<B> {}
 }
 
 /// The backward step of a region operation: the adjoint's forward on the incoming gradient.
@@ -226,4 +251,17 @@ pub fn reduce_scatter_to_sequence_parallel_region<B: CommBackend, const D: usize
     dim: usize,
 ) -> Result<Tensor<B, D>, CommError> {
     B::region_op(x, comm, RegionOp::SequenceReduceScatter { dim })
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::CommBackend;
+    use burn::backend::{Autodiff, Cuda};
+
+    #[test]
+    fn the_cuda_backends_run_region_ops() {
+        fn is_comm_backend<B: CommBackend>() {}
+        is_comm_backend::<Cuda>();
+        is_comm_backend::<Autodiff<Cuda>>();
+    }
 }

@@ -479,3 +479,63 @@ fn shared_results_are_copied_on_write() {
         }
     }
 }
+
+#[test]
+fn collectives_work_on_another_backend() {
+    // NdArray stores tensors its own way; the transport only sees host data.
+    use burn::backend::{Autodiff, NdArray};
+    type N = NdArray<f32>;
+    let world = 3;
+    let xs: Vec<TensorData> = inputs::<2>(21, world, [6, 4], DType::F32)
+        .into_iter()
+        .map(|t| t.into_data())
+        .collect();
+    let flex: Vec<Tensor<B, 2>> = xs
+        .iter()
+        .map(|d| Tensor::from_data(d.clone(), &Default::default()))
+        .collect();
+    let expected = [
+        reduce_reference(&flex, ReduceOp::Sum).into_data(),
+        Tensor::cat(flex.clone(), 1).into_data(),
+        flex[2].to_data(),
+    ];
+    let max = reduce_reference(&flex, ReduceOp::Max);
+    let results = run(world, |ctx| {
+        let comm = ctx.world();
+        let x = Tensor::<N, 2>::from_data(xs[ctx.rank()].clone(), &Default::default());
+        let scattered = comm.reduce_scatter(x.clone(), ReduceOp::Max, 0)?;
+        let exchanged = comm.all_to_all(x.clone(), 0, 1)?;
+        let ad = Tensor::<Autodiff<N>, 2>::from_inner(x.clone()).require_grad();
+        let reduced = burn_comm::parallel::reduce_from_parallel_region(ad.clone(), comm)?;
+        let grad = ad.grad(&reduced.sum().backward()).unwrap();
+        Ok([
+            comm.all_reduce(x.clone(), ReduceOp::Sum)?.into_data(),
+            comm.all_gather(x.clone(), 1)?.into_data(),
+            scattered.into_data(),
+            comm.broadcast(x, 2)?.into_data(),
+            exchanged.into_data(),
+            grad.into_data(),
+        ])
+    });
+    for (rank, [sum, gathered, scattered, bcast, exchanged, grad]) in results.iter().enumerate() {
+        assert_bits_eq(sum, &expected[0], "ndarray all_reduce");
+        assert_bits_eq(gathered, &expected[1], "ndarray all_gather");
+        let part = max.clone().narrow(0, rank * 2, 2).into_data();
+        assert_bits_eq(scattered, &part, "ndarray reduce_scatter");
+        assert_bits_eq(bcast, &expected[2], "ndarray broadcast");
+        let parts = flex
+            .iter()
+            .map(|x| x.clone().narrow(0, rank * 2, 2))
+            .collect();
+        assert_bits_eq(
+            exchanged,
+            &Tensor::cat(parts, 1).into_data(),
+            "ndarray all_to_all",
+        );
+        assert_eq!(
+            grad.to_vec::<f32>().unwrap(),
+            vec![1.0; 24],
+            "ndarray reduce backward"
+        );
+    }
+}

@@ -102,7 +102,9 @@ impl Communicator {
                 };
                 for job in queue {
                     job(&mut stream);
-                    stream.retired.clear();
+                    // A backend's drop may panic too; the stream must outlive it.
+                    let retired = std::mem::take(&mut stream.retired);
+                    let _ = catch_unwind(AssertUnwindSafe(move || drop(retired)));
                 }
             })
             .expect("the OS refused to start a communication thread");
@@ -163,10 +165,14 @@ impl Communicator {
             let _ = done.send(result);
             inner.group.world().job_finished(rank);
         });
-        self.inner.group.world().job_started(rank);
+        let world = self.inner.group.world();
+        world.job_started(rank);
         let jobs = self.inner.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        // The worker catches every panic and lives as long as any handle: this cannot fail.
-        let _ = jobs.send(boxed);
+        // The worker catches every panic and lives as long as any handle, so this should not
+        // fail; if it does, `wait` reports the lost thread and the job must not count as pending.
+        if jobs.send(boxed).is_err() {
+            world.job_finished(rank);
+        }
         Work {
             result,
             op,
@@ -441,7 +447,7 @@ impl Communicator {
         self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
             let device = tensor.device();
             let (me, dtype, shape) = (inner.rank, tensor.dtype(), tensor.dims().to_vec());
-            // The root shares its buffer as it is: no rank copies anything.
+            // The root shares its buffer as it is: the transport copies nothing.
             let mut post = Post::bare(call);
             if me == root {
                 post.shared = Some(SharedBuffer::from_data(tensor.into_data()));

@@ -222,10 +222,11 @@ unsafe fn reduce_typed<T: Reducible>(
             }
         }
         for dst in dsts {
-            // SAFETY: as above; the source slices of this block are no longer alive.
-            let dst = unsafe { std::slice::from_raw_parts_mut((*dst as *mut T).add(start), count) };
-            for (d, &a) in dst.iter_mut().zip(acc.iter()) {
-                *d = T::store(a);
+            // Raw writes: a destination may be fresh, uninitialised memory.
+            let dst = (*dst as *mut T).wrapping_add(start);
+            for (i, &a) in acc.iter().enumerate() {
+                // SAFETY: as above; the source slices of this block are no longer alive.
+                unsafe { dst.add(i).write(T::store(a)) };
             }
         }
         start += count;

@@ -1,8 +1,9 @@
 //! The local transport: ranks are threads of one process and exchange data through shared
 //! memory.
 //!
-//! A collective is a rendezvous in two phases. In the first, every rank posts a pointer to its
-//! input; the last to arrive checks that all ranks made the same call. In the second, every rank
+//! A collective is a rendezvous in two phases. In the first, every rank posts its call and,
+//! as the operation needs, a pointer to its input or a result buffer it provides for all; the
+//! last to arrive checks that all ranks made the same call. In the second, every rank
 //! does its own share of the work on its peers' buffers directly (for an all-reduce: its own
 //! slice of every input, reduced in rank order and written back to all of them), then waits
 //! until all shares are done. Failures are decided under the group's lock before any buffer is shared,
@@ -150,8 +151,9 @@ pub(crate) struct Post {
     pub shared: Option<SharedBuffer>,
 }
 
-// SAFETY: `input` is only read during the second phase of a rendezvous, while its owner is
-// blocked in the same rendezvous and keeps the buffer alive.
+// SAFETY: `input` is only accessed (read, or written for `Post::in_place`) during the second
+// phase of a rendezvous, while its owner is blocked in the same rendezvous and keeps the buffer
+// alive.
 unsafe impl Send for Post {}
 
 impl Post {
@@ -283,6 +285,7 @@ impl Group {
 
     /// Breaks the group with `error`, which rank `me` reports itself.
     fn break_with(&self, state: &mut GroupState, me: usize, error: CommError) -> CommError {
+        Self::release_unready(state);
         state.broken = Some(error.clone());
         state.told[me] = true;
         self.changed.notify_all();
@@ -308,6 +311,13 @@ impl Group {
             });
         }
         None
+    }
+
+    /// Drops the posts of calls that will never run (the group broke before they were ready).
+    fn release_unready(state: &mut GroupState) {
+        for slot in state.slots.iter_mut().filter(|s| !s.ready) {
+            slot.posts.iter_mut().for_each(|p| *p = None);
+        }
     }
 
     /// The timeout of group rank `me`'s call `op` once `deadline` has passed, naming the group
@@ -378,6 +388,7 @@ impl Group {
                             other_rank: self.members[other],
                             theirs: posts[other].call.to_string(),
                         };
+                        Self::release_unready(&mut state);
                         state.broken = Some(mismatch);
                     }
                 }
@@ -430,7 +441,12 @@ impl Group {
                 .wait(state)
                 .unwrap_or_else(|poison| poison.into_inner());
         }
-        state.slots[slot_index].left += 1;
+        let slot = &mut state.slots[slot_index];
+        slot.left += 1;
+        if slot.is_free() {
+            // Release the posts now: they may hold result buffers the pool wants back.
+            slot.posts.iter_mut().for_each(|p| *p = None);
+        }
         // Only a failure of this very call fails it; later breaks are for later calls.
         let failed = state.slots[slot_index].failed.clone();
         if failed.is_some() {

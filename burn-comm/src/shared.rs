@@ -1,10 +1,11 @@
 //! Result buffers of the collectives. Results that every rank receives identically
 //! (all-gather, broadcast) are held once, in a buffer all ranks' tensors view; burn copies such
 //! a buffer on the first in-place write (`Bytes::from_shared` is copy-on-write), so ranks never
-//! see each other's changes. Fresh buffers come from a small pool, so that a training step that
-//! repeats the same calls allocates nothing.
+//! see each other's changes. Fresh buffers come from a small pool, so that once warm, a training
+//! step that repeats the same calls allocates nothing.
 
 use std::mem::MaybeUninit;
+use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::{AllocationProperty, Bytes, DType, TensorData};
@@ -13,7 +14,8 @@ use burn::tensor::{AllocationProperty, Bytes, DType, TensorData};
 #[derive(Clone)]
 pub(crate) struct SharedBuffer {
     memory: Arc<dyn Memory>,
-    /// Where ranks write their parts; valid while `memory` is alive.
+    /// Where ranks write their parts (null for a shared input nobody writes); valid while
+    /// `memory` is alive.
     ptr: *mut u8,
 }
 
@@ -29,14 +31,23 @@ unsafe impl Send for SharedBuffer {}
 
 trait Memory: Send + Sync {
     fn ptr(&self) -> *const u8;
+    /// Where ranks may write; only fresh memory has one.
+    fn ptr_mut(&self) -> *mut u8 {
+        std::ptr::null_mut()
+    }
     fn len(&self) -> usize;
 }
 
-/// Fresh memory, written by the ranks before anyone reads it.
+/// Fresh memory, written by the ranks before anyone reads it. Held as a raw pointer, so that
+/// writing through pointers derived from it is allowed; it is a `Words` box again on drop.
 struct Fresh {
-    words: Words,
+    words: NonNull<[MaybeUninit<u128>]>,
     len: usize,
 }
+
+// SAFETY: `Fresh` owns its allocation like the `Box` it came from.
+unsafe impl Send for Fresh {}
+unsafe impl Sync for Fresh {}
 
 type Words = Box<[MaybeUninit<u128>]>;
 
@@ -61,7 +72,8 @@ fn take_words(words: usize) -> Words {
 
 impl Drop for Fresh {
     fn drop(&mut self) {
-        let words = std::mem::take(&mut self.words);
+        // SAFETY: `words` came from `Box::into_raw` and is not used after this.
+        let words = unsafe { Box::from_raw(self.words.as_ptr()) };
         let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
         let kept: usize = pool.iter().map(|w| w.len() * 16).sum();
         if kept + words.len() * 16 <= POOL_BYTES {
@@ -73,6 +85,9 @@ impl Drop for Fresh {
 impl Memory for Fresh {
     fn ptr(&self) -> *const u8 {
         self.words.as_ptr() as *const u8
+    }
+    fn ptr_mut(&self) -> *mut u8 {
+        self.words.as_ptr() as *mut u8
     }
     fn len(&self) -> usize {
         self.len
@@ -105,10 +120,10 @@ impl SharedBuffer {
     /// `len` bytes, 16-byte aligned and not initialised: the call must write every byte.
     pub fn uninit(len: usize) -> Self {
         let memory = Fresh {
-            words: take_words(len.div_ceil(16)),
+            words: NonNull::from(Box::leak(take_words(len.div_ceil(16)))),
             len,
         };
-        let ptr = memory.ptr() as *mut u8;
+        let ptr = memory.ptr_mut();
         Self {
             memory: Arc::new(memory),
             ptr,
@@ -118,7 +133,7 @@ impl SharedBuffer {
     /// Shares `data`'s buffer as it is, without a copy. Nobody writes to it.
     pub fn from_data(data: TensorData) -> Self {
         let memory = Owned(data.bytes);
-        let ptr = memory.ptr() as *mut u8;
+        let ptr = memory.ptr_mut();
         Self {
             memory: Arc::new(memory),
             ptr,
@@ -134,5 +149,26 @@ impl SharedBuffer {
         let shared = bytes::Bytes::from_owner(View(self.memory.clone()));
         let bytes = Bytes::from_shared(shared, AllocationProperty::Native);
         TensorData::from_bytes(bytes, shape, dtype)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_result_is_reused() {
+        // An odd size no other test asks for, so the pool hands this very buffer back.
+        let len = 3_333_331;
+        let first = SharedBuffer::uninit(len);
+        let ptr = first.ptr();
+        // SAFETY: every byte is written before the view is made.
+        unsafe { std::ptr::write_bytes(ptr, 7, len) };
+        let view = first.view(vec![len], DType::U8);
+        drop(first);
+        assert_eq!(view.as_bytes()[len - 1], 7);
+        drop(view);
+        let second = SharedBuffer::uninit(len);
+        assert_eq!(second.ptr(), ptr);
     }
 }

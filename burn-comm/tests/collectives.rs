@@ -539,3 +539,27 @@ fn collectives_work_on_another_backend() {
         );
     }
 }
+
+#[test]
+fn empty_tensors_pass_through_every_collective() {
+    let results = run(2, |ctx| {
+        let comm = ctx.world();
+        let empty = || {
+            Tensor::<B, 2>::from_data(
+                TensorData::new(Vec::<f32>::new(), [0, 4]),
+                &Default::default(),
+            )
+        };
+        Ok([
+            comm.all_reduce(empty(), ReduceOp::Sum)?.dims(),
+            comm.all_gather(empty(), 0)?.dims(),
+            comm.all_gather(empty(), 1)?.dims(),
+            comm.reduce_scatter(empty(), ReduceOp::Sum, 1)?.dims(),
+            comm.broadcast(empty(), 1)?.dims(),
+            comm.all_to_all(empty(), 1, 0)?.dims(),
+        ])
+    });
+    for dims in results {
+        assert_eq!(dims, [[0, 4], [0, 4], [0, 8], [0, 2], [0, 4], [0, 2]]);
+    }
+}

@@ -72,7 +72,7 @@ fn take_words(words: usize) -> Words {
 
 impl Drop for Fresh {
     fn drop(&mut self) {
-        // SAFETY: `words` came from `Box::into_raw` and is not used after this.
+        // SAFETY: `words` came from `Box::leak` and is not used after this.
         let words = unsafe { Box::from_raw(self.words.as_ptr()) };
         let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
         let kept: usize = pool.iter().map(|w| w.len() * 16).sum();

@@ -2,8 +2,9 @@
 
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{BasicOps, DType, Element, Tensor, TensorCreationOptions};
@@ -17,13 +18,21 @@ use crate::{CommError, ReduceOp};
 /// Elements per cache line of the smallest element type: all-reduce slices start on one.
 const SLICE_ALIGN: usize = 64;
 
-type Job = Box<dyn FnOnce(&mut Stream) + Send>;
+/// What the worker thread is asked to do.
+enum Job {
+    /// Run a call, after every call queued before it.
+    Run(Box<dyn FnOnce(&mut Stream) + Send>),
+    /// Free what a call that ran on its caller's thread is done with.
+    Free(Vec<Retired>),
+}
+
+type Retired = Box<dyn std::any::Any + Send>;
 
 /// The state that only the worker thread touches: calls are numbered in the order they run.
 struct Stream {
     seq: u64,
     /// Buffers a call is done with, freed after its caller has the result.
-    retired: Vec<Box<dyn std::any::Any + Send>>,
+    retired: Vec<Retired>,
 }
 
 impl Stream {
@@ -43,6 +52,11 @@ struct Inner {
     /// This rank's index in the group.
     rank: usize,
     jobs: Mutex<mpsc::Sender<Job>>,
+    /// The stream's state; whoever runs a call (the worker, or a blocking caller while the
+    /// stream is idle) holds it.
+    stream: Arc<Mutex<Stream>>,
+    /// Calls queued for the worker and not finished.
+    queued: AtomicUsize,
 }
 
 /// One rank's handle on one group: the collectives of `torch.distributed` on burn tensors.
@@ -54,6 +68,8 @@ struct Inner {
 #[derive(Clone)]
 pub struct Communicator {
     inner: Arc<Inner>,
+    /// Set on the handle that blocking calls use: they may run on the caller's thread.
+    inline: bool,
 }
 
 impl fmt::Debug for Communicator {
@@ -93,17 +109,24 @@ impl Communicator {
     pub(crate) fn new(group: Arc<Group>, rank: usize) -> Self {
         let (jobs, queue) = mpsc::channel::<Job>();
         let name = format!("comm-{}-{}", group.name(), group.members()[rank]);
+        let stream = Arc::new(Mutex::new(Stream {
+            seq: 0,
+            retired: Vec::new(),
+        }));
+        let worker_stream = stream.clone();
         std::thread::Builder::new()
             .name(name)
             .spawn(move || {
-                let mut stream = Stream {
-                    seq: 0,
-                    retired: Vec::new(),
-                };
                 for job in queue {
-                    job(&mut stream);
+                    let retired = match job {
+                        Job::Run(call) => {
+                            let mut stream = lock(&worker_stream);
+                            call(&mut stream);
+                            std::mem::take(&mut stream.retired)
+                        }
+                        Job::Free(retired) => retired,
+                    };
                     // A backend's drop may panic too; the stream must outlive it.
-                    let retired = std::mem::take(&mut stream.retired);
                     let _ = catch_unwind(AssertUnwindSafe(move || drop(retired)));
                 }
             })
@@ -113,7 +136,10 @@ impl Communicator {
                 group,
                 rank,
                 jobs: Mutex::new(jobs),
+                stream,
+                queued: AtomicUsize::new(0),
             }),
+            inline: false,
         }
     }
 
@@ -142,43 +168,74 @@ impl Communicator {
         self.inner.group.name()
     }
 
-    /// Runs `job` on the worker thread after every call issued before it.
+    /// The handle blocking calls use: their call may run on the caller's thread.
+    fn blocking(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            inline: true,
+        }
+    }
+
+    /// Runs `job` after every call issued before it: on the caller's thread when this is a
+    /// blocking call and the stream is idle (two thread wake-ups fewer), else on the worker.
     fn submit<T: Send + 'static>(
         &self,
         op: String,
         job: impl FnOnce(&Inner, &mut Stream) -> Result<T, CommError> + Send + 'static,
     ) -> Work<T> {
         let (done, result) = mpsc::sync_channel(1);
-        let inner = self.inner.clone();
         let rank = self.global_rank();
-        let (group, what) = (self.group_name().to_string(), op.clone());
-        let boxed: Job = Box::new(move |stream| {
-            let outcome = catch_unwind(AssertUnwindSafe(|| job(&inner, stream)));
-            let result = outcome.unwrap_or_else(|panic| {
+        let work = Work {
+            result,
+            op: op.clone(),
+            group: self.group_name().to_string(),
+            rank,
+        };
+        let group = self.group_name().to_string();
+        let run = move |inner: &Inner, stream: &mut Stream| {
+            let outcome = catch_unwind(AssertUnwindSafe(|| job(inner, stream)));
+            outcome.unwrap_or_else(|panic| {
                 Err(CommError::PeerFailed {
                     rank,
                     group,
-                    op: what,
+                    op,
                     reason: format!("panicked: {}", panic_message(panic.as_ref())),
                 })
-            });
-            let _ = done.send(result);
+            })
+        };
+        let world = self.inner.group.world();
+        let jobs = || self.inner.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        if self.inline {
+            let mut stream = lock(&self.inner.stream);
+            if self.inner.queued.load(Ordering::SeqCst) == 0 {
+                world.job_started(rank);
+                let _ = done.send(run(&self.inner, &mut stream));
+                let retired = std::mem::take(&mut stream.retired);
+                drop(stream);
+                world.job_finished(rank);
+                if !retired.is_empty() {
+                    // Freeing a large buffer unmaps it: the worker does it, off this thread.
+                    let _ = jobs().send(Job::Free(retired));
+                }
+                return work;
+            }
+        }
+        let inner = self.inner.clone();
+        let call = Box::new(move |stream: &mut Stream| {
+            let _ = done.send(run(&inner, stream));
+            inner.queued.fetch_sub(1, Ordering::SeqCst);
             inner.group.world().job_finished(rank);
         });
-        let world = self.inner.group.world();
+        // Counted before it is queued: a blocking caller that then finds the count at 0 under
+        // the stream's lock knows no earlier call is waiting to run.
+        self.inner.queued.fetch_add(1, Ordering::SeqCst);
         world.job_started(rank);
-        let jobs = self.inner.jobs.lock().unwrap_or_else(|p| p.into_inner());
         // The worker catches every panic and lives as long as any handle, so this should not
         // fail; if it does, `wait` reports the lost thread and the job must not count as pending.
-        if jobs.send(boxed).is_err() {
+        if jobs().send(Job::Run(call)).is_err() {
             world.job_finished(rank);
         }
-        Work {
-            result,
-            op,
-            group: self.group_name().to_string(),
-            rank,
-        }
+        work
     }
 
     /// Submits a collective on `tensor`: every rank joins it even when `checked` refused its
@@ -260,7 +317,7 @@ impl Communicator {
         tensor: Tensor<B, D, K>,
         op: ReduceOp,
     ) -> Result<Tensor<B, D, K>, CommError> {
-        self.all_reduce_async(tensor, op).wait()
+        self.blocking().all_reduce_async(tensor, op).wait()
     }
 
     /// [`Communicator::all_reduce`] without waiting.
@@ -304,7 +361,7 @@ impl Communicator {
         tensor: Tensor<B, D, K>,
         dim: usize,
     ) -> Result<Tensor<B, D, K>, CommError> {
-        self.all_gather_async(tensor, dim).wait()
+        self.blocking().all_gather_async(tensor, dim).wait()
     }
 
     /// [`Communicator::all_gather`] without waiting.
@@ -372,7 +429,7 @@ impl Communicator {
         op: ReduceOp,
         dim: usize,
     ) -> Result<Tensor<B, D, K>, CommError> {
-        self.reduce_scatter_async(tensor, op, dim).wait()
+        self.blocking().reduce_scatter_async(tensor, op, dim).wait()
     }
 
     /// [`Communicator::reduce_scatter`] without waiting.
@@ -430,7 +487,7 @@ impl Communicator {
         tensor: Tensor<B, D, K>,
         root: usize,
     ) -> Result<Tensor<B, D, K>, CommError> {
-        self.broadcast_async(tensor, root).wait()
+        self.blocking().broadcast_async(tensor, root).wait()
     }
 
     /// [`Communicator::broadcast`] without waiting.
@@ -475,7 +532,9 @@ impl Communicator {
         split_dim: usize,
         concat_dim: usize,
     ) -> Result<Tensor<B, D, K>, CommError> {
-        self.all_to_all_async(tensor, split_dim, concat_dim).wait()
+        self.blocking()
+            .all_to_all_async(tensor, split_dim, concat_dim)
+            .wait()
     }
 
     /// [`Communicator::all_to_all`] without waiting.
@@ -543,7 +602,7 @@ impl Communicator {
 
     /// Waits until every rank of the group has reached the barrier.
     pub fn barrier(&self) -> Result<(), CommError> {
-        self.barrier_async().wait()
+        self.blocking().barrier_async().wait()
     }
 
     /// [`Communicator::barrier`] without waiting.
@@ -564,7 +623,7 @@ impl Communicator {
         tensor: Tensor<B, D, K>,
         dst: usize,
     ) -> Result<(), CommError> {
-        self.send_async(tensor, dst).wait()
+        self.blocking().send_async(tensor, dst).wait()
     }
 
     /// [`Communicator::send`] on the communication stream, without waiting.
@@ -591,7 +650,7 @@ impl Communicator {
         shape: [usize; D],
         options: impl Into<TensorCreationOptions<B>>,
     ) -> Result<Tensor<B, D, K>, CommError> {
-        self.recv_async(src, shape, options).wait()
+        self.blocking().recv_async(src, shape, options).wait()
     }
 
     /// [`Communicator::recv`] without waiting.
@@ -695,4 +754,10 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     } else {
         "a non-string panic payload".to_string()
     }
+}
+
+/// Locks a mutex, going on after a panic elsewhere: the stream's state stays consistent (a call
+/// that panicked was caught inside the lock).
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
 }

@@ -563,3 +563,33 @@ fn empty_tensors_pass_through_every_collective() {
         assert_eq!(dims, [[0, 4], [0, 4], [0, 8], [0, 2], [0, 4], [0, 2]]);
     }
 }
+
+#[test]
+fn a_blocking_call_waits_for_the_async_calls_issued_before_it() {
+    // Blocking calls run on the caller's thread when the stream is idle; behind a pending
+    // async call they must queue, or ranks would pair different calls.
+    for world in [2, 3] {
+        let xs = inputs(13, world, [32, 4], DType::F32);
+        let expected_sum = reduce_reference(&xs, ReduceOp::Sum).into_data();
+        let expected_gather = Tensor::cat(xs.clone(), 0).into_data();
+        let results = run(world, |ctx| {
+            let comm = ctx.world();
+            let x = xs[ctx.rank()].clone();
+            if ctx.rank() == 0 {
+                // Both blocking, in order.
+                let sum = comm.all_reduce(x.clone(), ReduceOp::Sum)?;
+                let gathered = comm.all_gather(x, 0)?;
+                Ok((sum.into_data(), gathered.into_data()))
+            } else {
+                // Async first, then a blocking call before waiting on it.
+                let sum = comm.all_reduce_async(x.clone(), ReduceOp::Sum);
+                let gathered = comm.all_gather(x, 0)?;
+                Ok((sum.wait()?.into_data(), gathered.into_data()))
+            }
+        });
+        for (sum, gathered) in &results {
+            assert_bits_eq(sum, &expected_sum, "all_reduce issued first");
+            assert_bits_eq(gathered, &expected_gather, "all_gather issued second");
+        }
+    }
+}

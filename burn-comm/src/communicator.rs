@@ -4,14 +4,14 @@ use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{BasicOps, DType, Element, Tensor, TensorCreationOptions};
 
 use crate::call::{Call, Op};
 use crate::kernels::{self, Region};
-use crate::local::{Group, Post};
+use crate::local::{Group, Post, lock};
 use crate::shared::SharedBuffer;
 use crate::{CommError, ReduceOp};
 
@@ -204,7 +204,7 @@ impl Communicator {
             })
         };
         let world = self.inner.group.world();
-        let jobs = || self.inner.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        let jobs = || lock(&self.inner.jobs);
         if self.inline {
             let mut stream = lock(&self.inner.stream);
             if self.inner.queued.load(Ordering::SeqCst) == 0 {
@@ -754,10 +754,4 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     } else {
         "a non-string panic payload".to_string()
     }
-}
-
-/// Locks a mutex, going on after a panic elsewhere: the stream's state stays consistent (a call
-/// that panicked was caught inside the lock).
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
 }

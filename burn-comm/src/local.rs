@@ -531,9 +531,9 @@ impl Group {
     }
 }
 
-/// Locks a mutex, going on after a panic elsewhere: the data is only counters and queues that
-/// every writer leaves consistent.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+/// Locks a mutex, going on after a panic elsewhere: every mutex of the transport guards data that
+/// each writer leaves consistent (counters, queues, a stream whose calls catch their panics).
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 

@@ -10,6 +10,8 @@ use std::sync::{Arc, Mutex};
 
 use burn::tensor::{AllocationProperty, Bytes, DType, TensorData};
 
+use crate::local::lock;
+
 /// A buffer that ranks fill in disjoint parts during a call and all read afterwards.
 #[derive(Clone)]
 pub(crate) struct SharedBuffer {
@@ -59,7 +61,7 @@ static POOL: Mutex<Vec<Words>> = Mutex::new(Vec::new());
 const POOL_BYTES: usize = 1 << 30;
 
 fn take_words(words: usize) -> Words {
-    let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut pool = lock(&POOL);
     // The smallest kept buffer that fits without wasting more than half of it.
     let best = (0..pool.len())
         .filter(|&i| pool[i].len() >= words && pool[i].len() <= 2 * words.max(1))
@@ -74,7 +76,7 @@ impl Drop for Fresh {
     fn drop(&mut self) {
         // SAFETY: `words` came from `Box::leak` and is not used after this.
         let words = unsafe { Box::from_raw(self.words.as_ptr()) };
-        let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pool = lock(&POOL);
         let kept: usize = pool.iter().map(|w| w.len() * 16).sum();
         if kept + words.len() * 16 <= POOL_BYTES {
             pool.push(words);

@@ -28,7 +28,8 @@ enum Job {
 
 type Retired = Box<dyn std::any::Any + Send>;
 
-/// The state that only the worker thread touches: calls are numbered in the order they run.
+/// A stream's state, held by whoever runs its next call (the worker, or a blocking caller while
+/// the stream is idle): calls are numbered in the order they run.
 struct Stream {
     seq: u64,
     /// Buffers a call is done with, freed after its caller has the result.
@@ -191,7 +192,7 @@ impl Communicator {
             group: self.group_name().to_string(),
             rank,
         };
-        let group = self.group_name().to_string();
+        let group = work.group.clone();
         let run = move |inner: &Inner, stream: &mut Stream| {
             let outcome = catch_unwind(AssertUnwindSafe(|| job(inner, stream)));
             outcome.unwrap_or_else(|panic| {
@@ -231,8 +232,10 @@ impl Communicator {
         self.inner.queued.fetch_add(1, Ordering::SeqCst);
         world.job_started(rank);
         // The worker catches every panic and lives as long as any handle, so this should not
-        // fail; if it does, `wait` reports the lost thread and the job must not count as pending.
+        // fail; if it does, `wait` reports the lost thread and the job must not count as queued
+        // or pending.
         if jobs().send(Job::Run(call)).is_err() {
+            self.inner.queued.fetch_sub(1, Ordering::SeqCst);
             world.job_finished(rank);
         }
         work

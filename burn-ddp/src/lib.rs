@@ -1,7 +1,25 @@
 //! # burn-ddp
 //!
-//! Data parallelism for burn: `DistributedDataParallel` (bucketed, overlapped gradient
-//! all-reduce, `no_sync`, `DistributedSampler`) and the parameter-server `DataParallel` baseline.
-//!
-//! Not implemented yet: this crate is empty until its issue lands. Nothing here pretends to
-//! work.
+//! Data parallelism for burn:
+//! - [`DistributedDataParallel`]: every rank holds the model; gradients are averaged in buckets
+//!   whose all-reduce starts while backward is still running; `backward_no_sync` accumulates
+//!   micro-batches without communicating.
+//! - [`DataParallel`]: the parameter-server baseline (rank 0 gathers, steps and broadcasts).
+//! - [`DistributedSampler`]: a disjoint, per-epoch shuffled shard of the dataset per rank.
+//! - [`LinearScaling`]: the learning rate for a k-times larger batch, with gradual warmup.
+
+mod bucket;
+mod data_parallel;
+mod ddp;
+mod error;
+mod hooks;
+mod lr;
+mod params;
+mod sampler;
+
+pub use data_parallel::DataParallel;
+pub use ddp::{DdpConfig, DdpStepStats, DistributedDataParallel};
+pub use error::{DdpError, MissingGradient};
+pub use hooks::{BackwardHooks, DepthHook};
+pub use lr::LinearScaling;
+pub use sampler::{DistributedSampler, per_rank_batch};

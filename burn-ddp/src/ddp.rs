@@ -1,0 +1,469 @@
+//! DistributedDataParallel (Li et al., 2020, "PyTorch Distributed: Experiences on Accelerating
+//! Data Parallel Training"): every rank holds the whole model, computes gradients on its shard
+//! of the batch, and the gradients are averaged in buckets whose all-reduce starts as soon as
+//! the bucket's last gradient is ready, overlapping the rest of backward.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use burn::config::Config;
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_comm::{CommError, Communicator, ReduceOp, Work};
+
+use crate::bucket::BucketPlan;
+use crate::hooks::BackwardHooks;
+use crate::params::{self, ParamSlot};
+use crate::{DdpError, MissingGradient};
+
+type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+
+/// Settings of [`DistributedDataParallel`].
+#[derive(Config, Debug)]
+pub struct DdpConfig {
+    /// Gradients per all-reduce, in bytes (PyTorch's `bucket_cap_mb`, 25 MiB).
+    #[config(default = 26214400)]
+    pub bucket_cap_bytes: usize,
+    /// Start each bucket's all-reduce during backward. Off: all of them after backward.
+    #[config(default = true)]
+    pub overlap: bool,
+    /// Accept parameters without a gradient (PyTorch's `find_unused_parameters`): they count
+    /// as zero on the ranks that lack one, and are left out when no rank has one.
+    #[config(default = false)]
+    pub allow_unused_parameters: bool,
+}
+
+/// Where the last synchronised backward spent its time.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DdpStepStats {
+    /// In `backward`, including starting the buckets that were ready during it.
+    pub backward: Duration,
+    /// After backward, waiting for gradient communication to finish: the part not overlapped.
+    pub comm_wait: Duration,
+    /// Buckets all-reduced.
+    pub buckets: usize,
+    /// Buckets whose all-reduce started while backward was still running.
+    pub overlapped_buckets: usize,
+    /// Gradient bytes all-reduced by this rank.
+    pub bytes: usize,
+}
+
+/// A replica of `module` on one rank of a data-parallel group.
+///
+/// ```ignore
+/// let mut ddp = DistributedDataParallel::new(model, comm, DdpConfig::new())?;
+/// let loss = ddp.module().loss(local_batch);
+/// let grads = ddp.backward(loss)?; // averaged over the group
+/// ddp.step(&mut optimizer, lr, grads);
+/// ```
+pub struct DistributedDataParallel<B: BackwardHooks, M: AutodiffModule<B>> {
+    module: Option<M>,
+    comm: Communicator,
+    config: DdpConfig,
+    names: Vec<String>,
+    plan: BucketPlan,
+    /// Parameters whose gradient got a contribution after it was taken: reduced after backward.
+    late: Vec<bool>,
+    /// Whether the bucket order has been rebuilt from the first backward's order.
+    rebuilt: bool,
+    /// Gradients summed locally by `backward_no_sync`.
+    accumulated: Vec<Option<Tensor<Inner<B>, 1>>>,
+    stats: DdpStepStats,
+}
+
+impl<B: BackwardHooks, M: AutodiffModule<B>> DistributedDataParallel<B, M> {
+    /// Wraps `module`, replacing its parameters by rank 0's so every replica starts equal.
+    pub fn new(module: M, comm: Communicator, config: DdpConfig) -> Result<Self, DdpError> {
+        if config.bucket_cap_bytes == 0 {
+            return Err(DdpError::Config(
+                "bucket_cap_bytes is 0; give buckets at least one byte (PyTorch uses 25 MiB)"
+                    .into(),
+            ));
+        }
+        let slots = params::slots::<B, M>(&module);
+        if slots.is_empty() {
+            return Err(DdpError::Config(
+                "the module has no float parameters; there is nothing to keep in sync".into(),
+            ));
+        }
+        let mut values = Vec::with_capacity(slots.len());
+        for slot in &slots {
+            values.push(comm.broadcast(slot.value.clone(), 0)?);
+        }
+        let module = params::load::<B, M>(module, values);
+        // Backward reaches the last parameters first: start with reverse module order.
+        let order: Vec<usize> = (0..slots.len()).rev().collect();
+        let plan = plan_for(&slots, &order, config.bucket_cap_bytes);
+        Ok(Self {
+            module: Some(module),
+            comm,
+            names: slots.iter().map(|s| s.name.clone()).collect(),
+            late: vec![false; slots.len()],
+            accumulated: vec![None; slots.len()],
+            plan,
+            config,
+            rebuilt: false,
+            stats: DdpStepStats::default(),
+        })
+    }
+
+    /// The local replica, for the forward pass.
+    pub fn module(&self) -> &M {
+        self.module
+            .as_ref()
+            .expect("the module is always present between calls")
+    }
+
+    /// Unwraps the replica.
+    pub fn into_module(self) -> M {
+        self.module
+            .expect("the module is always present between calls")
+    }
+
+    /// The data-parallel group.
+    pub fn comm(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// Timings of the last synchronised backward.
+    pub fn stats(&self) -> DdpStepStats {
+        self.stats
+    }
+
+    /// Buckets' parameter names, in launch order.
+    pub fn buckets(&self) -> Vec<Vec<String>> {
+        self.plan
+            .buckets
+            .iter()
+            .map(|b| b.iter().map(|&i| self.names[i].clone()).collect())
+            .collect()
+    }
+
+    /// Applies `grads` with `optimizer`. Every rank passes the same averaged gradients, so the
+    /// replicas stay bit-identical.
+    pub fn step<O: Optimizer<M, B>>(&mut self, optimizer: &mut O, lr: f64, grads: GradientsParams) {
+        let module = self
+            .module
+            .take()
+            .expect("the module is always present between calls");
+        self.module = Some(optimizer.step(lr, module, grads));
+    }
+
+    /// Backward of a micro-batch whose gradients are only accumulated locally (PyTorch's
+    /// `no_sync`): no communication. The next [`Self::backward`] adds them in before averaging.
+    pub fn backward_no_sync(&mut self, loss: Tensor<B, 1>) {
+        let slots = params::slots::<B, M>(self.module());
+        let mut grads = loss.backward();
+        for (i, slot) in slots.iter().enumerate() {
+            if let Some(grad) = (slot.take)(&mut grads) {
+                self.accumulated[i] = Some(match self.accumulated[i].take() {
+                    Some(sum) => sum + grad,
+                    None => grad,
+                });
+            }
+        }
+    }
+
+    /// Backward of `loss`, with the gradients (plus any accumulated by
+    /// [`Self::backward_no_sync`]) averaged over the group, bucket by bucket, overlapping
+    /// backward when [`DdpConfig::overlap`] is on.
+    pub fn backward(&mut self, loss: Tensor<B, 1>) -> Result<GradientsParams, DdpError> {
+        let slots = params::slots::<B, M>(self.module());
+        if slots.len() != self.names.len() {
+            return Err(DdpError::Config(format!(
+                "the module had {} parameters when wrapped and has {} now; wrap the new module in a new DistributedDataParallel",
+                self.names.len(),
+                slots.len()
+            )));
+        }
+        let reducer = Arc::new(Mutex::new(Reducer::new(
+            slots,
+            self.plan.clone(),
+            self.late.clone(),
+            std::mem::replace(&mut self.accumulated, vec![None; self.names.len()]),
+            self.comm.clone(),
+        )));
+
+        let start = Instant::now();
+        let loss = if self.config.overlap {
+            let hook = reducer.clone();
+            B::with_depth_hooks(loss, Arc::new(move |grads| lock(&hook).take_ready(grads)))
+        } else {
+            loss
+        };
+        let mut grads = loss.backward();
+        let mut reducer = Arc::try_unwrap(reducer)
+            .map_err(|_| ())
+            .expect("backward has released its hooks")
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner());
+        reducer.take_remaining(&mut grads);
+        let backward = start.elapsed();
+
+        let waited = Instant::now();
+        let outcome = reducer.finish(self.config.allow_unused_parameters)?;
+        self.stats = DdpStepStats {
+            backward,
+            comm_wait: waited.elapsed(),
+            buckets: self.plan.buckets.len(),
+            overlapped_buckets: outcome.overlapped,
+            bytes: outcome.bytes,
+        };
+        if !outcome.missing.is_empty() {
+            return Err(DdpError::MissingGradients(
+                outcome
+                    .missing
+                    .into_iter()
+                    .map(|(i, ranks)| MissingGradient {
+                        name: self.names[i].clone(),
+                        ranks,
+                    })
+                    .collect(),
+            ));
+        }
+        for (i, late) in outcome.late.iter().enumerate() {
+            self.late[i] |= late;
+        }
+        if !self.rebuilt {
+            self.rebuild(&outcome.ready_order, &outcome.slots)?;
+        }
+        Ok(outcome.grads)
+    }
+
+    /// Re-packs the buckets in the order gradients became ready in the first backward, as
+    /// PyTorch does; rank 0's order is used everywhere so the buckets match.
+    fn rebuild(&mut self, order: &[usize], slots: &[ParamSlot<B>]) -> Result<(), DdpError> {
+        let device = &slots[0].device;
+        let order: Vec<i64> = order.iter().map(|&i| i as i64).collect();
+        let len = order.len();
+        let order = Tensor::<Inner<B>, 1, Int>::from_data(TensorData::new(order, [len]), device);
+        let order: Vec<usize> = self
+            .comm
+            .broadcast(order, 0)?
+            .into_data()
+            .convert::<i64>()
+            .to_vec::<i64>()
+            .expect("an int tensor converts to i64")
+            .into_iter()
+            .map(|i| i as usize)
+            .collect();
+        self.plan = plan_for(slots, &order, self.config.bucket_cap_bytes);
+        self.rebuilt = true;
+        Ok(())
+    }
+}
+
+fn plan_for<B: AutodiffBackend>(slots: &[ParamSlot<B>], order: &[usize], cap: usize) -> BucketPlan {
+    let bytes: Vec<usize> = slots.iter().map(ParamSlot::bytes).collect();
+    let dtypes: Vec<_> = slots.iter().map(|s| s.dtype).collect();
+    BucketPlan::new(order, &bytes, &dtypes, cap)
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The state of one synchronised backward: which gradients are in, which buckets are in flight.
+struct Reducer<B: AutodiffBackend> {
+    slots: Vec<ParamSlot<B>>,
+    plan: BucketPlan,
+    late: Vec<bool>,
+    accumulated: Vec<Option<Tensor<Inner<B>, 1>>>,
+    comm: Communicator,
+    grads: Vec<Option<Tensor<Inner<B>, 1>>>,
+    taken: Vec<bool>,
+    ready_order: Vec<usize>,
+    waiting_in_bucket: Vec<usize>,
+    next_bucket: usize,
+    in_flight: Vec<(usize, Work<Tensor<Inner<B>, 1>>)>,
+    late_grads: Vec<(usize, Tensor<Inner<B>, 1>)>,
+    has_grad: Vec<bool>,
+    overlapped: usize,
+}
+
+struct Outcome<B: AutodiffBackend> {
+    grads: GradientsParams,
+    slots: Vec<ParamSlot<B>>,
+    ready_order: Vec<usize>,
+    late: Vec<bool>,
+    missing: Vec<(usize, Vec<usize>)>,
+    bytes: usize,
+    overlapped: usize,
+}
+
+impl<B: AutodiffBackend> Reducer<B> {
+    fn new(
+        slots: Vec<ParamSlot<B>>,
+        plan: BucketPlan,
+        late: Vec<bool>,
+        accumulated: Vec<Option<Tensor<Inner<B>, 1>>>,
+        comm: Communicator,
+    ) -> Self {
+        let n = slots.len();
+        Self {
+            waiting_in_bucket: plan.buckets.iter().map(Vec::len).collect(),
+            slots,
+            plan,
+            late,
+            accumulated,
+            comm,
+            grads: vec![None; n],
+            taken: vec![false; n],
+            ready_order: Vec::with_capacity(n),
+            next_bucket: 0,
+            in_flight: Vec::new(),
+            late_grads: Vec::new(),
+            has_grad: vec![false; n],
+            overlapped: 0,
+        }
+    }
+
+    /// During backward: takes the gradients that are complete and starts their buckets.
+    /// Parameters known to receive late contributions wait for the end of backward.
+    fn take_ready(&mut self, grads: &mut B::Gradients) {
+        let started = self.next_bucket;
+        for i in 0..self.slots.len() {
+            if self.taken[i] || self.late[i] {
+                continue;
+            }
+            if let Some(grad) = (self.slots[i].take)(grads) {
+                self.ready(i, Some(grad));
+            }
+        }
+        self.overlapped += self.next_bucket - started;
+    }
+
+    /// After backward: takes every remaining gradient (zeros where there is none, so every
+    /// rank all-reduces the same buckets) and notes contributions that came after a take.
+    fn take_remaining(&mut self, grads: &mut B::Gradients) {
+        for i in 0..self.slots.len() {
+            let grad = (self.slots[i].take)(grads);
+            if self.taken[i] {
+                if let Some(grad) = grad {
+                    self.late_grads.push((i, grad));
+                }
+            } else {
+                self.ready(i, grad);
+            }
+        }
+    }
+
+    fn ready(&mut self, i: usize, grad: Option<Tensor<Inner<B>, 1>>) {
+        self.taken[i] = true;
+        self.has_grad[i] = grad.is_some() || self.accumulated[i].is_some();
+        let slot = &self.slots[i];
+        let grad = match (grad, self.accumulated[i].take()) {
+            (Some(grad), Some(sum)) => sum + grad,
+            (Some(grad), None) | (None, Some(grad)) => grad,
+            (None, None) => Tensor::zeros([slot.numel], (&slot.device, slot.dtype)),
+        };
+        self.grads[i] = Some(grad);
+        self.ready_order.push(i);
+        let bucket = self.plan.bucket_of[i];
+        self.waiting_in_bucket[bucket] -= 1;
+        // Buckets start in order, so every rank issues the same sequence of all-reduces.
+        while self.next_bucket < self.plan.buckets.len()
+            && self.waiting_in_bucket[self.next_bucket] == 0
+        {
+            self.launch(self.next_bucket);
+            self.next_bucket += 1;
+        }
+    }
+
+    fn launch(&mut self, bucket: usize) {
+        let parts = self.plan.buckets[bucket]
+            .iter()
+            .map(|&i| {
+                self.grads[i]
+                    .take()
+                    .expect("every gradient of a full bucket")
+            })
+            .collect();
+        let flat = params::concat(parts);
+        self.in_flight
+            .push((bucket, self.comm.all_reduce_async(flat, ReduceOp::Avg)));
+    }
+
+    /// Waits for every bucket, reduces late contributions, checks that every parameter had a
+    /// gradient somewhere, and hands out the averaged gradients.
+    fn finish(mut self, allow_unused: bool) -> Result<Outcome<B>, DdpError> {
+        assert_eq!(
+            self.next_bucket,
+            self.plan.buckets.len(),
+            "every bucket started"
+        );
+        let mut averaged: Vec<Option<Tensor<Inner<B>, 1>>> = vec![None; self.slots.len()];
+        let mut bytes = 0;
+        for (bucket, work) in std::mem::take(&mut self.in_flight) {
+            let flat = work.wait()?;
+            bytes += flat.dims()[0] * self.slots[self.plan.buckets[bucket][0]].dtype.size();
+            let members = &self.plan.buckets[bucket];
+            let lengths: Vec<usize> = members.iter().map(|&i| self.slots[i].numel).collect();
+            for (&i, piece) in members.iter().zip(params::split(flat, &lengths)) {
+                averaged[i] = Some(piece);
+            }
+        }
+        let mut late = vec![false; self.slots.len()];
+        if !self.late_grads.is_empty() {
+            let (indices, parts): (Vec<usize>, Vec<_>) =
+                std::mem::take(&mut self.late_grads).into_iter().unzip();
+            let lengths: Vec<usize> = indices.iter().map(|&i| self.slots[i].numel).collect();
+            let flat = self.comm.all_reduce(params::concat(parts), ReduceOp::Avg)?;
+            for (&i, piece) in indices.iter().zip(params::split(flat, &lengths)) {
+                late[i] = true;
+                averaged[i] = averaged[i].take().map(|early| early + piece);
+            }
+        }
+
+        let lacking = self.ranks_without_gradient()?;
+        let world = self.comm.size();
+        let missing = lacking
+            .iter()
+            .enumerate()
+            .filter(|(_, ranks)| !ranks.is_empty() && !allow_unused)
+            .map(|(i, ranks)| (i, ranks.clone()))
+            .collect();
+        let mut grads = GradientsParams::new();
+        for (i, grad) in averaged.into_iter().enumerate() {
+            // A parameter no rank had a gradient for stays out, as in a plain burn step.
+            if let Some(grad) = grad.filter(|_| lacking[i].len() < world) {
+                (self.slots[i].put)(&mut grads, grad);
+            }
+        }
+        Ok(Outcome {
+            grads,
+            slots: self.slots,
+            ready_order: self.ready_order,
+            late,
+            missing,
+            bytes,
+            overlapped: self.overlapped,
+        })
+    }
+
+    /// For every parameter, the ranks that had no gradient for it.
+    fn ranks_without_gradient(&self) -> Result<Vec<Vec<usize>>, CommError> {
+        let n = self.slots.len();
+        let flags: Vec<i32> = self.has_grad.iter().map(|&h| h as i32).collect();
+        let flags = Tensor::<Inner<B>, 1, Int>::from_data(
+            TensorData::new(flags, [n]),
+            &self.slots[0].device,
+        );
+        let all: Vec<i64> = self
+            .comm
+            .all_gather(flags, 0)?
+            .into_data()
+            .convert::<i64>()
+            .to_vec::<i64>()
+            .expect("an int tensor converts to i64");
+        Ok((0..n)
+            .map(|i| {
+                (0..self.comm.size())
+                    .filter(|&r| all[r * n + i] == 0)
+                    .collect()
+            })
+            .collect())
+    }
+}

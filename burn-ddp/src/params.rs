@@ -1,0 +1,131 @@
+//! A module's float parameters as a flat list: names, shapes, and the closures that read their
+//! gradients out of burn's containers and put averaged ones back.
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Tensor};
+
+type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+type Take<B> = Box<
+    dyn Fn(&mut <B as AutodiffBackend>::Gradients) -> Option<Tensor<Inner<B>, 1>> + Send + Sync,
+>;
+type Put<B> = Box<dyn Fn(&mut GradientsParams, Tensor<Inner<B>, 1>) + Send + Sync>;
+
+/// One float parameter of a module, in the module's visiting order.
+pub(crate) struct ParamSlot<B: AutodiffBackend> {
+    pub name: String,
+    pub numel: usize,
+    pub dtype: DType,
+    pub device: burn::tensor::Device<Inner<B>>,
+    /// The parameter's value, flattened.
+    pub value: Tensor<Inner<B>, 1>,
+    /// Removes this parameter's gradient from a backward result, flattened.
+    pub take: Take<B>,
+    /// Registers a flat gradient for this parameter, in its own shape.
+    pub put: Put<B>,
+}
+
+impl<B: AutodiffBackend> ParamSlot<B> {
+    pub fn bytes(&self) -> usize {
+        self.numel * self.dtype.size()
+    }
+}
+
+/// The float parameters of `module`, in visiting order.
+pub(crate) fn slots<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamSlot<B>> {
+    let mut collector = Collector {
+        path: Vec::new(),
+        slots: Vec::new(),
+    };
+    module.visit(&mut collector);
+    collector.slots
+}
+
+struct Collector<B: AutodiffBackend> {
+    path: Vec<String>,
+    slots: Vec<ParamSlot<B>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Collector<B> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let tensor = param.val();
+        let shape = tensor.dims();
+        let numel = shape.iter().product();
+        let id: ParamId = param.id;
+        let inner = tensor.clone().inner();
+        self.slots.push(ParamSlot {
+            name: self.path.join("."),
+            numel,
+            dtype: inner.dtype(),
+            device: inner.device(),
+            value: inner.reshape([numel]),
+            take: Box::new(move |grads| tensor.grad_remove(grads).map(|g| g.reshape([numel]))),
+            put: Box::new(move |grads, flat| grads.register(id, flat.reshape(shape))),
+        });
+    }
+}
+
+/// Replaces every float parameter of `module`, in visiting order, by the next of `values`
+/// (flat), keeping its id and whether it requires a gradient.
+pub(crate) fn load<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: M,
+    values: Vec<Tensor<Inner<B>, 1>>,
+) -> M {
+    let mut loader = Loader {
+        values: values.into_iter(),
+    };
+    module.map(&mut loader)
+}
+
+struct Loader<B: AutodiffBackend> {
+    values: std::vec::IntoIter<Tensor<Inner<B>, 1>>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Loader<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let flat = self
+            .values
+            .next()
+            .expect("one value per parameter, in visiting order");
+        param.map(|tensor| {
+            let require_grad = tensor.is_require_grad();
+            let value = Tensor::from_inner(flat.reshape(tensor.dims()));
+            if require_grad {
+                value.require_grad()
+            } else {
+                value
+            }
+        })
+    }
+}
+
+/// Joins flat tensors end to end.
+pub(crate) fn concat<B: Backend>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
+    if parts.len() == 1 {
+        parts.into_iter().next().unwrap()
+    } else {
+        Tensor::cat(parts, 0)
+    }
+}
+
+/// Cuts `flat` into consecutive pieces of the given lengths.
+pub(crate) fn split<B: Backend>(flat: Tensor<B, 1>, lengths: &[usize]) -> Vec<Tensor<B, 1>> {
+    let mut start = 0;
+    lengths
+        .iter()
+        .map(|&len| {
+            let piece = flat.clone().narrow(0, start, len);
+            start += len;
+            piece
+        })
+        .collect()
+}

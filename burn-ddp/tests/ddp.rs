@@ -1,0 +1,201 @@
+//! DistributedDataParallel on a small network: replicas start and stay equal, gradients are the
+//! average of the ranks' (one device on the union of the batches), buckets start during
+//! backward, a weight used twice is reduced correctly, and a parameter without a gradient is
+//! named on every rank.
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, Param};
+use burn::optim::{GradientsParams, SgdConfig};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use burn_comm::launch;
+use burn_ddp::{DdpConfig, DdpError, DistributedDataParallel};
+
+type AD = Autodiff<Flex>;
+
+#[derive(Module, Debug)]
+struct Net<B: Backend> {
+    first: Param<Tensor<B, 2>>,
+    second: Param<Tensor<B, 2>>,
+    extra: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> Net<B> {
+    fn new(seed: u64) -> Self {
+        let w = |k| Param::from_tensor(values([6, 6], seed * 3 + k, 0.5));
+        Self {
+            first: w(0),
+            second: w(1),
+            extra: w(2),
+        }
+    }
+
+    /// `tied` uses `first` again at the end (a weight used twice); `use_extra` decides whether
+    /// `extra` gets a gradient at all.
+    fn loss(&self, x: Tensor<B, 2>, tied: bool, use_extra: bool) -> Tensor<B, 1> {
+        let mut h = x.matmul(self.first.val()).tanh();
+        h = h.matmul(self.second.val()).tanh();
+        if use_extra {
+            h = h.matmul(self.extra.val()).tanh();
+        }
+        if tied {
+            h = h.matmul(self.first.val());
+        }
+        h.powi_scalar(2).mean()
+    }
+}
+
+/// Reproducible values in `[-scale, scale)` from `seed` (burn's own generator is shared by the
+/// rank threads, so it cannot give each rank its own stream).
+fn values<B: Backend>(shape: [usize; 2], seed: u64, scale: f32) -> Tensor<B, 2> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let data: Vec<f32> = (0..shape[0] * shape[1])
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(data, shape), &Default::default())
+}
+
+fn batch(rows: usize, seed: u64) -> Tensor<AD, 2> {
+    values([rows, 6], 1000 + seed, 1.0)
+}
+
+fn flat(grads: &GradientsParams, net: &Net<AD>) -> Vec<f32> {
+    [&net.first, &net.second, &net.extra]
+        .iter()
+        .flat_map(|p| {
+            grads
+                .get::<Flex, 2>(p.id)
+                .map(|g| g.into_data().to_vec::<f32>().unwrap())
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+/// One device: the gradient of the mean loss over the two halves of the batch.
+fn reference(tied: bool) -> Vec<f32> {
+    let net = Net::<AD>::new(0);
+    let x = batch(8, 99);
+    let halves = [x.clone().narrow(0, 0, 4), x.narrow(0, 4, 4)];
+    let loss =
+        (net.loss(halves[0].clone(), tied, true) + net.loss(halves[1].clone(), tied, true)) / 2.0;
+    flat(&GradientsParams::from_grads(loss.backward(), &net), &net)
+}
+
+fn ddp_grads(tied: bool, config: DdpConfig) -> Vec<(Vec<f32>, usize, usize)> {
+    launch(2, |ctx| {
+        let net = Net::<AD>::new(ctx.rank() as u64 * 7);
+        let mut ddp = DistributedDataParallel::new(net, ctx.world().clone(), config.clone())?;
+        let x = batch(8, 99).narrow(0, 4 * ctx.rank(), 4);
+        let grads = ddp.backward(ddp.module().loss(x, tied, true))?;
+        let stats = ddp.stats();
+        Ok::<_, DdpError>((
+            flat(&grads, ddp.module()),
+            stats.buckets,
+            stats.overlapped_buckets,
+        ))
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect()
+}
+
+fn assert_near(a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "{x} vs {y}");
+    }
+}
+
+#[test]
+fn averaged_gradients_equal_one_device_and_buckets_start_during_backward() {
+    let want = reference(false);
+    // One small bucket per parameter: the last layers' buckets can start before backward ends.
+    let results = ddp_grads(false, DdpConfig::new().with_bucket_cap_bytes(1));
+    assert_eq!(results[0].0, results[1].0, "ranks got different gradients");
+    assert_near(&results[0].0, &want);
+    let (_, buckets, overlapped) = results[0];
+    assert_eq!(buckets, 3);
+    assert!(
+        overlapped >= 2,
+        "only {overlapped} of 3 buckets started during backward"
+    );
+    let serial = ddp_grads(false, DdpConfig::new().with_overlap(false));
+    assert_eq!(serial[0].2, 0);
+    assert_eq!(serial[0].0, results[0].0);
+}
+
+#[test]
+fn a_weight_used_twice_gets_both_contributions() {
+    let want = reference(true);
+    for config in [
+        DdpConfig::new().with_bucket_cap_bytes(1),
+        DdpConfig::new().with_overlap(false),
+    ] {
+        let results = ddp_grads(true, config);
+        assert_near(&results[0].0, &want);
+        assert_eq!(results[0].0, results[1].0);
+    }
+}
+
+#[test]
+fn replicas_start_from_rank_0_and_stay_bit_identical() {
+    let weights = launch(3, |ctx| {
+        let net = Net::<AD>::new(ctx.rank() as u64 + 1);
+        let mut ddp = DistributedDataParallel::new(net, ctx.world().clone(), DdpConfig::new())?;
+        let mut sgd = SgdConfig::new().init();
+        for step in 0..3 {
+            let x = batch(2, 10 * step + ctx.rank() as u64);
+            let grads = ddp.backward(ddp.module().loss(x, true, true))?;
+            ddp.step(&mut sgd, 0.1, grads);
+        }
+        let net = ddp.into_module();
+        Ok::<_, DdpError>(
+            [net.first, net.second, net.extra]
+                .map(|p| p.val().into_data().to_vec::<f32>().unwrap())
+                .concat(),
+        )
+    });
+    let weights: Vec<Vec<f32>> = weights.into_iter().map(|w| w.unwrap()).collect();
+    assert_eq!(weights[0], weights[1]);
+    assert_eq!(weights[0], weights[2]);
+    let rank_0_start = Net::<AD>::new(1)
+        .first
+        .val()
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    assert_ne!(
+        weights[0][..36],
+        rank_0_start[..],
+        "training moved the weights"
+    );
+}
+
+#[test]
+fn a_parameter_without_gradient_on_one_rank_is_named_on_every_rank() {
+    let results = launch(2, |ctx| {
+        let net = Net::<AD>::new(0);
+        let mut ddp = DistributedDataParallel::new(net, ctx.world().clone(), DdpConfig::new())?;
+        let use_extra = ctx.rank() == 0;
+        ddp.backward(ddp.module().loss(batch(2, 1), false, use_extra))?;
+        Ok::<_, DdpError>(())
+    });
+    for result in results {
+        let message = result.unwrap_err().to_string();
+        assert!(message.contains("`extra` on rank(s) [1]"), "{message}");
+    }
+    // Allowed, it counts as zero on rank 1: the average is half of rank 0's gradient.
+    let results = launch(2, |ctx| {
+        let net = Net::<AD>::new(0);
+        let config = DdpConfig::new().with_allow_unused_parameters(true);
+        let mut ddp = DistributedDataParallel::new(net, ctx.world().clone(), config)?;
+        let grads = ddp.backward(ddp.module().loss(batch(2, 1), false, ctx.rank() == 0))?;
+        Ok::<_, DdpError>(grads.get::<Flex, 2>(ddp.module().extra.id).is_some())
+    });
+    assert!(results.into_iter().all(|r| r.unwrap()));
+}

@@ -1,7 +1,16 @@
 //! # llama
 //!
-//! A Llama-style Transformer trained with any mix of data, tensor and pipeline parallelism and
-//! ZeRO: the main job of burn-parallel.
-//!
-//! Not implemented yet: this example is empty until its issue lands. Nothing here pretends to
-//! work.
+//! A Llama-style decoder (RMSNorm, rotary positions in Hugging Face's layout, grouped-query
+//! causal attention, SwiGLU, untied head) and its trainer, the main job of burn-parallel:
+//! the same run on one device or data-parallel over many ranks, with the same losses.
+
+pub mod config;
+pub mod data;
+pub mod hf;
+pub mod model;
+pub mod rope;
+pub mod schedule;
+pub mod train;
+
+pub use config::LlamaConfig;
+pub use model::Llama;

@@ -1,0 +1,299 @@
+//! Weights on disk: burn's own record (`model.mpk`) and Hugging Face's layout
+//! (`model.safetensors` with `LlamaForCausalLM` tensor names, and `config.json`), so a
+//! checkpoint can go to and come from other Llama tools.
+//!
+//! burn stores matrices `[in, out]`; Hugging Face stores `[out, in]`: matrices are transposed
+//! on the way out and back on the way in. The embedding is `[vocab, hidden]` in both.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use burn::module::{Module, Param};
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde_json::{Value, json};
+
+use crate::config::LlamaConfig;
+use crate::model::Llama;
+
+/// File of the burn record inside a weights directory (the recorder adds `.mpk`).
+pub const RECORD: &str = "model";
+/// File of the safetensors export inside a weights directory.
+pub const SAFETENSORS: &str = "model.safetensors";
+/// Hugging Face config inside a weights directory.
+pub const CONFIG: &str = "config.json";
+
+/// Every tensor of `model` under its Hugging Face name, in Hugging Face's layout.
+pub fn export<B: Backend>(model: &Llama<B>) -> Vec<(String, TensorData)> {
+    let matrix = |p: &Param<Tensor<B, 2>>| p.val().transpose().into_data();
+    let vector = |p: &Param<Tensor<B, 1>>| p.val().into_data();
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        model.embed_tokens.val().into_data(),
+    )];
+    for (i, layer) in model.layers.iter().enumerate() {
+        let name = |part: &str| format!("model.layers.{i}.{part}.weight");
+        out.extend([
+            (
+                name("input_layernorm"),
+                vector(&layer.input_layernorm.weight),
+            ),
+            (name("self_attn.q_proj"), matrix(&layer.self_attn.q_proj)),
+            (name("self_attn.k_proj"), matrix(&layer.self_attn.k_proj)),
+            (name("self_attn.v_proj"), matrix(&layer.self_attn.v_proj)),
+            (name("self_attn.o_proj"), matrix(&layer.self_attn.o_proj)),
+            (
+                name("post_attention_layernorm"),
+                vector(&layer.post_attention_layernorm.weight),
+            ),
+            (name("mlp.gate_proj"), matrix(&layer.mlp.gate_proj)),
+            (name("mlp.up_proj"), matrix(&layer.mlp.up_proj)),
+            (name("mlp.down_proj"), matrix(&layer.mlp.down_proj)),
+        ]);
+    }
+    out.push(("model.norm.weight".into(), vector(&model.norm.weight)));
+    out.push(("lm_head.weight".into(), matrix(&model.lm_head)));
+    out
+}
+
+/// Builds a model of shape `config` from Hugging Face tensors (f32, f16 or bf16), checking
+/// every name and shape.
+pub fn import<B: Backend>(
+    config: &LlamaConfig,
+    tensors: HashMap<String, TensorData>,
+    device: &B::Device,
+) -> Result<Llama<B>, String> {
+    let mut model = Llama::<B>::init(config, 0, device);
+    let mut source = Source { tensors, device };
+    source.plain("model.embed_tokens.weight", &mut model.embed_tokens)?;
+    for (i, layer) in model.layers.iter_mut().enumerate() {
+        let name = |part: &str| format!("model.layers.{i}.{part}.weight");
+        source.plain(&name("input_layernorm"), &mut layer.input_layernorm.weight)?;
+        source.matrix(&name("self_attn.q_proj"), &mut layer.self_attn.q_proj)?;
+        source.matrix(&name("self_attn.k_proj"), &mut layer.self_attn.k_proj)?;
+        source.matrix(&name("self_attn.v_proj"), &mut layer.self_attn.v_proj)?;
+        source.matrix(&name("self_attn.o_proj"), &mut layer.self_attn.o_proj)?;
+        source.plain(
+            &name("post_attention_layernorm"),
+            &mut layer.post_attention_layernorm.weight,
+        )?;
+        source.matrix(&name("mlp.gate_proj"), &mut layer.mlp.gate_proj)?;
+        source.matrix(&name("mlp.up_proj"), &mut layer.mlp.up_proj)?;
+        source.matrix(&name("mlp.down_proj"), &mut layer.mlp.down_proj)?;
+    }
+    source.plain("model.norm.weight", &mut model.norm.weight)?;
+    source.matrix("lm_head.weight", &mut model.lm_head)?;
+    Ok(model)
+}
+
+/// The tensors of a checkpoint, handed out by name once each.
+struct Source<'a, B: Backend> {
+    tensors: HashMap<String, TensorData>,
+    device: &'a B::Device,
+}
+
+impl<B: Backend> Source<'_, B> {
+    fn take(&mut self, name: &str, want: &[usize]) -> Result<TensorData, String> {
+        let data = self
+            .tensors
+            .remove(name)
+            .ok_or_else(|| format!("the checkpoint has no tensor `{name}`"))?;
+        if data.shape.to_vec() != want {
+            return Err(format!(
+                "`{name}` has shape {:?}, but the config asks for {want:?}",
+                data.shape
+            ));
+        }
+        Ok(data.convert::<f32>())
+    }
+
+    /// A tensor stored in the same layout by both (norms, embedding).
+    fn plain<const D: usize>(
+        &mut self,
+        name: &str,
+        p: &mut Param<Tensor<B, D>>,
+    ) -> Result<(), String> {
+        let data = self.take(name, &p.dims())?;
+        *p = Param::from_tensor(Tensor::from_data(data, self.device));
+        Ok(())
+    }
+
+    /// A matrix, `[out, in]` in the file and `[in, out]` here.
+    fn matrix(&mut self, name: &str, p: &mut Param<Tensor<B, 2>>) -> Result<(), String> {
+        let [d_in, d_out] = p.dims();
+        let data = self.take(name, &[d_out, d_in])?;
+        *p = Param::from_tensor(Tensor::<B, 2>::from_data(data, self.device).transpose());
+        Ok(())
+    }
+}
+
+/// Hugging Face's `config.json` for `config`.
+pub fn hf_config(config: &LlamaConfig) -> Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "tie_word_embeddings": false,
+        "attention_bias": false,
+        "mlp_bias": false,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim(),
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "initializer_range": config.initializer_range,
+    })
+}
+
+/// Reads the shape from a Hugging Face `config.json`, refusing what this model cannot express.
+pub fn parse_hf_config(json: &Value) -> Result<LlamaConfig, String> {
+    let size = |key: &str| -> Result<usize, String> {
+        json.get(key)
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+            .ok_or_else(|| format!("config.json has no integer `{key}`"))
+    };
+    let float = |key: &str, default: f64| json.get(key).and_then(Value::as_f64).unwrap_or(default);
+    if json.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true) {
+        return Err(
+            "the checkpoint ties its embedding and head; this model has an untied head".into(),
+        );
+    }
+    if json.get("rope_scaling").is_some_and(|v| !v.is_null()) {
+        return Err("the checkpoint uses rope_scaling, which this model does not implement".into());
+    }
+    let heads = size("num_attention_heads")?;
+    let config = LlamaConfig::new(
+        size("vocab_size")?,
+        size("hidden_size")?,
+        size("intermediate_size")?,
+        size("num_hidden_layers")?,
+        heads,
+        size("num_key_value_heads").unwrap_or(heads),
+    )
+    .with_max_position_embeddings(size("max_position_embeddings").unwrap_or(2048))
+    .with_rope_theta(float("rope_theta", 10000.0))
+    .with_rms_norm_eps(float("rms_norm_eps", 1e-6))
+    .with_initializer_range(float("initializer_range", 0.02));
+    let head_dim = json.get("head_dim").and_then(Value::as_u64);
+    if let Some(head_dim) = head_dim.filter(|&d| d as usize != config.head_dim()) {
+        return Err(format!(
+            "config.json sets head_dim {head_dim}, but this model uses hidden_size / num_attention_heads = {}",
+            config.head_dim()
+        ));
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+/// Writes `model` into `dir`: burn's record, the safetensors export and `config.json`.
+pub fn save<B: Backend>(model: &Llama<B>, config: &LlamaConfig, dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    model
+        .clone()
+        .save_file(
+            dir.join(RECORD),
+            &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
+        )
+        .map_err(|e| format!("cannot write the burn record in {}: {e}", dir.display()))?;
+    let tensors = export(model);
+    let views = tensors
+        .iter()
+        .map(|(name, data)| {
+            let view = TensorView::new(Dtype::F32, data.shape.to_vec(), data.as_bytes())
+                .map_err(|e| format!("`{name}`: {e}"))?;
+            Ok((name.clone(), view))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    safetensors::serialize_to_file(views, None, &dir.join(SAFETENSORS))
+        .map_err(|e| format!("cannot write {}: {e}", dir.join(SAFETENSORS).display()))?;
+    let json = serde_json::to_string_pretty(&hf_config(config)).expect("a JSON value prints");
+    std::fs::write(dir.join(CONFIG), json)
+        .map_err(|e| format!("cannot write {}: {e}", dir.join(CONFIG).display()))
+}
+
+/// Loads `dir`: its `config.json`, then burn's record if there is one, else the safetensors.
+pub fn load<B: Backend>(dir: &Path, device: &B::Device) -> Result<(LlamaConfig, Llama<B>), String> {
+    let config_path = dir.join(CONFIG);
+    let text = std::fs::read_to_string(&config_path)
+        .map_err(|e| format!("cannot read {}: {e}", config_path.display()))?;
+    let json: Value = serde_json::from_str(&text)
+        .map_err(|e| format!("{} is not JSON: {e}", config_path.display()))?;
+    let config = parse_hf_config(&json)?;
+    let record = dir.join(format!("{RECORD}.mpk"));
+    if record.exists() {
+        let model = Llama::<B>::init(&config, 0, device)
+            .load_file(
+                dir.join(RECORD),
+                &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
+                device,
+            )
+            .map_err(|e| format!("cannot load {}: {e}", record.display()))?;
+        return Ok((config, model));
+    }
+    let path = dir.join(SAFETENSORS);
+    let bytes = std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let model = import(&config, read_safetensors(&bytes)?, device)?;
+    Ok((config, model))
+}
+
+/// Every tensor of a safetensors file, as burn data in its stored dtype.
+pub fn read_safetensors(bytes: &[u8]) -> Result<HashMap<String, TensorData>, String> {
+    let file =
+        SafeTensors::deserialize(bytes).map_err(|e| format!("not a safetensors file: {e}"))?;
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let dtype = match view.dtype() {
+                Dtype::F32 => DType::F32,
+                Dtype::F16 => DType::F16,
+                Dtype::BF16 => DType::BF16,
+                other => {
+                    return Err(format!(
+                        "`{name}` is {other:?}; only f32, f16 and bf16 load"
+                    ));
+                }
+            };
+            let data =
+                TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype);
+            Ok((name, data))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::Int;
+
+    #[test]
+    fn export_then_import_gives_the_same_model_and_config() {
+        let config = LlamaConfig::preset("tiny").unwrap();
+        let device = Default::default();
+        let model = Llama::<Flex>::init(&config, 3, &device);
+        let dir = std::env::temp_dir().join(format!("llama-hf-{}", std::process::id()));
+        save(&model, &config, &dir).unwrap();
+        assert_eq!(parse_hf_config(&hf_config(&config)).unwrap(), config);
+        let bytes = std::fs::read(dir.join(SAFETENSORS)).unwrap();
+        let back = import::<Flex>(&config, read_safetensors(&bytes).unwrap(), &device).unwrap();
+        std::fs::remove_file(dir.join(format!("{RECORD}.mpk"))).unwrap();
+        let (_, loaded) = load::<Flex>(&dir, &device).unwrap();
+        let tokens = Tensor::<Flex, 2, Int>::from_ints([[3, 1, 4, 1, 5]], &device);
+        let logits = |m: &Llama<Flex>| m.forward(tokens.clone()).into_data();
+        assert_eq!(logits(&model), logits(&back));
+        assert_eq!(logits(&model), logits(&loaded));
+        let q = &export(&model)[1];
+        assert_eq!(q.0, "model.layers.0.input_layernorm.weight");
+        assert_eq!(export(&model)[2].1.shape.to_vec(), vec![128, 128]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

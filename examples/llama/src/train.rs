@@ -1,0 +1,443 @@
+//! The training loop, one function per rank, for every data-parallel strategy:
+//! a plain single-device burn loop (the oracle and the baseline), DistributedDataParallel and
+//! the parameter-server DataParallel. Every layout reads the same global batches, starts from
+//! the same weights and reports the same loss: the mean over the whole global batch.
+
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn::optim::{AdamWConfig, GradientsAccumulator, Optimizer};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData, backend::Backend};
+use burn_comm::{CommError, Communicator, ReduceOp};
+use burn_ddp::{
+    BackwardHooks, DataParallel, DdpConfig, DdpError, DistributedDataParallel, DistributedSampler,
+    per_rank_batch,
+};
+use serde::Serialize;
+
+use crate::config::LlamaConfig;
+use crate::data::Dataset;
+use crate::model::Llama;
+use crate::schedule::WarmupCosine;
+
+/// How the data-parallel ranks share the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+pub enum Strategy {
+    /// One device, plain burn: no communicator at all.
+    Single,
+    /// DistributedDataParallel: bucketed, overlapped gradient all-reduce.
+    Ddp,
+    /// Parameter server: rank 0 gathers gradients, steps, broadcasts parameters.
+    ParameterServer,
+}
+
+/// Everything a training run needs besides the data.
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    /// Model shape.
+    pub model: LlamaConfig,
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Samples per step over all ranks.
+    pub batch_size: usize,
+    /// Samples per forward/backward on one rank; the rest is gradient accumulation.
+    pub micro_batch_size: Option<usize>,
+    /// Micro-batches per step on each rank (alternative to `micro_batch_size`).
+    pub grad_accum: Option<usize>,
+    /// Tokens per sample (inputs; targets are shifted by one).
+    pub seq_len: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Warmup steps.
+    pub warmup_steps: usize,
+    /// Seed of the weights and of the data order.
+    pub seed: u64,
+    /// Data-parallel ranks.
+    pub dp: usize,
+    /// Data-parallel strategy.
+    pub strategy: Strategy,
+    /// DDP settings.
+    pub ddp: DdpConfig,
+}
+
+impl TrainConfig {
+    /// Defaults for `model`: 8 samples of 64 tokens, lr 3e-3 with 10 warmup steps, one rank.
+    pub fn new(model: LlamaConfig, steps: usize) -> Self {
+        Self {
+            model,
+            steps,
+            batch_size: 8,
+            micro_batch_size: None,
+            grad_accum: None,
+            seq_len: 64,
+            lr: 3e-3,
+            warmup_steps: 10,
+            seed: 42,
+            dp: 1,
+            strategy: Strategy::Single,
+            ddp: DdpConfig::new(),
+        }
+    }
+
+    /// Samples per rank per step, micro-batch size and micro-batches per step, or a sentence
+    /// saying what to change.
+    pub fn layout(&self) -> Result<Layout, TrainError> {
+        self.model.validate().map_err(TrainError::Config)?;
+        if self.steps == 0 || self.seq_len == 0 {
+            return Err(TrainError::Config(
+                "--steps and --seq-len must be at least 1".into(),
+            ));
+        }
+        if self.strategy == Strategy::Single && self.dp != 1 {
+            return Err(TrainError::Config(format!(
+                "the single-device strategy runs one rank, not --dp {}; choose --strategy ddp or parameter-server",
+                self.dp
+            )));
+        }
+        let per_rank = per_rank_batch(self.batch_size, self.dp)?;
+        let (micro, accum) = match (self.micro_batch_size, self.grad_accum) {
+            (Some(_), Some(_)) => {
+                return Err(TrainError::Config(
+                    "give --micro-batch-size or --grad-accum, not both".into(),
+                ));
+            }
+            (Some(micro), None) => (micro, per_rank.checked_div(micro).unwrap_or(0)),
+            (None, Some(accum)) => (per_rank.checked_div(accum).unwrap_or(0), accum),
+            (None, None) => (per_rank, 1),
+        };
+        if micro == 0 || accum == 0 || micro * accum != per_rank {
+            return Err(TrainError::Config(format!(
+                "each of the {} rank(s) gets {per_rank} samples per step, which is not {accum} micro-batch(es) of {micro}; pick a micro-batch size that divides {per_rank}",
+                self.dp
+            )));
+        }
+        if self.strategy == Strategy::ParameterServer && accum != 1 {
+            return Err(TrainError::Config(
+                "the parameter-server baseline steps after every backward; use --grad-accum 1 with it".into(),
+            ));
+        }
+        Ok(Layout {
+            per_rank,
+            micro,
+            accum,
+        })
+    }
+
+    /// The learning-rate schedule of the run.
+    pub fn schedule(&self) -> WarmupCosine {
+        WarmupCosine {
+            peak: self.lr,
+            warmup: self.warmup_steps.min(self.steps),
+            total: self.steps,
+            min_ratio: 0.1,
+        }
+    }
+
+    /// The optimizer of every layout: AdamW as in Llama (betas 0.9/0.95, weight decay 0.1).
+    pub fn optimizer(&self) -> AdamWConfig {
+        AdamWConfig::new()
+            .with_beta_2(0.95)
+            .with_epsilon(1e-8)
+            .with_weight_decay(0.1)
+    }
+}
+
+/// How a step's global batch is cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// Samples per rank per step.
+    pub per_rank: usize,
+    /// Samples per forward/backward.
+    pub micro: usize,
+    /// Micro-batches per step.
+    pub accum: usize,
+}
+
+/// What a run can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// A configuration that cannot work.
+    #[error("{0}")]
+    Config(String),
+    /// Data parallelism failed.
+    #[error(transparent)]
+    Ddp(#[from] DdpError),
+    /// Communication failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+}
+
+/// One optimizer step, as written to `--metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepMetrics {
+    /// Step number, from 1.
+    pub step: usize,
+    /// Mean cross-entropy over the whole global batch (nats per token).
+    pub loss: f64,
+    /// Learning rate used for this step.
+    pub lr: f64,
+    /// Tokens processed in this step, over all ranks.
+    pub tokens: usize,
+    /// Tokens per second over all ranks, for this step.
+    pub tokens_per_s: f64,
+    /// Wall time of this step.
+    pub seconds: f64,
+    /// Wall time since the first step started.
+    pub elapsed: f64,
+    /// Time this rank waited for gradient communication after backward (DDP only).
+    pub comm_wait_s: f64,
+}
+
+/// Trains one rank. `comm` is the data-parallel group (`None` for [`Strategy::Single`]);
+/// `on_step` sees every step's metrics (the same on every rank). Returns the final weights.
+pub fn train_rank<B: BackwardHooks>(
+    config: &TrainConfig,
+    data: &dyn Dataset,
+    comm: Option<&Communicator>,
+    init: Llama<B>,
+    device: &B::Device,
+    on_step: &mut dyn FnMut(&StepMetrics),
+) -> Result<Llama<B>, TrainError> {
+    let layout = config.layout()?;
+    let (world, rank) = comm.map_or((1, 0), |c| (c.size(), c.rank()));
+    if world != config.dp {
+        return Err(TrainError::Config(format!(
+            "the group has {world} rank(s) but --dp is {}",
+            config.dp
+        )));
+    }
+    let batches = Batches::new(config, data, world, rank, layout)?;
+    let mut optimizer = config.optimizer().init::<B, Llama<B>>();
+    let schedule = config.schedule();
+    let tokens = config.batch_size * config.seq_len;
+    let started = Instant::now();
+    let mut report = |step: usize, loss: f64, begun: Instant, wait: f64| {
+        let seconds = begun.elapsed().as_secs_f64();
+        on_step(&StepMetrics {
+            step: step + 1,
+            loss,
+            lr: schedule.lr(step),
+            tokens,
+            tokens_per_s: tokens as f64 / seconds,
+            seconds,
+            elapsed: started.elapsed().as_secs_f64(),
+            comm_wait_s: wait,
+        });
+    };
+
+    match config.strategy {
+        Strategy::Single => {
+            let mut model = init;
+            for step in 0..config.steps {
+                let begun = Instant::now();
+                let mut accumulator = GradientsAccumulator::new();
+                let mut loss_sum = 0.0;
+                for micro in 0..layout.accum {
+                    let (inputs, targets) = batches.micro(step, micro, device);
+                    let loss = model.loss(inputs, targets) / layout.accum as f64;
+                    loss_sum += scalar(&loss);
+                    let grads = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
+                    accumulator.accumulate(&model, grads);
+                }
+                model = optimizer.step(schedule.lr(step), model, accumulator.grads());
+                report(step, loss_sum, begun, 0.0);
+            }
+            Ok(model)
+        }
+        Strategy::Ddp => {
+            let comm = comm.expect("a DDP run has a group");
+            let mut ddp = DistributedDataParallel::new(init, comm.clone(), config.ddp.clone())?;
+            for step in 0..config.steps {
+                let begun = Instant::now();
+                let mut loss_sum = 0.0;
+                let mut grads = None;
+                for micro in 0..layout.accum {
+                    let (inputs, targets) = batches.micro(step, micro, device);
+                    let loss = ddp.module().loss(inputs, targets) / layout.accum as f64;
+                    loss_sum += scalar(&loss);
+                    if micro + 1 < layout.accum {
+                        ddp.backward_no_sync(loss);
+                    } else {
+                        grads = Some(ddp.backward(loss)?);
+                    }
+                }
+                let grads = grads.expect("the last micro-batch synchronises");
+                ddp.step(&mut optimizer, schedule.lr(step), grads);
+                let loss = global_mean::<B>(comm, loss_sum, device)?;
+                report(step, loss, begun, ddp.stats().comm_wait.as_secs_f64());
+            }
+            Ok(ddp.into_module())
+        }
+        Strategy::ParameterServer => {
+            let comm = comm.expect("a parameter-server run has a group");
+            let mut dp = DataParallel::new(init, comm.clone())?;
+            for step in 0..config.steps {
+                let begun = Instant::now();
+                let global = (rank == 0).then(|| batches.global(step, device));
+                let local = dp.scatter(global, device)?;
+                let len = config.seq_len;
+                let inputs = local.clone().narrow(1, 0, len);
+                let targets = local.narrow(1, 1, len);
+                let loss = dp.module().loss(inputs, targets);
+                let loss_value = scalar(&loss);
+                dp.step(loss, &mut optimizer, schedule.lr(step))?;
+                let loss = global_mean::<B>(comm, loss_value, device)?;
+                report(step, loss, begun, 0.0);
+            }
+            Ok(dp.into_module())
+        }
+    }
+}
+
+fn scalar<B: Backend>(loss: &Tensor<B, 1>) -> f64 {
+    loss.clone().into_scalar().elem::<f64>()
+}
+
+/// The mean of every rank's `value` (each the mean over an equal share of the batch).
+fn global_mean<B: BackwardHooks>(
+    comm: &Communicator,
+    value: f64,
+    device: &B::Device,
+) -> Result<f64, CommError> {
+    let local = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(vec![value], [1]), device);
+    Ok(scalar(&comm.all_reduce(local, ReduceOp::Avg)?))
+}
+
+/// The samples of every step for one rank, from the sampler.
+struct Batches<'a> {
+    data: &'a dyn Dataset,
+    sampler: DistributedSampler,
+    single: DistributedSampler,
+    layout: Layout,
+    batch_size: usize,
+    seq_len: usize,
+}
+
+impl<'a> Batches<'a> {
+    fn new(
+        config: &TrainConfig,
+        data: &'a dyn Dataset,
+        world: usize,
+        rank: usize,
+        layout: Layout,
+    ) -> Result<Self, TrainError> {
+        let sampler = DistributedSampler::new(data.len(), world, rank)?.with_seed(config.seed);
+        if sampler.num_samples() < layout.per_rank {
+            return Err(TrainError::Config(format!(
+                "the dataset has {} samples, fewer than one global batch of {}; use more data or a smaller --batch-size",
+                data.len(),
+                config.batch_size
+            )));
+        }
+        Ok(Self {
+            data,
+            sampler,
+            single: DistributedSampler::new(data.len(), 1, 0)?.with_seed(config.seed),
+            layout,
+            batch_size: config.batch_size,
+            seq_len: config.seq_len,
+        })
+    }
+
+    /// Samples `[start, start + count)` of `sampler`'s reading order for `step`, as tokens.
+    fn read<B: Backend>(
+        &self,
+        sampler: &DistributedSampler,
+        per_step: usize,
+        step: usize,
+        start: usize,
+        count: usize,
+        device: &B::Device,
+    ) -> Tensor<B, 2, Int> {
+        let steps_per_epoch = sampler.num_samples() / per_step;
+        let (epoch, position) = (step / steps_per_epoch, step % steps_per_epoch);
+        let order = sampler.indices(epoch as u64);
+        let first = position * per_step + start;
+        let width = self.seq_len + 1;
+        let tokens: Vec<i64> = order[first..first + count]
+            .iter()
+            .flat_map(|&i| self.data.sample(i))
+            .map(|t| t as i64)
+            .collect();
+        Tensor::from_data(TensorData::new(tokens, [count, width]), device)
+    }
+
+    /// Inputs and targets of this rank's micro-batch `micro` of `step`.
+    fn micro<B: Backend>(
+        &self,
+        step: usize,
+        micro: usize,
+        device: &B::Device,
+    ) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+        let m = self.layout.micro;
+        let tokens = self.read(
+            &self.sampler,
+            self.layout.per_rank,
+            step,
+            micro * m,
+            m,
+            device,
+        );
+        (
+            tokens.clone().narrow(1, 0, self.seq_len),
+            tokens.narrow(1, 1, self.seq_len),
+        )
+    }
+
+    /// The whole global batch of `step`, in the single-device order (for the parameter server).
+    fn global<B: Backend>(&self, step: usize, device: &B::Device) -> Tensor<B, 2, Int> {
+        self.read(
+            &self.single,
+            self.batch_size,
+            step,
+            0,
+            self.batch_size,
+            device,
+        )
+    }
+}
+
+/// Runs `config` on `config.dp` ranks (threads) and returns rank 0's final weights; `on_step`
+/// sees rank 0's metrics.
+pub fn train<B: BackwardHooks>(
+    config: &TrainConfig,
+    data: &dyn Dataset,
+    device: &B::Device,
+    on_step: &mut (dyn FnMut(&StepMetrics) + Send),
+) -> Result<Llama<B::InnerBackend>, TrainError> {
+    config.layout()?;
+    let init = || Llama::<B>::init(&config.model, config.seed, device);
+    if config.strategy == Strategy::Single {
+        return Ok(train_rank(config, data, None, init(), device, on_step)?.valid());
+    }
+    let on_step = std::sync::Mutex::new(on_step);
+    let mut results = burn_comm::launch(config.dp, |ctx| {
+        let mut forward = |m: &StepMetrics| {
+            if ctx.rank() == 0 {
+                (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
+            }
+        };
+        train_rank(
+            config,
+            data,
+            Some(ctx.world()),
+            init(),
+            device,
+            &mut forward,
+        )
+        .map(|model| model.valid())
+    });
+    // Report the cause: a rank's own failure rather than its peers' "peer failed".
+    let cause = results.iter().position(|r| match r {
+        Err(burn_comm::RankError::Failed { error, .. }) => {
+            !matches!(error, TrainError::Comm(CommError::PeerFailed { .. }))
+        }
+        Err(burn_comm::RankError::Panicked { .. }) => true,
+        Ok(_) => false,
+    });
+    match results.remove(cause.unwrap_or(0)) {
+        Ok(model) => Ok(model),
+        Err(burn_comm::RankError::Failed { error, .. }) => Err(error),
+        Err(panicked) => Err(TrainError::Config(panicked.to_string())),
+    }
+}

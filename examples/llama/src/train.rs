@@ -58,6 +58,8 @@ pub struct TrainConfig {
     pub strategy: Strategy,
     /// DDP settings.
     pub ddp: DdpConfig,
+    /// Start from these weights (a directory written by `save`) instead of the seed.
+    pub init_from: Option<std::path::PathBuf>,
 }
 
 impl TrainConfig {
@@ -76,6 +78,7 @@ impl TrainConfig {
             dp: 1,
             strategy: Strategy::Single,
             ddp: DdpConfig::new(),
+            init_from: None,
         }
     }
 
@@ -406,9 +409,24 @@ pub fn train<B: BackwardHooks>(
     on_step: &mut (dyn FnMut(&StepMetrics) + Send),
 ) -> Result<Llama<B::InnerBackend>, TrainError> {
     config.layout()?;
-    let init = || Llama::<B>::init(&config.model, config.seed, device);
+    let init = || -> Result<Llama<B>, TrainError> {
+        match &config.init_from {
+            None => Ok(Llama::init(&config.model, config.seed, device)),
+            Some(dir) => {
+                let (shape, model) =
+                    crate::hf::load::<B>(dir, device).map_err(TrainError::Config)?;
+                if shape != config.model {
+                    return Err(TrainError::Config(format!(
+                        "{} holds a model of another shape than the one asked for; drop --model or pick the matching preset",
+                        dir.display()
+                    )));
+                }
+                Ok(model)
+            }
+        }
+    };
     if config.strategy == Strategy::Single {
-        return Ok(train_rank(config, data, None, init(), device, on_step)?.valid());
+        return Ok(train_rank(config, data, None, init()?, device, on_step)?.valid());
     }
     let on_step = std::sync::Mutex::new(on_step);
     let mut results = burn_comm::launch(config.dp, |ctx| {
@@ -417,15 +435,9 @@ pub fn train<B: BackwardHooks>(
                 (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
             }
         };
-        train_rank(
-            config,
-            data,
-            Some(ctx.world()),
-            init(),
-            device,
-            &mut forward,
-        )
-        .map(|model| model.valid())
+        let model = init()?;
+        train_rank(config, data, Some(ctx.world()), model, device, &mut forward)
+            .map(|model| model.valid())
     });
     // Report the cause: a rank's own failure rather than its peers' "peer failed".
     let cause = results.iter().position(|r| match r {

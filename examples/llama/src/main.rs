@@ -1,0 +1,373 @@
+//! `llama train` and `llama eval`: the command line of the example.
+
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn_ddp::{BackwardHooks, DdpConfig};
+use clap::{Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use llama::data::{ByteCorpus, Dataset, MarkovSource};
+use llama::train::{StepMetrics, Strategy, TrainConfig, train};
+use llama::{Llama, LlamaConfig, hf};
+
+#[derive(Parser)]
+#[command(about = "A Llama-style model trained with burn-parallel")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train on the synthetic Markov source (or --data FILE) and report every step.
+    Train(TrainArgs),
+    /// Mean next-token cross-entropy of a checkpoint on token sequences, as JSON.
+    Eval(EvalArgs),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Device {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum StrategyArg {
+    /// One device for --dp 1, DDP otherwise.
+    Auto,
+    Single,
+    Ddp,
+    ParameterServer,
+}
+
+#[derive(clap::Args)]
+struct TrainArgs {
+    /// Model preset: tiny (the default), small, llama-1b or llama-7b.
+    #[arg(long)]
+    model: Option<String>,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 400)]
+    steps: usize,
+    /// Samples per step over all ranks.
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Samples per forward/backward on one rank (the rest is gradient accumulation).
+    #[arg(long)]
+    micro_batch_size: Option<usize>,
+    /// Micro-batches per step on each rank.
+    #[arg(long)]
+    grad_accum: Option<usize>,
+    /// Tokens per sample.
+    #[arg(long, default_value_t = 64)]
+    seq_len: usize,
+    /// Peak learning rate (linear warmup, then cosine decay to a tenth).
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Warmup steps.
+    #[arg(long, default_value_t = 20)]
+    warmup: usize,
+    /// Seed of the weights, the data and its order.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Where the ranks compute.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// Data-parallel ranks (threads of this process).
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    /// Data-parallel strategy.
+    #[arg(long, value_enum, default_value_t = StrategyArg::Auto)]
+    strategy: StrategyArg,
+    /// DDP bucket size in MiB.
+    #[arg(long, default_value_t = 25.0)]
+    bucket_mb: f64,
+    /// Start DDP's all-reduces after backward instead of during it.
+    #[arg(long)]
+    no_overlap: bool,
+    /// Train on this file's bytes instead of the synthetic source.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Symbols of the synthetic second-order Markov source.
+    #[arg(long, default_value_t = 16)]
+    markov_symbols: usize,
+    /// Possible next symbols after each pair of symbols in the synthetic source.
+    #[arg(long, default_value_t = 3)]
+    markov_branching: usize,
+    /// Write one JSON object per step here.
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+    /// Save the final weights here (burn record, safetensors, config.json).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Start from the weights in this directory; its config.json sets the shape.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct EvalArgs {
+    /// Directory with config.json and model.safetensors (or burn's model.mpk).
+    #[arg(long)]
+    weights: PathBuf,
+    /// Token ids separated by whitespace, one sequence per line.
+    #[arg(long)]
+    tokens: PathBuf,
+    /// Where to compute.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+}
+
+fn main() {
+    let result = match Cli::parse().command {
+        Command::Train(args) => run_train(args),
+        Command::Eval(args) => run_eval(args),
+    };
+    if let Err(message) = result {
+        eprintln!("error: {message}");
+        std::process::exit(1);
+    }
+}
+
+fn run_train(args: TrainArgs) -> Result<(), String> {
+    let name = args.model.clone().unwrap_or_else(|| "tiny".into());
+    let mut model = LlamaConfig::preset(&name).ok_or_else(|| {
+        format!(
+            "unknown --model {name}; choose one of {}",
+            llama::config::PRESETS.join(", ")
+        )
+    })?;
+    if let Some(dir) = &args.init_from {
+        let stored = hf::load::<Flex>(dir, &Default::default())?.0;
+        if args.model.is_some() && stored != model {
+            return Err(format!(
+                "{} holds another shape than --model {name}; drop --model to use the stored shape",
+                dir.display()
+            ));
+        }
+        model = stored;
+    }
+    let strategy = match args.strategy {
+        StrategyArg::Auto if args.dp == 1 => Strategy::Single,
+        StrategyArg::Auto | StrategyArg::Ddp => Strategy::Ddp,
+        StrategyArg::Single => Strategy::Single,
+        StrategyArg::ParameterServer => Strategy::ParameterServer,
+    };
+    let mut config = TrainConfig::new(model, args.steps);
+    config.batch_size = args.batch_size;
+    config.micro_batch_size = args.micro_batch_size;
+    config.grad_accum = args.grad_accum;
+    config.seq_len = args.seq_len;
+    config.lr = args.lr;
+    config.warmup_steps = args.warmup;
+    config.seed = args.seed;
+    config.dp = args.dp;
+    config.strategy = strategy;
+    config.ddp = DdpConfig::new()
+        .with_bucket_cap_bytes((args.bucket_mb * 1024.0 * 1024.0) as usize)
+        .with_overlap(!args.no_overlap);
+    config.init_from = args.init_from.clone();
+    let layout = config.layout().map_err(|e| e.to_string())?;
+
+    let data: Box<dyn Dataset> = match &args.data {
+        Some(path) => Box::new(ByteCorpus::open(path, config.seq_len)?),
+        None => {
+            if !(2..=config.model.vocab_size).contains(&args.markov_symbols)
+                || !(1..=args.markov_symbols).contains(&args.markov_branching)
+            {
+                return Err(format!(
+                    "the Markov source needs 2 to {} symbols and 1 to --markov-symbols successors per context",
+                    config.model.vocab_size
+                ));
+            }
+            Box::new(MarkovSource::new(
+                args.markov_symbols,
+                args.markov_branching,
+                config.seq_len,
+                1 << 20,
+                config.seed,
+            ))
+        }
+    };
+    if config.model.vocab_size < 256 && args.data.is_some() {
+        return Err("byte-level data needs a vocabulary of at least 256".into());
+    }
+    println!(
+        "model {} ({:.2}M parameters), {} x {} tokens per step, {} rank(s) {:?}, {} micro-batch(es) of {} per rank",
+        args.init_from
+            .as_ref()
+            .map_or(name, |d| d.display().to_string()),
+        config.model.num_params() as f64 / 1e6,
+        config.batch_size,
+        config.seq_len,
+        config.dp,
+        strategy,
+        layout.accum,
+        layout.micro
+    );
+    println!("data: {}", data.describe());
+    if let Some(floor) = data.loss_floor() {
+        println!("loss floor: {floor:.4} nats/token (the entropy of the source at this --seq-len)");
+    }
+
+    match args.device {
+        Device::Cpu => train_on::<Autodiff<Flex>>(&config, &*data, &Default::default(), &args),
+        Device::Cuda => train_on_cuda(&config, &*data, &args),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn train_on_cuda(config: &TrainConfig, data: &dyn Dataset, args: &TrainArgs) -> Result<(), String> {
+    train_on::<Autodiff<burn::backend::Cuda>>(config, data, &Default::default(), args)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn train_on_cuda(_: &TrainConfig, _: &dyn Dataset, _: &TrainArgs) -> Result<(), String> {
+    Err("this binary was built without CUDA; rebuild with `--features cuda`".into())
+}
+
+fn train_on<B: BackwardHooks>(
+    config: &TrainConfig,
+    data: &dyn Dataset,
+    device: &B::Device,
+    args: &TrainArgs,
+) -> Result<(), String> {
+    let mut metrics = match &args.metrics {
+        Some(path) => {
+            Some(BufWriter::new(File::create(path).map_err(|e| {
+                format!("cannot create {}: {e}", path.display())
+            })?))
+        }
+        None => None,
+    };
+    let terminal = std::io::stderr().is_terminal();
+    let bar = ProgressBar::new(config.steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    let mut history: Vec<StepMetrics> = Vec::new();
+    let mut write_error = None;
+    let mut on_step = |m: &StepMetrics| {
+        let line = format!(
+            "loss {:.4} | lr {:.2e} | {:.0} tok/s",
+            m.loss, m.lr, m.tokens_per_s
+        );
+        bar.set_position(m.step as u64);
+        bar.set_message(line.clone());
+        if !terminal && (m.step == 1 || m.step.is_multiple_of(10) || m.step == config.steps) {
+            eprintln!(
+                "step {:>5}/{} | {line} | {:.1}s",
+                m.step, config.steps, m.elapsed
+            );
+        }
+        if let Some(file) = metrics.as_mut() {
+            let json = serde_json::to_string(m).expect("metrics serialise");
+            if let Err(e) = writeln!(file, "{json}").and_then(|_| file.flush()) {
+                write_error.get_or_insert(e.to_string());
+            }
+        }
+        history.push(*m);
+    };
+    let started = Instant::now();
+    let model = train::<B>(config, data, device, &mut on_step).map_err(|e| e.to_string())?;
+    bar.finish_and_clear();
+    if let Some(e) = write_error {
+        return Err(format!("cannot write the metrics: {e}"));
+    }
+
+    let last = history.last().expect("at least one step");
+    let mut speeds: Vec<f64> = history
+        .iter()
+        .skip(history.len() / 5)
+        .map(|m| m.tokens_per_s)
+        .collect();
+    speeds.sort_by(f64::total_cmp);
+    println!(
+        "done: {} steps in {:.1}s, final loss {:.4}, median {:.0} tokens/s",
+        history.len(),
+        started.elapsed().as_secs_f64(),
+        last.loss,
+        speeds[speeds.len() / 2]
+    );
+    if let Some(floor) = data.loss_floor() {
+        println!("loss floor {floor:.4}: {:.4} above it", last.loss - floor);
+    }
+    if let Some(dir) = &args.save {
+        hf::save(&model, &config.model, dir)?;
+        println!("weights saved in {}", dir.display());
+    }
+    Ok(())
+}
+
+fn run_eval(args: EvalArgs) -> Result<(), String> {
+    match args.device {
+        Device::Cpu => eval_on::<Flex>(&args, &Default::default()),
+        Device::Cuda => eval_on_cuda(&args),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn eval_on_cuda(args: &EvalArgs) -> Result<(), String> {
+    eval_on::<burn::backend::Cuda>(args, &Default::default())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn eval_on_cuda(_: &EvalArgs) -> Result<(), String> {
+    Err("this binary was built without CUDA; rebuild with `--features cuda`".into())
+}
+
+fn eval_on<B: burn::tensor::backend::Backend>(
+    args: &EvalArgs,
+    device: &B::Device,
+) -> Result<(), String> {
+    let (config, model): (LlamaConfig, Llama<B>) = hf::load(&args.weights, device)?;
+    let text = std::fs::read_to_string(&args.tokens)
+        .map_err(|e| format!("cannot read {}: {e}", args.tokens.display()))?;
+    let (mut total, mut count, mut sequences) = (0.0f64, 0usize, 0usize);
+    for (number, line) in text.lines().enumerate() {
+        let ids = line
+            .split_whitespace()
+            .map(|t| t.parse::<i64>().ok().filter(|&id| id >= 0 && (id as usize) < config.vocab_size))
+            .collect::<Option<Vec<i64>>>()
+            .ok_or_else(|| {
+                format!(
+                    "line {} of {} holds something that is not a token id below the vocabulary size {}",
+                    number + 1,
+                    args.tokens.display(),
+                    config.vocab_size
+                )
+            })?;
+        if ids.len() < 2 {
+            continue;
+        }
+        let n = ids.len();
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), device);
+        let loss = model.loss(
+            tokens.clone().narrow(1, 0, n - 1),
+            tokens.narrow(1, 1, n - 1),
+        );
+        total += loss.into_scalar().elem::<f64>() * (n - 1) as f64;
+        count += n - 1;
+        sequences += 1;
+    }
+    if count == 0 {
+        return Err(format!(
+            "{} has no line with at least two tokens",
+            args.tokens.display()
+        ));
+    }
+    let mean = total / count as f64;
+    let report = serde_json::json!({
+        "mean_cross_entropy": mean,
+        "perplexity": mean.exp(),
+        "predicted_tokens": count,
+        "sequences": sequences,
+    });
+    println!("{report}");
+    Ok(())
+}

@@ -1,0 +1,133 @@
+//! The `llama` binary end to end: train writes one metrics line per step and a checkpoint that
+//! `eval` reads back; `--init-from` resumes from it; bad input gets a sentence, not a panic.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn llama(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_llama"))
+        .args(args)
+        .output()
+        .expect("the llama binary runs")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("llama-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn train_writes_metrics_and_weights_that_eval_and_init_from_read() {
+    let dir = scratch("train");
+    let (metrics, weights) = (dir.join("metrics.jsonl"), dir.join("weights"));
+    let out = llama(&[
+        "train",
+        "--steps",
+        "3",
+        "--dp",
+        "2",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--metrics",
+        metrics.to_str().unwrap(),
+        "--save",
+        weights.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("loss floor"), "{stdout}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3, "one line per step, written by one rank");
+    for (i, line) in lines.iter().enumerate() {
+        assert_eq!(line["step"], i + 1);
+        assert_eq!(line["tokens"], 4 * 16);
+        for key in ["loss", "lr", "tokens_per_s", "seconds"] {
+            assert!(line[key].as_f64().unwrap() > 0.0, "{key} in {line}");
+        }
+    }
+    for file in ["config.json", "model.safetensors", "model.mpk"] {
+        assert!(weights.join(file).exists(), "{file}");
+    }
+
+    let tokens = dir.join("tokens.txt");
+    std::fs::write(&tokens, "1 2 3 4 5\n\n6 7 8\n").unwrap();
+    let out = llama(&[
+        "eval",
+        "--weights",
+        weights.to_str().unwrap(),
+        "--tokens",
+        tokens.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["predicted_tokens"], 6);
+    assert_eq!(report["sequences"], 2);
+    let ce = report["mean_cross_entropy"].as_f64().unwrap();
+    assert!(ce > 0.0 && ce < 6.0, "{ce}");
+
+    let out = llama(&[
+        "train",
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--init-from",
+        weights.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bad_input_gets_a_sentence() {
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["train", "--dp", "3", "--batch-size", "8"],
+            "multiple of 3",
+        ),
+        (&["train", "--model", "huge"], "choose one of tiny"),
+        (
+            &["train", "--batch-size", "8", "--micro-batch-size", "3"],
+            "divides 8",
+        ),
+        (
+            &[
+                "eval",
+                "--weights",
+                "/nonexistent",
+                "--tokens",
+                "/nonexistent",
+            ],
+            "cannot read",
+        ),
+    ];
+    for (args, expected) in cases {
+        let out = llama(args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

@@ -178,27 +178,33 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> DistributedDataParallel<B, M> {
                 slots.len()
             )));
         }
-        let reducer = Arc::new(Mutex::new(Reducer::new(
+        let reducer = Arc::new(Mutex::new(Some(Reducer::new(
             slots,
             self.plan.clone(),
             self.late.clone(),
             std::mem::replace(&mut self.accumulated, vec![None; self.names.len()]),
             self.comm.clone(),
-        )));
+        ))));
 
         let start = Instant::now();
         let loss = if self.config.overlap {
             let hook = reducer.clone();
-            B::with_depth_hooks(loss, Arc::new(move |grads| lock(&hook).take_ready(grads)))
+            B::with_depth_hooks(
+                loss,
+                Arc::new(move |grads| {
+                    if let Some(reducer) = lock(&hook).as_mut() {
+                        reducer.take_ready(grads);
+                    }
+                }),
+            )
         } else {
             loss
         };
         let mut grads = loss.backward();
-        let mut reducer = Arc::try_unwrap(reducer)
-            .map_err(|_| ())
-            .expect("backward has released its hooks")
-            .into_inner()
-            .unwrap_or_else(|e| e.into_inner());
+        // Taken out, so a hook that outlived backward would find nothing to act on.
+        let mut reducer = lock(&reducer)
+            .take()
+            .expect("only backward borrows the reducer");
         reducer.take_remaining(&mut grads);
         let backward = start.elapsed();
 

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Mean next-token cross-entropy of a Hugging Face Llama checkpoint, in plain numpy.
+
+An independent reading of the format `llama eval` claims to speak: it follows the equations of
+Hugging Face's LlamaForCausalLM (RMSNorm, rotate-half rotary embeddings, grouped-query causal
+attention, SwiGLU, untied head), not our Rust code. Usage:
+
+    hf_llama_reference.py WEIGHTS_DIR TOKENS_FILE   # prints JSON like `llama eval`
+"""
+import json
+import sys
+
+import numpy as np
+from safetensors.numpy import load_file
+
+
+def rms_norm(x, weight, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def forward(w, cfg, ids):
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    head_dim, eps, n = hidden // heads, cfg["rms_norm_eps"], len(ids)
+    inv_freq = 1.0 / cfg["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.outer(np.arange(n), inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)
+    cos, sin = np.cos(angles), np.sin(angles)
+    mask = np.triu(np.full((n, n), -np.inf), k=1)
+
+    x = w["model.embed_tokens.weight"][ids].astype(np.float64)
+    for i in range(cfg["num_hidden_layers"]):
+        p = lambda name: w[f"model.layers.{i}.{name}.weight"].astype(np.float64)
+        h = rms_norm(x, p("input_layernorm"), eps)
+        q = (h @ p("self_attn.q_proj").T).reshape(n, heads, head_dim).transpose(1, 0, 2)
+        k = (h @ p("self_attn.k_proj").T).reshape(n, kv_heads, head_dim).transpose(1, 0, 2)
+        v = (h @ p("self_attn.v_proj").T).reshape(n, kv_heads, head_dim).transpose(1, 0, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = np.repeat(k, heads // kv_heads, axis=0), np.repeat(v, heads // kv_heads, axis=0)
+        scores = q @ k.transpose(0, 2, 1) / np.sqrt(head_dim) + mask
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        attn = (scores / scores.sum(axis=-1, keepdims=True)) @ v
+        x = x + attn.transpose(1, 0, 2).reshape(n, hidden) @ p("self_attn.o_proj").T
+        h = rms_norm(x, p("post_attention_layernorm"), eps)
+        gate, up = h @ p("mlp.gate_proj").T, h @ p("mlp.up_proj").T
+        x = x + (gate / (1.0 + np.exp(-gate)) * up) @ p("mlp.down_proj").T
+    x = rms_norm(x, w["model.norm.weight"].astype(np.float64), eps)
+    return x @ w["lm_head.weight"].astype(np.float64).T
+
+
+def main(weights_dir, tokens_file):
+    with open(f"{weights_dir}/config.json") as f:
+        cfg = json.load(f)
+    w = load_file(f"{weights_dir}/model.safetensors")
+    total, count, sequences = 0.0, 0, 0
+    with open(tokens_file) as f:
+        for line in f:
+            ids = [int(t) for t in line.split()]
+            if len(ids) < 2:
+                continue
+            logits = forward(w, cfg, ids[:-1])
+            logits = logits - logits.max(axis=-1, keepdims=True)
+            log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+            total -= log_probs[np.arange(len(ids) - 1), ids[1:]].sum()
+            count += len(ids) - 1
+            sequences += 1
+    mean = total / count
+    print(json.dumps({"mean_cross_entropy": mean, "perplexity": float(np.exp(mean)),
+                      "predicted_tokens": count, "sequences": sequences}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

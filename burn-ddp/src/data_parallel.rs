@@ -52,28 +52,24 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DataParallel<B, M> {
     }
 
     /// Rank 0 passes the global batch, the others `None`; every rank gets its contiguous part
-    /// along dimension 0, in the backend's default dtype for `K`.
+    /// along dimension 0, in the backend's default dtype for `K`. Rank 0 first sends the shape
+    /// to everyone, so a batch that cannot be split fails on every rank alike.
     pub fn scatter<const D: usize, K: BasicOps<B> + 'static>(
         &self,
         global: Option<Tensor<B, D, K>>,
         device: &B::Device,
     ) -> Result<Tensor<B, D, K>, DdpError> {
         let world = self.comm.size();
-        if self.comm.rank() == ROOT {
-            let global = global.ok_or_else(|| {
-                DdpError::Config("rank 0 scatters the batch, so it must pass Some(batch)".into())
-            })?;
-            let dims = global.dims();
-            let local = crate::per_rank_batch(dims[0], world)?;
-            let shape: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+        let (global, dims) = if self.comm.rank() == ROOT {
+            // A zero shape tells the others that rank 0 had nothing to scatter.
+            let dims = global.as_ref().map_or([0; D], |g| g.dims());
+            let header: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
             for rank in 1..world {
-                let header = TensorData::new(shape.clone(), [D]);
+                let header = TensorData::new(header.clone(), [D]);
                 self.comm
                     .send(Tensor::<B, 1, Int>::from_data(header, device), rank)?;
-                self.comm
-                    .send(global.clone().narrow(0, rank * local, local), rank)?;
             }
-            Ok(global.narrow(0, 0, local))
+            (global, dims)
         } else {
             let header: Vec<i64> = self
                 .comm
@@ -82,12 +78,31 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DataParallel<B, M> {
                 .convert::<i64>()
                 .to_vec()
                 .expect("an int tensor converts to i64");
-            let mut shape = [0; D];
-            for (s, h) in shape.iter_mut().zip(header) {
-                *s = h as usize;
+            let mut dims = [0; D];
+            for (d, h) in dims.iter_mut().zip(header) {
+                *d = h as usize;
             }
-            shape[0] = crate::per_rank_batch(shape[0], world)?;
-            Ok(self.comm.recv(ROOT, shape, device)?)
+            (None, dims)
+        };
+        if dims.iter().all(|&d| d == 0) {
+            return Err(DdpError::Config(
+                "rank 0 passed no batch to scatter; rank 0 must pass Some(batch)".into(),
+            ));
+        }
+        let local = crate::per_rank_batch(dims[0], world)?;
+        match global {
+            Some(global) => {
+                for rank in 1..world {
+                    self.comm
+                        .send(global.clone().narrow(0, rank * local, local), rank)?;
+                }
+                Ok(global.narrow(0, 0, local))
+            }
+            None => {
+                let mut shape = dims;
+                shape[0] = local;
+                Ok(self.comm.recv(ROOT, shape, device)?)
+            }
         }
     }
 
@@ -99,26 +114,39 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DataParallel<B, M> {
         optimizer: &mut O,
         lr: f64,
     ) -> Result<(), DdpError> {
-        let slots = params::slots::<B, M>(self.module());
+        let slots = params::trainable::<B, M>(self.module());
         let mut grads = loss.backward();
-        let mut local = Vec::with_capacity(slots.len());
-        let mut missing = Vec::new();
-        for slot in &slots {
-            match (slot.take)(&mut grads) {
-                Some(grad) => local.push(grad),
-                None => missing.push(MissingGradient {
-                    name: slot.name.clone(),
-                    ranks: vec![self.comm.global_rank()],
-                }),
-            }
-        }
+        let local: Vec<Option<Tensor<Inner<B>, 1>>> =
+            slots.iter().map(|slot| (slot.take)(&mut grads)).collect();
+        // Every rank learns which gradients are missing where, so all stop together.
+        let codes: Vec<i32> = local.iter().map(|g| g.is_some() as i32).collect();
+        let device = slots.first().map(|s| s.device.clone()).unwrap_or_default();
+        let codes = params::gather_codes::<Inner<B>>(&self.comm, &codes, &device)?;
+        let missing: Vec<MissingGradient> = codes
+            .iter()
+            .zip(&slots)
+            .filter(|(c, _)| c.contains(&0))
+            .map(|(c, slot)| MissingGradient {
+                name: slot.name.clone(),
+                ranks: (0..c.len()).filter(|&r| c[r] == 0).collect(),
+            })
+            .collect();
         if !missing.is_empty() {
             return Err(DdpError::MissingGradients(missing));
         }
-        let lengths: Vec<usize> = slots.iter().map(|s| s.numel).collect();
-        let flat = params::concat(local);
+
         let world = self.comm.size();
-        if self.comm.rank() == ROOT {
+        let mut local: Vec<Tensor<Inner<B>, 1>> = local.into_iter().flatten().collect();
+        let members: Vec<&ParamSlot<B>> = slots.iter().collect();
+        let mut averaged = GradientsParams::new();
+        for run in params::dtype_runs(&members) {
+            let lengths: Vec<usize> = slots[run.clone()].iter().map(|s| s.numel).collect();
+            let parts: Vec<_> = local.drain(..run.len()).collect();
+            let flat = params::concat(parts);
+            if self.comm.rank() != ROOT {
+                self.comm.send(flat, ROOT)?;
+                continue;
+            }
             let device = flat.device();
             let mut sum = flat;
             for rank in 1..world {
@@ -127,14 +155,13 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DataParallel<B, M> {
                 sum = sum + theirs;
             }
             let mean = sum / world as f64;
-            let mut averaged = GradientsParams::new();
-            for (slot, grad) in slots.iter().zip(params::split(mean, &lengths)) {
+            for (slot, grad) in slots[run].iter().zip(params::split(mean, &lengths)) {
                 (slot.put)(&mut averaged, grad);
             }
+        }
+        if self.comm.rank() == ROOT {
             let module = self.module.take().expect("present between calls");
             self.module = Some(optimizer.step(lr, module, averaged));
-        } else {
-            self.comm.send(flat, ROOT)?;
         }
         self.broadcast_parameters()
     }
@@ -142,8 +169,10 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DataParallel<B, M> {
     /// Gives every rank rank 0's parameters, as one flat buffer per dtype run.
     fn broadcast_parameters(&mut self) -> Result<(), DdpError> {
         let slots = params::slots::<B, M>(self.module());
+        let members: Vec<&ParamSlot<B>> = slots.iter().collect();
         let mut values = Vec::with_capacity(slots.len());
-        for run in runs_of_dtype(&slots) {
+        for run in params::dtype_runs(&members) {
+            let run = &slots[run];
             let lengths: Vec<usize> = run.iter().map(|s| s.numel).collect();
             let flat = params::concat(run.iter().map(|s| s.value.clone()).collect());
             let flat = self.comm.broadcast(flat, ROOT)?;
@@ -153,17 +182,4 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DataParallel<B, M> {
         self.module = Some(params::load::<B, M>(module, values));
         Ok(())
     }
-}
-
-/// Consecutive parameters of one dtype.
-fn runs_of_dtype<B: AutodiffBackend>(slots: &[ParamSlot<B>]) -> Vec<&[ParamSlot<B>]> {
-    let mut runs = Vec::new();
-    let mut start = 0;
-    for i in 1..=slots.len() {
-        if i == slots.len() || slots[i].dtype != slots[start].dtype {
-            runs.push(&slots[start..i]);
-            start = i;
-        }
-    }
-    runs
 }

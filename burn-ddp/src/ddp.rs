@@ -11,7 +11,7 @@ use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_comm::{CommError, Communicator, ReduceOp, Work};
+use burn_comm::{Communicator, ReduceOp, Work};
 
 use crate::bucket::BucketPlan;
 use crate::hooks::BackwardHooks;
@@ -82,17 +82,20 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> DistributedDataParallel<B, M> {
                     .into(),
             ));
         }
-        let slots = params::slots::<B, M>(&module);
-        if slots.is_empty() {
-            return Err(DdpError::Config(
-                "the module has no float parameters; there is nothing to keep in sync".into(),
-            ));
-        }
-        let mut values = Vec::with_capacity(slots.len());
-        for slot in &slots {
+        let all = params::slots::<B, M>(&module);
+        let mut values = Vec::with_capacity(all.len());
+        for slot in &all {
             values.push(comm.broadcast(slot.value.clone(), 0)?);
         }
         let module = params::load::<B, M>(module, values);
+        // Frozen parameters are made equal above, then left alone, as in PyTorch.
+        let slots = params::trainable::<B, M>(&module);
+        if slots.is_empty() {
+            return Err(DdpError::Config(
+                "the module has no trainable float parameters; there is nothing to keep in sync"
+                    .into(),
+            ));
+        }
         // Backward reaches the last parameters first: start with reverse module order.
         let order: Vec<usize> = (0..slots.len()).rev().collect();
         let plan = plan_for(&slots, &order, config.bucket_cap_bytes);
@@ -154,7 +157,7 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> DistributedDataParallel<B, M> {
     /// Backward of a micro-batch whose gradients are only accumulated locally (PyTorch's
     /// `no_sync`): no communication. The next [`Self::backward`] adds them in before averaging.
     pub fn backward_no_sync(&mut self, loss: Tensor<B, 1>) {
-        let slots = params::slots::<B, M>(self.module());
+        let slots = params::trainable::<B, M>(self.module());
         let mut grads = loss.backward();
         for (i, slot) in slots.iter().enumerate() {
             if let Some(grad) = (slot.take)(&mut grads) {
@@ -170,13 +173,18 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> DistributedDataParallel<B, M> {
     /// [`Self::backward_no_sync`]) averaged over the group, bucket by bucket, overlapping
     /// backward when [`DdpConfig::overlap`] is on.
     pub fn backward(&mut self, loss: Tensor<B, 1>) -> Result<GradientsParams, DdpError> {
-        let slots = params::slots::<B, M>(self.module());
+        let slots = params::trainable::<B, M>(self.module());
         if slots.len() != self.names.len() {
             return Err(DdpError::Config(format!(
-                "the module had {} parameters when wrapped and has {} now; wrap the new module in a new DistributedDataParallel",
+                "the module had {} trainable parameters when wrapped and has {} now; wrap the new module in a new DistributedDataParallel",
                 self.names.len(),
                 slots.len()
             )));
+        }
+        if !B::is_tracked(&loss) {
+            return Err(DdpError::Config(
+                "the loss does not depend on any parameter that requires a gradient; compute it from the module's forward".into(),
+            ));
         }
         let reducer = Arc::new(Mutex::new(Some(Reducer::new(
             slots,
@@ -233,7 +241,12 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> DistributedDataParallel<B, M> {
             self.late[i] |= late;
         }
         if !self.rebuilt {
-            self.rebuild(&outcome.ready_order, &outcome.slots)?;
+            // Late parameters are complete only after backward: they go last, or their bucket
+            // would hold back every later one.
+            let (mut order, late): (Vec<usize>, Vec<usize>) =
+                outcome.ready_order.iter().partition(|&&i| !self.late[i]);
+            order.extend(late);
+            self.rebuild(&order, &outcome.slots)?;
         }
         Ok(outcome.grads)
     }
@@ -284,7 +297,7 @@ struct Reducer<B: AutodiffBackend> {
     waiting_in_bucket: Vec<usize>,
     next_bucket: usize,
     in_flight: Vec<(usize, Work<Tensor<Inner<B>, 1>>)>,
-    late_grads: Vec<(usize, Tensor<Inner<B>, 1>)>,
+    late_grads: Vec<Option<Tensor<Inner<B>, 1>>>,
     has_grad: Vec<bool>,
     overlapped: usize,
 }
@@ -320,7 +333,7 @@ impl<B: AutodiffBackend> Reducer<B> {
             ready_order: Vec::with_capacity(n),
             next_bucket: 0,
             in_flight: Vec::new(),
-            late_grads: Vec::new(),
+            late_grads: vec![None; n],
             has_grad: vec![false; n],
             overlapped: 0,
         }
@@ -347,9 +360,7 @@ impl<B: AutodiffBackend> Reducer<B> {
         for i in 0..self.slots.len() {
             let grad = (self.slots[i].take)(grads);
             if self.taken[i] {
-                if let Some(grad) = grad {
-                    self.late_grads.push((i, grad));
-                }
+                self.late_grads[i] = grad;
             } else {
                 self.ready(i, grad);
             }
@@ -411,19 +422,43 @@ impl<B: AutodiffBackend> Reducer<B> {
                 averaged[i] = Some(piece);
             }
         }
-        let mut late = vec![false; self.slots.len()];
-        if !self.late_grads.is_empty() {
-            let (indices, parts): (Vec<usize>, Vec<_>) =
-                std::mem::take(&mut self.late_grads).into_iter().unzip();
-            let lengths: Vec<usize> = indices.iter().map(|&i| self.slots[i].numel).collect();
+        // One exchange of per-parameter codes decides, identically on every rank, which
+        // parameters lack a gradient somewhere (bit 0 clear) and which got late parts (bit 1).
+        let codes: Vec<i32> = (0..self.slots.len())
+            .map(|i| self.has_grad[i] as i32 | (self.late_grads[i].is_some() as i32) << 1)
+            .collect();
+        let codes = params::gather_codes::<Inner<B>>(&self.comm, &codes, &self.slots[0].device)?;
+        let late: Vec<bool> = codes
+            .iter()
+            .map(|c| c.iter().any(|&c| c & 2 != 0))
+            .collect();
+        let lacking: Vec<Vec<usize>> = codes
+            .iter()
+            .map(|c| (0..c.len()).filter(|&r| c[r] & 1 == 0).collect())
+            .collect();
+
+        // Late parts, all-reduced over the union of every rank's late parameters (zeros where a
+        // rank has none), one buffer per dtype.
+        let indices: Vec<usize> = (0..self.slots.len()).filter(|&i| late[i]).collect();
+        let members: Vec<&ParamSlot<B>> = indices.iter().map(|&i| &self.slots[i]).collect();
+        for run in params::dtype_runs(&members) {
+            let run = &indices[run];
+            let parts = run
+                .iter()
+                .map(|&i| {
+                    let slot = &self.slots[i];
+                    self.late_grads[i]
+                        .take()
+                        .unwrap_or_else(|| Tensor::zeros([slot.numel], (&slot.device, slot.dtype)))
+                })
+                .collect();
+            let lengths: Vec<usize> = run.iter().map(|&i| self.slots[i].numel).collect();
             let flat = self.comm.all_reduce(params::concat(parts), ReduceOp::Avg)?;
-            for (&i, piece) in indices.iter().zip(params::split(flat, &lengths)) {
-                late[i] = true;
+            for (&i, piece) in run.iter().zip(params::split(flat, &lengths)) {
                 averaged[i] = averaged[i].take().map(|early| early + piece);
             }
         }
 
-        let lacking = self.ranks_without_gradient()?;
         let world = self.comm.size();
         let missing = lacking
             .iter()
@@ -447,29 +482,5 @@ impl<B: AutodiffBackend> Reducer<B> {
             bytes,
             overlapped: self.overlapped,
         })
-    }
-
-    /// For every parameter, the ranks that had no gradient for it.
-    fn ranks_without_gradient(&self) -> Result<Vec<Vec<usize>>, CommError> {
-        let n = self.slots.len();
-        let flags: Vec<i32> = self.has_grad.iter().map(|&h| h as i32).collect();
-        let flags = Tensor::<Inner<B>, 1, Int>::from_data(
-            TensorData::new(flags, [n]),
-            &self.slots[0].device,
-        );
-        let all: Vec<i64> = self
-            .comm
-            .all_gather(flags, 0)?
-            .into_data()
-            .convert::<i64>()
-            .to_vec::<i64>()
-            .expect("an int tensor converts to i64");
-        Ok((0..n)
-            .map(|i| {
-                (0..self.comm.size())
-                    .filter(|&r| all[r * n + i] == 0)
-                    .collect()
-            })
-            .collect())
     }
 }

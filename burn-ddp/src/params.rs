@@ -4,7 +4,8 @@
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn_comm::{CommError, Communicator};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 type Take<B> = Box<
@@ -15,6 +16,8 @@ type Put<B> = Box<dyn Fn(&mut GradientsParams, Tensor<Inner<B>, 1>) + Send + Syn
 /// One float parameter of a module, in the module's visiting order.
 pub(crate) struct ParamSlot<B: AutodiffBackend> {
     pub name: String,
+    /// Frozen parameters (`require_grad` off) are kept equal but get no gradient.
+    pub require_grad: bool,
     pub numel: usize,
     pub dtype: DType,
     pub device: burn::tensor::Device<Inner<B>>,
@@ -42,6 +45,49 @@ pub(crate) fn slots<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec
     collector.slots
 }
 
+/// The float parameters of `module` that are trained, in visiting order.
+pub(crate) fn trainable<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamSlot<B>> {
+    slots(module)
+        .into_iter()
+        .filter(|s| s.require_grad)
+        .collect()
+}
+
+/// Every rank's `codes` (one per parameter): `result[i][r]` is rank `r`'s code for parameter
+/// `i`. One all-gather, so every rank decides the same thing from the same numbers.
+pub(crate) fn gather_codes<B: Backend>(
+    comm: &Communicator,
+    codes: &[i32],
+    device: &burn::tensor::Device<B>,
+) -> Result<Vec<Vec<i32>>, CommError> {
+    let n = codes.len();
+    let local = Tensor::<B, 1, Int>::from_data(TensorData::new(codes.to_vec(), [n]), device);
+    let all: Vec<i64> = comm
+        .all_gather(local, 0)?
+        .into_data()
+        .convert::<i64>()
+        .to_vec::<i64>()
+        .expect("an int tensor converts to i64");
+    Ok((0..n)
+        .map(|i| (0..comm.size()).map(|r| all[r * n + i] as i32).collect())
+        .collect())
+}
+
+/// Indices of consecutive runs of one dtype in `slots`.
+pub(crate) fn dtype_runs<B: AutodiffBackend>(
+    slots: &[&ParamSlot<B>],
+) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let mut start = 0;
+    for i in 1..=slots.len() {
+        if i == slots.len() || slots[i].dtype != slots[start].dtype {
+            runs.push(start..i);
+            start = i;
+        }
+    }
+    runs
+}
+
 struct Collector<B: AutodiffBackend> {
     path: Vec<String>,
     slots: Vec<ParamSlot<B>>,
@@ -64,6 +110,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Collector<B> {
         let inner = tensor.clone().inner();
         self.slots.push(ParamSlot {
             name: self.path.join("."),
+            require_grad: tensor.is_require_grad(),
             numel,
             dtype: inner.dtype(),
             device: inner.device(),

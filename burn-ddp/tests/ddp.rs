@@ -143,6 +143,87 @@ fn a_weight_used_twice_gets_both_contributions() {
 }
 
 #[test]
+fn after_the_first_step_a_weight_used_twice_waits_at_the_back() {
+    let want = reference(true);
+    let results = launch(2, |ctx| {
+        let net = Net::<AD>::new(0);
+        let config = DdpConfig::new().with_bucket_cap_bytes(1);
+        let mut ddp = DistributedDataParallel::new(net, ctx.world().clone(), config)?;
+        let x = || batch(8, 99).narrow(0, 4 * ctx.rank(), 4);
+        ddp.backward(ddp.module().loss(x(), true, true))?;
+        let grads = ddp.backward(ddp.module().loss(x(), true, true))?;
+        Ok::<_, DdpError>((flat(&grads, ddp.module()), ddp.stats(), ddp.buckets()))
+    });
+    for result in results {
+        let (grads, stats, buckets) = result.unwrap();
+        assert_near(&grads, &want);
+        assert_eq!(buckets.last().unwrap(), &vec!["first".to_string()]);
+        assert_eq!(stats.overlapped_buckets, 2, "{buckets:?}");
+    }
+}
+
+#[test]
+fn ranks_may_differ_in_which_weights_get_late_parts() {
+    // Rank 0 uses `first` twice, rank 1 once: the late all-reduce must still match.
+    let net = Net::<AD>::new(0);
+    let x = batch(8, 99);
+    let loss = (net.loss(x.clone().narrow(0, 0, 4), true, true)
+        + net.loss(x.narrow(0, 4, 4), false, true))
+        / 2.0;
+    let want = flat(&GradientsParams::from_grads(loss.backward(), &net), &net);
+    let results = launch(2, |ctx| {
+        let net = Net::<AD>::new(0);
+        let config = DdpConfig::new().with_bucket_cap_bytes(1);
+        let mut ddp = DistributedDataParallel::new(net, ctx.world().clone(), config)?;
+        let x = batch(8, 99).narrow(0, 4 * ctx.rank(), 4);
+        let grads = ddp.backward(ddp.module().loss(x, ctx.rank() == 0, true))?;
+        Ok::<_, DdpError>(flat(&grads, ddp.module()))
+    });
+    for result in results {
+        assert_near(&result.unwrap(), &want);
+    }
+}
+
+#[test]
+fn frozen_parameters_are_synchronised_but_not_reduced() {
+    let results = launch(2, |ctx| {
+        let mut net = Net::<AD>::new(ctx.rank() as u64);
+        net.extra = net.extra.set_require_grad(false);
+        let mut ddp = DistributedDataParallel::new(net, ctx.world().clone(), DdpConfig::new())?;
+        let grads = ddp.backward(ddp.module().loss(batch(2, 5), false, true))?;
+        let extra = ddp
+            .module()
+            .extra
+            .val()
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        Ok::<_, DdpError>((grads.get::<Flex, 2>(ddp.module().extra.id).is_none(), extra))
+    });
+    let results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+    assert!(results[0].0 && results[1].0);
+    assert_eq!(
+        results[0].1, results[1].1,
+        "rank 0's frozen weight reached rank 1"
+    );
+}
+
+#[test]
+fn an_untracked_loss_is_refused() {
+    let results = launch(1, |ctx| {
+        let net = Net::<AD>::new(0);
+        let mut ddp = DistributedDataParallel::new(net, ctx.world().clone(), DdpConfig::new())?;
+        let loss = ddp.module().loss(batch(2, 5), false, true).detach();
+        ddp.backward(loss).map(|_| ())
+    });
+    let message = results.into_iter().next().unwrap().unwrap_err().to_string();
+    assert!(
+        message.contains("does not depend on any parameter"),
+        "{message}"
+    );
+}
+
+#[test]
 fn replicas_start_from_rank_0_and_stay_bit_identical() {
     let weights = launch(3, |ctx| {
         let net = Net::<AD>::new(ctx.rank() as u64 + 1);
@@ -198,4 +279,25 @@ fn a_parameter_without_gradient_on_one_rank_is_named_on_every_rank() {
         Ok::<_, DdpError>(grads.get::<Flex, 2>(ddp.module().extra.id).is_some())
     });
     assert!(results.into_iter().all(|r| r.unwrap()));
+}
+
+#[test]
+fn data_parallel_refuses_a_batch_that_does_not_split_on_every_rank_at_once() {
+    use burn::tensor::Int;
+    use burn_ddp::DataParallel;
+    let started = std::time::Instant::now();
+    let results = launch(2, |ctx| {
+        let dp = DataParallel::new(Net::<AD>::new(0), ctx.world().clone())?;
+        let device = Default::default();
+        let global = (ctx.rank() == 0).then(|| Tensor::<AD, 2, Int>::zeros([7, 3], &device));
+        dp.scatter(global, &device).map(|_| ())
+    });
+    for result in results {
+        let message = result.unwrap_err().to_string();
+        assert!(message.contains("multiple of 2"), "{message}");
+    }
+    assert!(
+        started.elapsed().as_secs() < 10,
+        "an error must not wait for a timeout"
+    );
 }

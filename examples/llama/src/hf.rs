@@ -25,13 +25,13 @@ pub const SAFETENSORS: &str = "model.safetensors";
 /// Hugging Face config inside a weights directory.
 pub const CONFIG: &str = "config.json";
 
-/// Every tensor of `model` under its Hugging Face name, in Hugging Face's layout.
+/// Every tensor of `model` under its Hugging Face name, in Hugging Face's layout, as f32.
 pub fn export<B: Backend>(model: &Llama<B>) -> Vec<(String, TensorData)> {
-    let matrix = |p: &Param<Tensor<B, 2>>| p.val().transpose().into_data();
-    let vector = |p: &Param<Tensor<B, 1>>| p.val().into_data();
+    let matrix = |p: &Param<Tensor<B, 2>>| p.val().transpose().into_data().convert::<f32>();
+    let vector = |p: &Param<Tensor<B, 1>>| p.val().into_data().convert::<f32>();
     let mut out = vec![(
         "model.embed_tokens.weight".to_string(),
-        model.embed_tokens.val().into_data(),
+        model.embed_tokens.val().into_data().convert::<f32>(),
     )];
     for (i, layer) in model.layers.iter().enumerate() {
         let name = |part: &str| format!("model.layers.{i}.{part}.weight");

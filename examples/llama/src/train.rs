@@ -187,7 +187,8 @@ pub struct StepMetrics {
     pub seconds: f64,
     /// Wall time since the first step started.
     pub elapsed: f64,
-    /// Time this rank waited for gradient communication after backward (DDP only).
+    /// Time this rank waited for gradient communication after backward: 0 on one device,
+    /// NaN (null in JSON) for the parameter server, whose communication is the step itself.
     pub comm_wait_s: f64,
 }
 
@@ -285,7 +286,8 @@ pub fn train_rank<B: BackwardHooks>(
                 let loss_value = scalar(&loss);
                 dp.step(loss, &mut optimizer, schedule.lr(step))?;
                 let loss = global_mean::<B>(comm, loss_value, device)?;
-                report(step, loss, begun, 0.0);
+                // Its communication is inside `step`, not separable from it.
+                report(step, loss, begun, f64::NAN);
             }
             Ok(dp.into_module())
         }
@@ -324,8 +326,11 @@ impl<'a> Batches<'a> {
         rank: usize,
         layout: Layout,
     ) -> Result<Self, TrainError> {
-        let sampler = DistributedSampler::new(data.len(), world, rank)?.with_seed(config.seed);
-        if sampler.num_samples() < layout.per_rank {
+        // Without padding, every layout cuts the epoch's permutation into the same global batches.
+        let sampler = DistributedSampler::new(data.len(), world, rank)?
+            .with_seed(config.seed)
+            .with_drop_last(true);
+        if data.len() < config.batch_size {
             return Err(TrainError::Config(format!(
                 "the dataset has {} samples, fewer than one global batch of {}; use more data or a smaller --batch-size",
                 data.len(),
@@ -335,7 +340,9 @@ impl<'a> Batches<'a> {
         Ok(Self {
             data,
             sampler,
-            single: DistributedSampler::new(data.len(), 1, 0)?.with_seed(config.seed),
+            single: DistributedSampler::new(data.len(), 1, 0)?
+                .with_seed(config.seed)
+                .with_drop_last(true),
             layout,
             batch_size: config.batch_size,
             seq_len: config.seq_len,
@@ -441,9 +448,11 @@ pub fn train<B: BackwardHooks>(
     });
     // Report the cause: a rank's own failure rather than its peers' "peer failed".
     let cause = results.iter().position(|r| match r {
-        Err(burn_comm::RankError::Failed { error, .. }) => {
-            !matches!(error, TrainError::Comm(CommError::PeerFailed { .. }))
-        }
+        Err(burn_comm::RankError::Failed { error, .. }) => !matches!(
+            error,
+            TrainError::Comm(CommError::PeerFailed { .. })
+                | TrainError::Ddp(DdpError::Comm(CommError::PeerFailed { .. }))
+        ),
         Err(burn_comm::RankError::Panicked { .. }) => true,
         Ok(_) => false,
     });

@@ -13,6 +13,7 @@ use burn::tensor::{BasicOps, Int, Tensor, TensorData};
 use burn_comm::Communicator;
 
 use crate::params::{self, ParamSlot};
+use crate::replica::Replica;
 use crate::{DdpError, MissingGradient};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -21,7 +22,7 @@ const ROOT: usize = 0;
 
 /// One rank of a parameter-server data-parallel group; rank 0 is the server.
 pub struct DataParallel<B: AutodiffBackend, M: AutodiffModule<B>> {
-    module: Option<M>,
+    module: Replica<M>,
     comm: Communicator,
     _backend: PhantomData<B>,
 }
@@ -30,7 +31,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DataParallel<B, M> {
     /// Wraps `module`, giving every rank rank 0's parameters.
     pub fn new(module: M, comm: Communicator) -> Result<Self, DdpError> {
         let mut this = Self {
-            module: Some(module),
+            module: Replica::new(module),
             comm,
             _backend: PhantomData,
         };
@@ -40,15 +41,12 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DataParallel<B, M> {
 
     /// The local replica, for the forward pass.
     pub fn module(&self) -> &M {
-        self.module
-            .as_ref()
-            .expect("the module is always present between calls")
+        self.module.get()
     }
 
     /// Unwraps the replica.
     pub fn into_module(self) -> M {
-        self.module
-            .expect("the module is always present between calls")
+        self.module.into_inner()
     }
 
     /// Rank 0 passes the global batch, the others `None`; every rank gets its contiguous part
@@ -160,8 +158,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DataParallel<B, M> {
             }
         }
         if self.comm.rank() == ROOT {
-            let module = self.module.take().expect("present between calls");
-            self.module = Some(optimizer.step(lr, module, averaged));
+            self.module
+                .update(|module| optimizer.step(lr, module, averaged));
         }
         self.broadcast_parameters()
     }
@@ -178,8 +176,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DataParallel<B, M> {
             let flat = self.comm.broadcast(flat, ROOT)?;
             values.extend(params::split(flat, &lengths));
         }
-        let module = self.module.take().expect("present between calls");
-        self.module = Some(params::load::<B, M>(module, values));
+        self.module
+            .update(|module| params::load::<B, M>(module, values));
         Ok(())
     }
 }

@@ -16,6 +16,7 @@ use burn_comm::{Communicator, ReduceOp, Work};
 use crate::bucket::BucketPlan;
 use crate::hooks::BackwardHooks;
 use crate::params::{self, ParamSlot};
+use crate::replica::Replica;
 use crate::{DdpError, MissingGradient};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -59,7 +60,7 @@ pub struct DdpStepStats {
 /// ddp.step(&mut optimizer, lr, grads);
 /// ```
 pub struct DistributedDataParallel<B: BackwardHooks, M: AutodiffModule<B>> {
-    module: Option<M>,
+    module: Replica<M>,
     comm: Communicator,
     config: DdpConfig,
     names: Vec<String>,
@@ -100,7 +101,7 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> DistributedDataParallel<B, M> {
         let order: Vec<usize> = (0..slots.len()).rev().collect();
         let plan = plan_for(&slots, &order, config.bucket_cap_bytes);
         Ok(Self {
-            module: Some(module),
+            module: Replica::new(module),
             comm,
             names: slots.iter().map(|s| s.name.clone()).collect(),
             late: vec![false; slots.len()],
@@ -114,15 +115,12 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> DistributedDataParallel<B, M> {
 
     /// The local replica, for the forward pass.
     pub fn module(&self) -> &M {
-        self.module
-            .as_ref()
-            .expect("the module is always present between calls")
+        self.module.get()
     }
 
     /// Unwraps the replica.
     pub fn into_module(self) -> M {
-        self.module
-            .expect("the module is always present between calls")
+        self.module.into_inner()
     }
 
     /// The data-parallel group.
@@ -147,11 +145,8 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> DistributedDataParallel<B, M> {
     /// Applies `grads` with `optimizer`. Every rank passes the same averaged gradients, so the
     /// replicas stay bit-identical.
     pub fn step<O: Optimizer<M, B>>(&mut self, optimizer: &mut O, lr: f64, grads: GradientsParams) {
-        let module = self
-            .module
-            .take()
-            .expect("the module is always present between calls");
-        self.module = Some(optimizer.step(lr, module, grads));
+        self.module
+            .update(|module| optimizer.step(lr, module, grads));
     }
 
     /// Backward of a micro-batch whose gradients are only accumulated locally (PyTorch's

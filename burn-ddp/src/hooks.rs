@@ -82,7 +82,13 @@ impl<B: Backend> Backward<B, 2> for Join {
 
 impl<B: Backend, C: CheckpointStrategy> BackwardHooks for Autodiff<B, C> {
     fn is_tracked(loss: &Tensor<Self, 1>) -> bool {
-        !loss.clone().into_primitive().tensor().node.requirement.is_none()
+        !loss
+            .clone()
+            .into_primitive()
+            .tensor()
+            .node
+            .requirement
+            .is_none()
     }
 
     fn with_depth_hooks(loss: Tensor<Self, 1>, hook: DepthHook<Self>) -> Tensor<Self, 1> {

@@ -15,6 +15,7 @@ mod error;
 mod hooks;
 mod lr;
 mod params;
+mod replica;
 mod sampler;
 
 pub use data_parallel::DataParallel;

@@ -19,9 +19,12 @@
 //! Layers, bottom up: the local transport ([`launch`] runs ranks as threads that exchange data
 //! through shared memory), the [`Communicator`] of one rank in one group, the [`DeviceMesh`] of
 //! named dimensions, and the autodiff-aware operations of tensor parallelism in [`parallel`].
+//! For jobs of several processes: [`ProcessEnv`] reads the torchrun environment (as set by
+//! `burn-launch`) and [`Store`] is the TCP key-value store through which they meet.
 
 mod call;
 mod communicator;
+mod env;
 mod error;
 mod kernels;
 mod launch;
@@ -29,9 +32,12 @@ mod local;
 mod mesh;
 pub mod parallel;
 mod shared;
+mod store;
 
 pub use call::ReduceOp;
 pub use communicator::{Communicator, Work};
+pub use env::ProcessEnv;
 pub use error::CommError;
 pub use launch::{DEFAULT_TIMEOUT, LaunchConfig, RankContext, RankError, launch, launch_with};
 pub use mesh::DeviceMesh;
+pub use store::{Store, StoreError, StoreServer};

@@ -1,0 +1,229 @@
+//! `burn-launch --nproc-per-node N [options] -- PROGRAM [ARGS...]`: starts N processes of
+//! PROGRAM with the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+//! MASTER_ADDR, MASTER_PORT), prefixes every line they print with their rank, and stops them
+//! all as soon as one fails.
+//!
+//! Each rank runs in its own process group, so stopping a rank stops whatever it started (a
+//! shell's children, say); Ctrl-C or SIGTERM to the launcher stops every rank the same way.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(about = "Start N processes of a program with the torchrun environment")]
+struct Args {
+    /// Processes on this machine (one per GPU, usually).
+    #[arg(long)]
+    nproc_per_node: usize,
+    /// Machines in the job.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This machine's index among them.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Host of rank 0 (where the rendezvous store runs).
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the rendezvous store; 0 picks a free one (single machine only).
+    #[arg(long, default_value_t = 29500)]
+    master_port: u16,
+    /// The program and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    command: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(code) => code,
+        Err(message) => {
+            eprintln!("burn-launch: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(args: Args) -> Result<ExitCode, String> {
+    if args.nproc_per_node == 0 || args.nnodes == 0 || args.node_rank >= args.nnodes {
+        return Err(format!(
+            "--nproc-per-node must be at least 1 and --node-rank ({}) below --nnodes ({})",
+            args.node_rank, args.nnodes
+        ));
+    }
+    let port = match args.master_port {
+        0 if args.nnodes > 1 => {
+            return Err(
+                "--master-port 0 works on one machine only; give every machine the same port"
+                    .into(),
+            );
+        }
+        0 => free_port()?,
+        port => port,
+    };
+    let world_size = args.nnodes * args.nproc_per_node;
+    on_interrupt_stop();
+    let mut children = Vec::with_capacity(args.nproc_per_node);
+    let mut pipes = Vec::new();
+    for local_rank in 0..args.nproc_per_node {
+        let rank = args.node_rank * args.nproc_per_node + local_rank;
+        let mut command = Command::new(&args.command[0]);
+        #[cfg(unix)]
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        let spawned = command
+            .args(&args.command[1..])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world_size.to_string())
+            .env("LOCAL_RANK", local_rank.to_string())
+            .env("LOCAL_WORLD_SIZE", args.nproc_per_node.to_string())
+            .env("MASTER_ADDR", &args.master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                stop(&mut children);
+                return Err(format!("cannot start {}: {e}", args.command[0]));
+            }
+        };
+        let stdout = child.stdout.take().expect("piped");
+        let stderr = child.stderr.take().expect("piped");
+        pipes.push(thread::spawn(move || {
+            prefix(stdout, rank, std::io::stdout())
+        }));
+        pipes.push(thread::spawn(move || {
+            prefix(stderr, rank, std::io::stderr())
+        }));
+        children.push((rank, Some(child)));
+    }
+
+    let code = supervise(&mut children);
+    for pipe in pipes {
+        let _ = pipe.join();
+    }
+    Ok(code)
+}
+
+/// Waits for every child; when one fails, stops the others and returns its exit code.
+fn supervise(children: &mut [(usize, Option<Child>)]) -> ExitCode {
+    loop {
+        if INTERRUPTED.load(Ordering::Relaxed) {
+            eprintln!("burn-launch: interrupted; stopping every rank");
+            stop(children);
+            return ExitCode::from(130);
+        }
+        let mut running = 0;
+        for i in 0..children.len() {
+            let (rank, slot) = &mut children[i];
+            let Some(child) = slot else { continue };
+            match child.try_wait() {
+                Ok(None) => running += 1,
+                Ok(Some(status)) if status.success() => *slot = None,
+                outcome => {
+                    let rank = *rank;
+                    let (why, code) = match outcome {
+                        Ok(Some(status)) => (format!("exited with {status}"), status.code()),
+                        Err(e) => (format!("could not be waited for: {e}"), None),
+                        Ok(None) => unreachable!("handled above"),
+                    };
+                    *slot = None;
+                    eprintln!("burn-launch: rank {rank} {why}; stopping the other ranks");
+                    stop(children);
+                    let code = code.and_then(|c| u8::try_from(c).ok()).filter(|&c| c != 0);
+                    return ExitCode::from(code.unwrap_or(1));
+                }
+            }
+        }
+        if running == 0 {
+            return ExitCode::SUCCESS;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Set by SIGINT/SIGTERM; the supervision loop stops the ranks.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+#[cfg(unix)]
+fn on_interrupt_stop() {
+    extern "C" fn note(_: libc::c_int) {
+        INTERRUPTED.store(true, Ordering::Relaxed);
+    }
+    let handler = note as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, handler);
+        libc::signal(libc::SIGTERM, handler);
+    }
+}
+
+#[cfg(not(unix))]
+fn on_interrupt_stop() {}
+
+/// Stops every remaining rank: SIGTERM to its process group, SIGKILL after a grace period.
+fn stop(children: &mut [(usize, Option<Child>)]) {
+    let running: Vec<Child> = children.iter_mut().filter_map(|(_, c)| c.take()).collect();
+    signal_all(&running, Signal::Terminate);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut running: Vec<Child> = running;
+    while !running.is_empty() && Instant::now() < deadline {
+        running.retain_mut(|c| matches!(c.try_wait(), Ok(None)));
+        thread::sleep(Duration::from_millis(20));
+    }
+    signal_all(&running, Signal::Kill);
+    for mut child in running {
+        let _ = child.wait();
+    }
+}
+
+enum Signal {
+    Terminate,
+    Kill,
+}
+
+#[cfg(unix)]
+fn signal_all(children: &[Child], signal: Signal) {
+    let signal = match signal {
+        Signal::Terminate => libc::SIGTERM,
+        Signal::Kill => libc::SIGKILL,
+    };
+    for child in children {
+        // SAFETY: plain syscall; a negative pid names the child's process group.
+        unsafe { libc::kill(-(child.id() as libc::pid_t), signal) };
+    }
+}
+
+#[cfg(not(unix))]
+fn signal_all(children: &[Child], _: Signal) {
+    for child in children {
+        let _ = child.kill();
+    }
+}
+
+/// Copies `source` to `sink` line by line, each line prefixed with the rank.
+fn prefix(source: impl Read, rank: usize, sink: impl Write) {
+    let mut sink = sink;
+    for line in BufReader::new(source).split(b'\n') {
+        let Ok(line) = line else { return };
+        let mut out = format!("[rank {rank}] ").into_bytes();
+        out.extend_from_slice(&line);
+        out.push(b'\n');
+        // One write per line keeps lines of different ranks whole.
+        if sink.write_all(&out).and_then(|_| sink.flush()).is_err() {
+            return;
+        }
+    }
+}
+
+fn free_port() -> Result<u16, String> {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("cannot find a free port: {e}"))
+}

@@ -101,6 +101,43 @@ fn train_writes_metrics_and_weights_that_eval_and_init_from_read() {
 }
 
 #[test]
+fn trains_on_a_text_file_read_as_bytes() {
+    let dir = scratch("bytes");
+    let text = dir.join("text.txt");
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
+    let out = llama(&[
+        "train",
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--data",
+        text.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("1800 bytes, 112 samples of 17 bytes"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("loss floor"),
+        "a text file has no known floor: {stdout}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
 fn bad_input_gets_a_sentence() {
     let cases: [(&[&str], &str); 4] = [
         (

@@ -82,11 +82,9 @@ impl ProcessEnv {
 
     /// Rendezvous: rank 0 serves the store on `MASTER_PORT` (on every interface), every rank
     /// connects to `MASTER_ADDR`, and all meet at a barrier, so on return the whole job is up.
-    /// `timeout` bounds the wait for the others and every later store call.
-    pub fn rendezvous(
-        &self,
-        timeout: Duration,
-    ) -> Result<(Option<StoreServer>, Store), StoreError> {
+    /// `timeout` bounds each wait (the connection, the barrier, every later store call). End
+    /// with [`Rendezvous::depart`], so rank 0 keeps the store until everyone is done with it.
+    pub fn rendezvous(&self, timeout: Duration) -> Result<Rendezvous, StoreError> {
         let server = if self.rank == 0 {
             let bound = StoreServer::bind(("0.0.0.0", self.master_port)).map_err(|source| {
                 StoreError::Io {
@@ -100,7 +98,34 @@ impl ProcessEnv {
         };
         let mut store = Store::connect(&self.master(), timeout)?;
         store.barrier("rendezvous", self.world_size)?;
-        Ok((server, store))
+        Ok(Rendezvous {
+            _server: server,
+            store,
+            world_size: self.world_size,
+        })
+    }
+}
+
+/// A job's meeting point: the store every rank is connected to, and on rank 0 its server.
+pub struct Rendezvous {
+    _server: Option<StoreServer>,
+    /// This rank's connection.
+    pub store: Store,
+    world_size: usize,
+}
+
+impl Rendezvous {
+    /// Leaves the job: every rank says so, and rank 0 (which serves the store) returns only
+    /// once all have, so no rank loses the store in the middle of a call.
+    pub fn depart(mut self) -> Result<(), StoreError> {
+        let left = self.store.add("depart/left", 1)?;
+        if left == self.world_size as i64 {
+            self.store.set("depart/all", &[])?;
+        }
+        if self._server.is_some() {
+            self.store.get("depart/all")?;
+        }
+        Ok(())
     }
 }
 

@@ -36,7 +36,7 @@ mod store;
 
 pub use call::ReduceOp;
 pub use communicator::{Communicator, Work};
-pub use env::ProcessEnv;
+pub use env::{ProcessEnv, Rendezvous};
 pub use error::CommError;
 pub use launch::{DEFAULT_TIMEOUT, LaunchConfig, RankContext, RankError, launch, launch_with};
 pub use mesh::DeviceMesh;

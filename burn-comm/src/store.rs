@@ -53,6 +53,11 @@ const GET: u8 = 1;
 const ADD: u8 = 2;
 const CHECK: u8 = 3;
 
+/// Longest key and value a server accepts: enough for ids and addresses, and a bound on what a
+/// stray client (a port scanner, an HTTP probe) can make the server allocate.
+const MAX_KEY: usize = 4 << 10;
+const MAX_VALUE: usize = 64 << 20;
+
 const OK: u8 = 0;
 const TIMED_OUT: u8 = 1;
 const REFUSED: u8 = 2;
@@ -119,7 +124,7 @@ fn answer(table: &Table, op: u8, timeout: Duration, key: String, value: Vec<u8>)
             (OK, Vec::new())
         }
         GET => {
-            let deadline = Instant::now() + timeout;
+            let deadline = deadline(timeout);
             loop {
                 if let Some(found) = values.get(&key) {
                     return (OK, found.clone());
@@ -146,7 +151,9 @@ fn answer(table: &Table, op: u8, timeout: Duration, key: String, value: Vec<u8>)
                     Err(_) => return (REFUSED, b"the key holds a value, not a counter".to_vec()),
                 },
             };
-            let sum = current + delta;
+            let Some(sum) = current.checked_add(delta) else {
+                return (REFUSED, b"the counter would overflow".to_vec());
+            };
             values.insert(key, sum.to_le_bytes().to_vec());
             table.changed.notify_all();
             (OK, sum.to_le_bytes().to_vec())
@@ -161,9 +168,9 @@ fn read_request(reader: &mut impl Read) -> io::Result<(u8, Duration, String, Vec
     reader.read_exact(&mut op)?;
     let mut timeout = [0u8; 8];
     reader.read_exact(&mut timeout)?;
-    let key = String::from_utf8(read_bytes(reader)?)
+    let key = String::from_utf8(read_bytes(reader, MAX_KEY)?)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "a key is UTF-8"))?;
-    let value = read_bytes(reader)?;
+    let value = read_bytes(reader, MAX_VALUE)?;
     Ok((
         op[0],
         Duration::from_millis(u64::from_le_bytes(timeout)),
@@ -172,11 +179,22 @@ fn read_request(reader: &mut impl Read) -> io::Result<(u8, Duration, String, Vec
     ))
 }
 
-fn read_bytes(reader: &mut impl Read) -> io::Result<Vec<u8>> {
+/// A length-prefixed byte string of at most `max` bytes.
+fn read_bytes(reader: &mut impl Read, max: usize) -> io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
     reader.read_exact(&mut len)?;
-    let mut bytes = vec![0u8; u32::from_le_bytes(len) as usize];
-    reader.read_exact(&mut bytes)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("a frame of {len} bytes is over the limit of {max}"),
+        ));
+    }
+    let mut bytes = Vec::with_capacity(len);
+    reader.take(len as u64).read_to_end(&mut bytes)?;
+    if bytes.len() < len {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
     Ok(bytes)
 }
 
@@ -200,31 +218,49 @@ pub struct Store {
     addr: String,
     stream: TcpStream,
     timeout: Duration,
+    /// Set after an I/O failure: the reply stream may be out of step, so nothing more is sent.
+    broken: bool,
+}
+
+/// `now + after`, or a day from now when that overflows (`Duration::MAX` means "no timeout").
+fn deadline(after: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(after)
+        .or_else(|| now.checked_add(Duration::from_secs(86_400)))
+        .unwrap_or(now)
 }
 
 impl Store {
     /// Connects to the server at `addr`, retrying until `timeout` (the server may start after
     /// its clients). `timeout` also bounds every later call.
     pub fn connect(addr: &str, timeout: Duration) -> Result<Self, StoreError> {
-        let deadline = Instant::now() + timeout;
+        let until = deadline(timeout);
+        let io = |source| StoreError::Io {
+            addr: addr.to_string(),
+            source,
+        };
         loop {
-            match TcpStream::connect(addr) {
-                Ok(stream) => {
-                    let _ = stream.set_nodelay(true);
-                    return Ok(Self {
-                        addr: addr.to_string(),
-                        stream,
-                        timeout,
-                    });
+            let mut last =
+                io::Error::new(io::ErrorKind::NotFound, "the address resolves to nothing");
+            for candidate in addr.to_socket_addrs().map_err(io)? {
+                let left = until.saturating_duration_since(Instant::now());
+                match TcpStream::connect_timeout(&candidate, left.max(Duration::from_millis(1))) {
+                    Ok(stream) => {
+                        let _ = stream.set_nodelay(true);
+                        return Ok(Self {
+                            addr: addr.to_string(),
+                            stream,
+                            timeout,
+                            broken: false,
+                        });
+                    }
+                    Err(e) => last = e,
                 }
-                Err(source) if Instant::now() >= deadline => {
-                    return Err(StoreError::Io {
-                        addr: addr.to_string(),
-                        source,
-                    });
-                }
-                Err(_) => thread::sleep(Duration::from_millis(50)),
             }
+            if Instant::now() >= until {
+                return Err(io(last));
+            }
+            thread::sleep(Duration::from_millis(50));
         }
     }
 
@@ -247,9 +283,9 @@ impl Store {
 
     /// Waits until every key of `keys` is set.
     pub fn wait(&mut self, keys: &[&str]) -> Result<(), StoreError> {
-        let deadline = Instant::now() + self.timeout;
+        let until = deadline(self.timeout);
         for key in keys {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = until.saturating_duration_since(Instant::now());
             self.call("wait", GET, key, &[], left)?;
         }
         Ok(())
@@ -271,12 +307,14 @@ impl Store {
         Ok(i64::from_le_bytes(bytes))
     }
 
-    /// Returns once `world_size` processes have called `barrier` with the same `name`. Each
-    /// name is for one use.
+    /// Returns once `world_size` processes have called `barrier` with the same `name`. A name
+    /// can be used again: each round of `world_size` arrivals is its own generation.
     pub fn barrier(&mut self, name: &str, world_size: usize) -> Result<(), StoreError> {
+        let world = world_size.max(1) as i64;
         let arrived = self.add(&format!("barrier/{name}/arrived"), 1)?;
-        let done = format!("barrier/{name}/done");
-        if arrived == world_size as i64 {
+        let generation = (arrived - 1) / world;
+        let done = format!("barrier/{name}/done/{generation}");
+        if arrived % world == 0 {
             self.set(&done, &[])?;
         }
         let timeout = self.timeout;
@@ -291,23 +329,21 @@ impl Store {
         value: &[u8],
         timeout: Duration,
     ) -> Result<Vec<u8>, StoreError> {
+        let addr = self.addr.clone();
         let io = |source| StoreError::Io {
-            addr: self.addr.clone(),
+            addr: addr.clone(),
             source,
         };
-        let mut frame = vec![code];
-        frame.extend_from_slice(&(timeout.as_millis() as u64).to_le_bytes());
-        write_bytes(&mut frame, key.as_bytes()).map_err(io)?;
-        write_bytes(&mut frame, value).map_err(io)?;
-        self.stream.write_all(&frame).map_err(io)?;
-        // The server answers a timed-out wait itself; this only guards against a dead server.
-        self.stream
-            .set_read_timeout(Some(timeout + Duration::from_secs(30)))
-            .map_err(io)?;
-        let mut status = [0u8; 1];
-        self.stream.read_exact(&mut status).map_err(io)?;
-        let reply = read_bytes(&mut self.stream).map_err(io)?;
-        match status[0] {
+        if self.broken {
+            return Err(io(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the connection failed earlier; connect again",
+            )));
+        }
+        let result = self.round_trip(code, key, value, timeout).map_err(io);
+        self.broken = result.is_err();
+        let (status, reply) = result?;
+        match status {
             OK => Ok(reply),
             TIMED_OUT => Err(StoreError::Timeout {
                 op,
@@ -320,6 +356,28 @@ impl Store {
                 reason: String::from_utf8_lossy(&reply).into_owned(),
             }),
         }
+    }
+
+    fn round_trip(
+        &mut self,
+        code: u8,
+        key: &str,
+        value: &[u8],
+        timeout: Duration,
+    ) -> io::Result<(u8, Vec<u8>)> {
+        let millis = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let mut frame = vec![code];
+        frame.extend_from_slice(&millis.to_le_bytes());
+        write_bytes(&mut frame, key.as_bytes())?;
+        write_bytes(&mut frame, value)?;
+        self.stream.write_all(&frame)?;
+        // The server answers a timed-out wait itself; this only guards against a dead server.
+        let guard = timeout.saturating_add(Duration::from_secs(30));
+        self.stream
+            .set_read_timeout(Some(guard.min(Duration::from_secs(86_400))))?;
+        let mut status = [0u8; 1];
+        self.stream.read_exact(&mut status)?;
+        Ok((status[0], read_bytes(&mut self.stream, MAX_VALUE)?))
     }
 }
 
@@ -374,6 +432,62 @@ mod tests {
             lonely.wait(&["missing"]),
             Err(StoreError::Timeout { .. })
         ));
+    }
+
+    #[test]
+    fn a_barrier_name_can_be_used_again() {
+        let (_server, connect) = pair();
+        let ranks: Vec<_> = (0..3)
+            .map(|_| {
+                let mut store = connect();
+                thread::spawn(move || {
+                    for _ in 0..5 {
+                        store.barrier("step", 3)?;
+                    }
+                    Ok::<_, StoreError>(())
+                })
+            })
+            .collect();
+        for rank in ranks {
+            rank.join().unwrap().unwrap();
+        }
+        // A fourth arrival is the start of a new round: alone, it waits and times out.
+        let mut late =
+            Store::connect(&_server.addr().to_string(), Duration::from_millis(100)).unwrap();
+        assert!(matches!(
+            late.barrier("step", 3),
+            Err(StoreError::Timeout { .. })
+        ));
+    }
+
+    #[test]
+    fn an_oversized_frame_closes_the_connection_without_allocating_it() {
+        let (server, connect) = pair();
+        let mut probe = TcpStream::connect(server.addr()).unwrap();
+        probe.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let mut answer = Vec::new();
+        probe
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        assert_eq!(
+            probe.read_to_end(&mut answer).unwrap(),
+            0,
+            "the server hung up"
+        );
+        let mut store = connect();
+        let huge = vec![0u8; MAX_VALUE + 1];
+        assert!(matches!(
+            store.set("big", &huge),
+            Err(StoreError::Io { .. })
+        ));
+        assert!(
+            store.set("small", b"x").is_err(),
+            "a failed connection stays failed"
+        );
+        assert!(
+            !connect().check("big").unwrap(),
+            "nothing of the oversized value was kept"
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::process::{Child, Command, ExitCode, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -74,6 +74,8 @@ fn run(args: Args) -> Result<ExitCode, String> {
         let mut command = Command::new(&args.command[0]);
         #[cfg(unix)]
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        #[cfg(target_os = "linux")]
+        die_with_launcher(&mut command);
         let spawned = command
             .args(&args.command[1..])
             .env("RANK", rank.to_string())
@@ -82,6 +84,8 @@ fn run(args: Args) -> Result<ExitCode, String> {
             .env("LOCAL_WORLD_SIZE", args.nproc_per_node.to_string())
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", port.to_string())
+            // A rank in its own process group that read the terminal would be stopped (SIGTTIN).
+            .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn();
@@ -104,8 +108,10 @@ fn run(args: Args) -> Result<ExitCode, String> {
     }
 
     let code = supervise(&mut children);
-    for pipe in pipes {
-        let _ = pipe.join();
+    // A process that left its rank's group may still hold a pipe open: do not wait for it long.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while pipes.iter().any(|p| !p.is_finished()) && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(10));
     }
     Ok(code)
 }
@@ -113,10 +119,11 @@ fn run(args: Args) -> Result<ExitCode, String> {
 /// Waits for every child; when one fails, stops the others and returns its exit code.
 fn supervise(children: &mut [(usize, Option<Child>)]) -> ExitCode {
     loop {
-        if INTERRUPTED.load(Ordering::Relaxed) {
-            eprintln!("burn-launch: interrupted; stopping every rank");
+        let signal = SIGNALLED.load(Ordering::Relaxed);
+        if signal != 0 {
+            eprintln!("burn-launch: got signal {signal}; stopping every rank");
             stop(children);
-            return ExitCode::from(130);
+            return ExitCode::from((128 + signal).clamp(0, 255) as u8);
         }
         let mut running = 0;
         for i in 0..children.len() {
@@ -128,15 +135,14 @@ fn supervise(children: &mut [(usize, Option<Child>)]) -> ExitCode {
                 outcome => {
                     let rank = *rank;
                     let (why, code) = match outcome {
-                        Ok(Some(status)) => (format!("exited with {status}"), status.code()),
-                        Err(e) => (format!("could not be waited for: {e}"), None),
+                        Ok(Some(status)) => (format!("exited with {status}"), exit_code(status)),
+                        Err(e) => (format!("could not be waited for: {e}"), 1),
                         Ok(None) => unreachable!("handled above"),
                     };
                     *slot = None;
                     eprintln!("burn-launch: rank {rank} {why}; stopping the other ranks");
                     stop(children);
-                    let code = code.and_then(|c| u8::try_from(c).ok()).filter(|&c| c != 0);
-                    return ExitCode::from(code.unwrap_or(1));
+                    return ExitCode::from(code);
                 }
             }
         }
@@ -147,19 +153,50 @@ fn supervise(children: &mut [(usize, Option<Child>)]) -> ExitCode {
     }
 }
 
-/// Set by SIGINT/SIGTERM; the supervision loop stops the ranks.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// A failed rank's code for the launcher: its own, or 128 + the signal that killed it.
+fn exit_code(status: std::process::ExitStatus) -> u8 {
+    #[cfg(unix)]
+    if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&status) {
+        return (128 + signal).clamp(1, 255) as u8;
+    }
+    status
+        .code()
+        .and_then(|c| u8::try_from(c).ok())
+        .filter(|&c| c != 0)
+        .unwrap_or(1)
+}
+
+/// The last SIGINT/SIGTERM/SIGHUP received (0: none); the supervision loop stops the ranks,
+/// and a second signal during the grace period kills them at once.
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+static SIGNALS: AtomicI32 = AtomicI32::new(0);
 
 #[cfg(unix)]
 fn on_interrupt_stop() {
-    extern "C" fn note(_: libc::c_int) {
-        INTERRUPTED.store(true, Ordering::Relaxed);
+    extern "C" fn note(signal: libc::c_int) {
+        SIGNALLED.store(signal, Ordering::Relaxed);
+        SIGNALS.fetch_add(1, Ordering::Relaxed);
     }
     let handler = note as extern "C" fn(libc::c_int) as libc::sighandler_t;
-    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    // SAFETY: the handler only stores to atomics, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGINT, handler);
         libc::signal(libc::SIGTERM, handler);
+        libc::signal(libc::SIGHUP, handler);
+    }
+}
+
+/// The rank gets SIGKILL if the launcher dies without stopping it (killed with SIGKILL, say).
+#[cfg(target_os = "linux")]
+fn die_with_launcher(command: &mut Command) {
+    // SAFETY: prctl is async-signal-safe, as pre_exec requires.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(command, || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
     }
 }
 
@@ -172,7 +209,11 @@ fn stop(children: &mut [(usize, Option<Child>)]) {
     signal_all(&running, Signal::Terminate);
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut running: Vec<Child> = running;
+    let signals = SIGNALS.load(Ordering::Relaxed);
     while !running.is_empty() && Instant::now() < deadline {
+        if SIGNALS.load(Ordering::Relaxed) > signals {
+            break;
+        }
         running.retain_mut(|c| matches!(c.try_wait(), Ok(None)));
         thread::sleep(Duration::from_millis(20));
     }

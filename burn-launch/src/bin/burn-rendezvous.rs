@@ -18,9 +18,10 @@ fn main() -> ExitCode {
 
 fn run() -> Result<(), String> {
     let env = ProcessEnv::from_env().map_err(|e| e.to_string())?;
-    let (_server, mut store) = env
+    let mut job = env
         .rendezvous(Duration::from_secs(60))
         .map_err(|e| e.to_string())?;
+    let store = &mut job.store;
     let me = format!("pid {} on {}", std::process::id(), hostname());
     store
         .set(&format!("who/{}", env.rank), me.as_bytes())
@@ -32,10 +33,6 @@ fn run() -> Result<(), String> {
             .map_err(|e| e.to_string())?;
         seen.push(String::from_utf8_lossy(&who).into_owned());
     }
-    // Rank 0's store must outlive everyone's last read.
-    store
-        .barrier("done", env.world_size)
-        .map_err(|e| e.to_string())?;
     println!(
         "rank {}/{} (local {}/{}) sees {} ranks: {}",
         env.rank,
@@ -45,7 +42,8 @@ fn run() -> Result<(), String> {
         seen.len(),
         seen.join(", ")
     );
-    Ok(())
+    // Rank 0's store must outlive everyone's last read.
+    job.depart().map_err(|e| e.to_string())
 }
 
 fn hostname() -> String {

@@ -3,6 +3,8 @@
 //! the parameter-server DataParallel. Every layout reads the same global batches, starts from
 //! the same weights and reports the same loss: the mean over the whole global batch.
 
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
@@ -203,6 +205,12 @@ pub fn train_rank<B: BackwardHooks>(
     on_step: &mut dyn FnMut(&StepMetrics),
 ) -> Result<Llama<B>, TrainError> {
     let layout = config.layout()?;
+    if config.strategy != Strategy::Single && comm.is_none() {
+        return Err(TrainError::Config(format!(
+            "the {:?} strategy needs the data-parallel group; run it through `train`",
+            config.strategy
+        )));
+    }
     let (world, rank) = comm.map_or((1, 0), |c| (c.size(), c.rank()));
     if world != config.dp {
         return Err(TrainError::Config(format!(
@@ -316,7 +324,13 @@ struct Batches<'a> {
     layout: Layout,
     batch_size: usize,
     seq_len: usize,
+    /// The last epoch's reading order per sampler (0: this rank's, 1: the single device's):
+    /// a permutation of the whole dataset is too costly to rebuild for every micro-batch.
+    orders: [EpochOrder; 2],
 }
+
+/// An epoch number and its reading order, once computed.
+type EpochOrder = RefCell<Option<(usize, Rc<Vec<usize>>)>>;
 
 impl<'a> Batches<'a> {
     fn new(
@@ -346,6 +360,7 @@ impl<'a> Batches<'a> {
             layout,
             batch_size: config.batch_size,
             seq_len: config.seq_len,
+            orders: Default::default(),
         })
     }
 
@@ -361,7 +376,16 @@ impl<'a> Batches<'a> {
     ) -> Tensor<B, 2, Int> {
         let steps_per_epoch = sampler.num_samples() / per_step;
         let (epoch, position) = (step / steps_per_epoch, step % steps_per_epoch);
-        let order = sampler.indices(epoch as u64);
+        let slot = &self.orders[usize::from(std::ptr::eq(sampler, &self.single))];
+        let cached = slot.borrow().clone().filter(|(e, _)| *e == epoch);
+        let order = match cached {
+            Some((_, order)) => order,
+            None => {
+                let order = Rc::new(sampler.indices(epoch as u64));
+                *slot.borrow_mut() = Some((epoch, order.clone()));
+                order
+            }
+        };
         let first = position * per_step + start;
         let width = self.seq_len + 1;
         let tokens: Vec<i64> = order[first..first + count]

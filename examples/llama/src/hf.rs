@@ -65,7 +65,7 @@ pub fn import<B: Backend>(
     tensors: HashMap<String, TensorData>,
     device: &B::Device,
 ) -> Result<Llama<B>, String> {
-    let mut model = Llama::<B>::init(config, 0, device);
+    let mut model = Llama::<B>::skeleton(config, device);
     let mut source = Source { tensors, device };
     source.plain("model.embed_tokens.weight", &mut model.embed_tokens)?;
     for (i, layer) in model.layers.iter_mut().enumerate() {
@@ -230,7 +230,7 @@ pub fn load<B: Backend>(dir: &Path, device: &B::Device) -> Result<(LlamaConfig, 
     let config = parse_hf_config(&json)?;
     let record = dir.join(format!("{RECORD}.mpk"));
     if record.exists() {
-        let model = Llama::<B>::init(&config, 0, device)
+        let model = Llama::<B>::skeleton(&config, device)
             .load_file(
                 dir.join(RECORD),
                 &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),

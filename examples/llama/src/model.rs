@@ -175,6 +175,29 @@ impl<B: Backend> Llama<B> {
     /// `seed` and the tensor's name, so the weights do not depend on the backend, the device,
     /// the order of construction or the parallel layout.
     pub fn init(config: &LlamaConfig, seed: u64, device: &B::Device) -> Self {
+        Self::build(config, device, |name, shape| {
+            let mut rng = StdRng::seed_from_u64(seed ^ fnv1a(name));
+            let dist = Normal::new(0.0f32, config.initializer_range as f32).unwrap();
+            let values: Vec<f32> = (0..shape[0] * shape[1])
+                .map(|_| dist.sample(&mut rng))
+                .collect();
+            Tensor::from_data(TensorData::new(values, shape), device)
+        })
+    }
+
+    /// The model's structure with zero matrices, to load weights into (drawing random ones
+    /// first would take a minute for `llama-7b`).
+    pub fn skeleton(config: &LlamaConfig, device: &B::Device) -> Self {
+        Self::build(config, device, |_, shape| Tensor::zeros(shape, device))
+    }
+
+    /// Builds every block; `matrix(name, shape)` gives each matrix, named as Hugging Face names
+    /// it.
+    fn build(
+        config: &LlamaConfig,
+        device: &B::Device,
+        matrix: impl Fn(&str, [usize; 2]) -> Tensor<B, 2>,
+    ) -> Self {
         let (h, f, v) = (
             config.hidden_size,
             config.intermediate_size,
@@ -182,14 +205,7 @@ impl<B: Backend> Llama<B> {
         );
         let (heads, kv_heads) = (config.num_attention_heads, config.num_key_value_heads);
         let kv = kv_heads * config.head_dim();
-        let normal = |name: &str, shape: [usize; 2]| {
-            let mut rng = StdRng::seed_from_u64(seed ^ fnv1a(name));
-            let dist = Normal::new(0.0f32, config.initializer_range as f32).unwrap();
-            let values: Vec<f32> = (0..shape[0] * shape[1])
-                .map(|_| dist.sample(&mut rng))
-                .collect();
-            Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
-        };
+        let normal = |name: &str, shape| Param::from_tensor(matrix(name, shape));
         let norm = || RmsNorm {
             weight: Param::from_tensor(Tensor::ones([h], device)),
             eps: config.rms_norm_eps,

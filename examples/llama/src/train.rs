@@ -319,18 +319,47 @@ fn global_mean<B: BackwardHooks>(
 /// The samples of every step for one rank, from the sampler.
 struct Batches<'a> {
     data: &'a dyn Dataset,
-    sampler: DistributedSampler,
-    single: DistributedSampler,
-    layout: Layout,
-    batch_size: usize,
+    /// This rank's share of every global batch.
+    rank: Reading,
+    /// Whole global batches, in the single-device order (for the parameter server's rank 0).
+    single: Reading,
+    micro: usize,
     seq_len: usize,
-    /// The last epoch's reading order per sampler (0: this rank's, 1: the single device's):
-    /// a permutation of the whole dataset is too costly to rebuild for every micro-batch.
-    orders: [EpochOrder; 2],
 }
 
-/// An epoch number and its reading order, once computed.
-type EpochOrder = RefCell<Option<(usize, Rc<Vec<usize>>)>>;
+/// A sampler read `per_step` samples at a time, with its current epoch's order kept: a
+/// permutation of the whole dataset is too costly to rebuild for every micro-batch.
+struct Reading {
+    sampler: DistributedSampler,
+    per_step: usize,
+    epoch: RefCell<Option<(usize, Rc<Vec<usize>>)>>,
+}
+
+impl Reading {
+    fn new(sampler: DistributedSampler, per_step: usize) -> Self {
+        Self {
+            sampler,
+            per_step,
+            epoch: RefCell::new(None),
+        }
+    }
+
+    /// The reading order of `step`'s epoch, and where `step` starts in it.
+    fn step(&self, step: usize) -> (Rc<Vec<usize>>, usize) {
+        let steps_per_epoch = self.sampler.num_samples() / self.per_step;
+        let (epoch, position) = (step / steps_per_epoch, step % steps_per_epoch);
+        let cached = self.epoch.borrow().clone().filter(|(e, _)| *e == epoch);
+        let order = match cached {
+            Some((_, order)) => order,
+            None => {
+                let order = Rc::new(self.sampler.indices(epoch as u64));
+                *self.epoch.borrow_mut() = Some((epoch, order.clone()));
+                order
+            }
+        };
+        (order, position * self.per_step)
+    }
+}
 
 impl<'a> Batches<'a> {
     fn new(
@@ -341,9 +370,12 @@ impl<'a> Batches<'a> {
         layout: Layout,
     ) -> Result<Self, TrainError> {
         // Without padding, every layout cuts the epoch's permutation into the same global batches.
-        let sampler = DistributedSampler::new(data.len(), world, rank)?
-            .with_seed(config.seed)
-            .with_drop_last(true);
+        let sampler = |world, rank| -> Result<DistributedSampler, DdpError> {
+            Ok(DistributedSampler::new(data.len(), world, rank)?
+                .with_seed(config.seed)
+                .with_drop_last(true))
+        };
+        let (rank, single) = (sampler(world, rank)?, sampler(1, 0)?);
         if data.len() < config.batch_size {
             return Err(TrainError::Config(format!(
                 "the dataset has {} samples, fewer than one global batch of {}; use more data or a smaller --batch-size",
@@ -353,47 +385,30 @@ impl<'a> Batches<'a> {
         }
         Ok(Self {
             data,
-            sampler,
-            single: DistributedSampler::new(data.len(), 1, 0)?
-                .with_seed(config.seed)
-                .with_drop_last(true),
-            layout,
-            batch_size: config.batch_size,
+            rank: Reading::new(rank, layout.per_rank),
+            single: Reading::new(single, config.batch_size),
+            micro: layout.micro,
             seq_len: config.seq_len,
-            orders: Default::default(),
         })
     }
 
-    /// Samples `[start, start + count)` of `sampler`'s reading order for `step`, as tokens.
+    /// Samples `[start, start + count)` of `reading`'s samples for `step`, as tokens.
     fn read<B: Backend>(
         &self,
-        sampler: &DistributedSampler,
-        per_step: usize,
+        reading: &Reading,
         step: usize,
         start: usize,
         count: usize,
         device: &B::Device,
     ) -> Tensor<B, 2, Int> {
-        let steps_per_epoch = sampler.num_samples() / per_step;
-        let (epoch, position) = (step / steps_per_epoch, step % steps_per_epoch);
-        let slot = &self.orders[usize::from(std::ptr::eq(sampler, &self.single))];
-        let cached = slot.borrow().clone().filter(|(e, _)| *e == epoch);
-        let order = match cached {
-            Some((_, order)) => order,
-            None => {
-                let order = Rc::new(sampler.indices(epoch as u64));
-                *slot.borrow_mut() = Some((epoch, order.clone()));
-                order
-            }
-        };
-        let first = position * per_step + start;
-        let width = self.seq_len + 1;
+        let (order, first) = reading.step(step);
+        let first = first + start;
         let tokens: Vec<i64> = order[first..first + count]
             .iter()
             .flat_map(|&i| self.data.sample(i))
             .map(|t| t as i64)
             .collect();
-        Tensor::from_data(TensorData::new(tokens, [count, width]), device)
+        Tensor::from_data(TensorData::new(tokens, [count, self.seq_len + 1]), device)
     }
 
     /// Inputs and targets of this rank's micro-batch `micro` of `step`.
@@ -403,15 +418,8 @@ impl<'a> Batches<'a> {
         micro: usize,
         device: &B::Device,
     ) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
-        let m = self.layout.micro;
-        let tokens = self.read(
-            &self.sampler,
-            self.layout.per_rank,
-            step,
-            micro * m,
-            m,
-            device,
-        );
+        let m = self.micro;
+        let tokens = self.read(&self.rank, step, micro * m, m, device);
         (
             tokens.clone().narrow(1, 0, self.seq_len),
             tokens.narrow(1, 1, self.seq_len),
@@ -420,14 +428,7 @@ impl<'a> Batches<'a> {
 
     /// The whole global batch of `step`, in the single-device order (for the parameter server).
     fn global<B: Backend>(&self, step: usize, device: &B::Device) -> Tensor<B, 2, Int> {
-        self.read(
-            &self.single,
-            self.batch_size,
-            step,
-            0,
-            self.batch_size,
-            device,
-        )
+        self.read(&self.single, step, 0, self.single.per_step, device)
     }
 }
 

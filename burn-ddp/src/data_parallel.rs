@@ -9,7 +9,7 @@ use std::marker::PhantomData;
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{BasicOps, Int, Tensor, TensorData};
+use burn::tensor::{BasicOps, Int, Tensor};
 use burn_comm::Communicator;
 
 use crate::params::{self, ParamSlot};
@@ -63,19 +63,12 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DataParallel<B, M> {
             let dims = global.as_ref().map_or([0; D], |g| g.dims());
             let header: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
             for rank in 1..world {
-                let header = TensorData::new(header.clone(), [D]);
                 self.comm
-                    .send(Tensor::<B, 1, Int>::from_data(header, device), rank)?;
+                    .send(params::to_ints::<B>(&header, device), rank)?;
             }
             (global, dims)
         } else {
-            let header: Vec<i64> = self
-                .comm
-                .recv::<B, 1, Int>(ROOT, [D], device)?
-                .into_data()
-                .convert::<i64>()
-                .to_vec()
-                .expect("an int tensor converts to i64");
+            let header = params::from_ints(self.comm.recv::<B, 1, Int>(ROOT, [D], device)?);
             let mut dims = [0; D];
             for (d, h) in dims.iter_mut().zip(header) {
                 *d = h as usize;

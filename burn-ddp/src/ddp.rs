@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use burn::config::Config;
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Int, Tensor, TensorData};
 use burn_comm::{Communicator, ReduceOp, Work};
 
 use crate::bucket::BucketPlan;
@@ -249,17 +249,9 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> DistributedDataParallel<B, M> {
     /// Re-packs the buckets in the order gradients became ready in the first backward, as
     /// PyTorch does; rank 0's order is used everywhere so the buckets match.
     fn rebuild(&mut self, order: &[usize], slots: &[ParamSlot<B>]) -> Result<(), DdpError> {
-        let device = &slots[0].device;
         let order: Vec<i64> = order.iter().map(|&i| i as i64).collect();
-        let len = order.len();
-        let order = Tensor::<Inner<B>, 1, Int>::from_data(TensorData::new(order, [len]), device);
-        let order: Vec<usize> = self
-            .comm
-            .broadcast(order, 0)?
-            .into_data()
-            .convert::<i64>()
-            .to_vec::<i64>()
-            .expect("an int tensor converts to i64")
+        let order = params::to_ints::<Inner<B>>(&order, &slots[0].device);
+        let order: Vec<usize> = params::from_ints(self.comm.broadcast(order, 0)?)
             .into_iter()
             .map(|i| i as usize)
             .collect();

@@ -61,16 +61,28 @@ pub(crate) fn gather_codes<B: Backend>(
     device: &burn::tensor::Device<B>,
 ) -> Result<Vec<Vec<i32>>, CommError> {
     let n = codes.len();
-    let local = Tensor::<B, 1, Int>::from_data(TensorData::new(codes.to_vec(), [n]), device);
-    let all: Vec<i64> = comm
-        .all_gather(local, 0)?
-        .into_data()
-        .convert::<i64>()
-        .to_vec::<i64>()
-        .expect("an int tensor converts to i64");
+    let codes: Vec<i64> = codes.iter().map(|&c| c as i64).collect();
+    let all = from_ints(comm.all_gather(to_ints::<B>(&codes, device), 0)?);
     Ok((0..n)
         .map(|i| (0..comm.size()).map(|r| all[r * n + i] as i32).collect())
         .collect())
+}
+
+/// Small integers (shapes, orders, flags) as a tensor, to pass them through a collective.
+pub(crate) fn to_ints<B: Backend>(
+    values: &[i64],
+    device: &burn::tensor::Device<B>,
+) -> Tensor<B, 1, Int> {
+    Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
+}
+
+/// The values of a tensor made by [`to_ints`], after its trip.
+pub(crate) fn from_ints<B: Backend>(tensor: Tensor<B, 1, Int>) -> Vec<i64> {
+    tensor
+        .into_data()
+        .convert::<i64>()
+        .to_vec()
+        .expect("an int tensor converts to i64")
 }
 
 /// Indices of consecutive runs of one dtype in `slots`.

@@ -51,24 +51,44 @@ pub struct Attention<B: Backend> {
     pub rope_theta: f64,
 }
 
+/// What depends on position only, shared by every layer of one forward pass: the rotary
+/// tables and the causal mask.
+#[derive(Debug, Clone)]
+pub struct Positions<B: Backend> {
+    cos: Tensor<B, 4>,
+    sin: Tensor<B, 4>,
+    mask: Tensor<B, 4>,
+}
+
 impl<B: Backend> Attention<B> {
+    fn head_dim(&self) -> usize {
+        self.q_proj.dims()[1] / self.heads
+    }
+
+    /// The rotary tables and causal mask for sequences of `seq` tokens.
+    pub fn positions(&self, seq: usize, device: &B::Device) -> Positions<B> {
+        let (cos, sin) = rope::tables::<B>(seq, self.head_dim(), self.rope_theta, device);
+        let mask = causal_mask::<B>(seq, device);
+        Positions { cos, sin, mask }
+    }
+
     /// `x`: `[batch, seq, hidden]` to `[batch, seq, hidden]`.
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, positions: &Positions<B>) -> Tensor<B, 3> {
         let [batch, seq, _] = x.dims();
-        let head_dim = self.q_proj.dims()[1] / self.heads;
+        let head_dim = self.head_dim();
         let split = |w: &Param<Tensor<B, 2>>, heads: usize| {
             linear(x.clone(), w)
                 .reshape([batch, seq, heads, head_dim])
                 .swap_dims(1, 2)
         };
-        let (cos, sin) = rope::tables::<B>(seq, head_dim, self.rope_theta, &x.device());
-        let q = rope::apply(split(&self.q_proj, self.heads), &cos, &sin);
-        let k = rope::apply(split(&self.k_proj, self.kv_heads), &cos, &sin);
+        let (cos, sin) = (&positions.cos, &positions.sin);
+        let q = rope::apply(split(&self.q_proj, self.heads), cos, sin);
+        let k = rope::apply(split(&self.k_proj, self.kv_heads), cos, sin);
         let v = split(&self.v_proj, self.kv_heads);
         let (k, v) = (self.repeat_kv(k), self.repeat_kv(v));
 
         let scores = q.matmul(k.swap_dims(2, 3)) / (head_dim as f64).sqrt();
-        let scores = scores + causal_mask::<B>(seq, &x.device());
+        let scores = scores + positions.mask.clone();
         let context = softmax(scores, 3).matmul(v);
         let context = context
             .swap_dims(1, 2)
@@ -151,8 +171,11 @@ pub struct Block<B: Backend> {
 
 impl<B: Backend> Block<B> {
     /// Residual attention, then residual MLP.
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x));
+    pub fn forward(&self, x: Tensor<B, 3>, positions: &Positions<B>) -> Tensor<B, 3> {
+        let attended = self
+            .self_attn
+            .forward(self.input_layernorm.forward(x.clone()), positions);
+        let x = x + attended;
         x.clone() + self.mlp.forward(self.post_attention_layernorm.forward(x))
     }
 }
@@ -250,8 +273,11 @@ impl<B: Backend> Llama<B> {
             .val()
             .select(0, tokens.reshape([batch * seq]))
             .reshape([batch, seq, hidden]);
-        for layer in &self.layers {
-            x = layer.forward(x);
+        if let Some(first) = self.layers.first() {
+            let positions = first.self_attn.positions(seq, &x.device());
+            for layer in &self.layers {
+                x = layer.forward(x, &positions);
+            }
         }
         linear(self.norm.forward(x), &self.lm_head)
     }

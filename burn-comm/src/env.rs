@@ -99,7 +99,7 @@ impl ProcessEnv {
         let mut store = Store::connect(&self.master(), timeout)?;
         store.barrier("rendezvous", self.world_size)?;
         Ok(Rendezvous {
-            _server: server,
+            server,
             store,
             world_size: self.world_size,
         })
@@ -108,7 +108,7 @@ impl ProcessEnv {
 
 /// A job's meeting point: the store every rank is connected to, and on rank 0 its server.
 pub struct Rendezvous {
-    _server: Option<StoreServer>,
+    server: Option<StoreServer>,
     /// This rank's connection.
     pub store: Store,
     world_size: usize,
@@ -122,7 +122,7 @@ impl Rendezvous {
         if left == self.world_size as i64 {
             self.store.set("depart/all", &[])?;
         }
-        if self._server.is_some() {
+        if self.server.is_some() {
             self.store.get("depart/all")?;
         }
         Ok(())

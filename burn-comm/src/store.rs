@@ -412,7 +412,7 @@ mod tests {
 
     #[test]
     fn barriers_and_timeouts() {
-        let (_server, connect) = pair();
+        let (server, connect) = pair();
         let ranks: Vec<_> = (0..4)
             .map(|_| {
                 let mut store = connect();
@@ -422,7 +422,7 @@ mod tests {
         for rank in ranks {
             rank.join().unwrap().unwrap();
         }
-        let addr = _server.addr().to_string();
+        let addr = server.addr().to_string();
         let mut lonely = Store::connect(&addr, Duration::from_millis(200)).unwrap();
         let started = Instant::now();
         let err = lonely.barrier("never", 2).unwrap_err();
@@ -436,7 +436,7 @@ mod tests {
 
     #[test]
     fn a_barrier_name_can_be_used_again() {
-        let (_server, connect) = pair();
+        let (server, connect) = pair();
         let ranks: Vec<_> = (0..3)
             .map(|_| {
                 let mut store = connect();
@@ -453,7 +453,7 @@ mod tests {
         }
         // A fourth arrival is the start of a new round: alone, it waits and times out.
         let mut late =
-            Store::connect(&_server.addr().to_string(), Duration::from_millis(100)).unwrap();
+            Store::connect(&server.addr().to_string(), Duration::from_millis(100)).unwrap();
         assert!(matches!(
             late.barrier("step", 3),
             Err(StoreError::Timeout { .. })

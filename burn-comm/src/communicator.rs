@@ -13,6 +13,7 @@ use crate::call::{Call, Op};
 use crate::kernels::{self, Region};
 use crate::local::{Group, Post, lock};
 use crate::shared::SharedBuffer;
+use crate::stats::CommStats;
 use crate::{CommError, ReduceOp};
 
 /// Elements per cache line of the smallest element type: all-reduce slices start on one.
@@ -58,6 +59,8 @@ struct Inner {
     stream: Arc<Mutex<Stream>>,
     /// Calls queued for the worker and not finished.
     queued: AtomicUsize,
+    /// Calls and bytes issued through this handle and its clones.
+    stats: Mutex<CommStats>,
 }
 
 /// One rank's handle on one group: the collectives of `torch.distributed` on burn tensors.
@@ -139,6 +142,7 @@ impl Communicator {
                 jobs: Mutex::new(jobs),
                 stream,
                 queued: AtomicUsize::new(0),
+                stats: Mutex::new(CommStats::default()),
             }),
             inline: false,
         }
@@ -167,6 +171,17 @@ impl Communicator {
     /// The group's name, as errors print it.
     pub fn group_name(&self) -> &str {
         self.inner.group.name()
+    }
+
+    /// Calls and payload bytes issued on this group by this rank (all clones of this handle
+    /// together), since it was made or last reset.
+    pub fn stats(&self) -> CommStats {
+        *lock(&self.inner.stats)
+    }
+
+    /// Starts counting [`Communicator::stats`] from zero.
+    pub fn reset_stats(&self) {
+        *lock(&self.inner.stats) = CommStats::default();
     }
 
     /// The handle blocking calls use: their call may run on the caller's thread.
@@ -257,6 +272,8 @@ impl Communicator {
         + Send
         + 'static,
     ) -> Work<Tensor<B, D, K>> {
+        let bytes = call.shape.iter().product::<usize>() * call.dtype.map_or(0, |d| d.size());
+        lock(&self.inner.stats).record(call.op, bytes as u64);
         self.submit(call.to_string(), move |inner, stream| {
             if let Err(error) = checked {
                 return refuse(inner, stream, call, error);
@@ -636,6 +653,8 @@ impl Communicator {
         dst: usize,
     ) -> Work<()> {
         let op = format!("send(to {dst})");
+        let bytes = tensor.shape().num_elements() * tensor.dtype().size();
+        lock(&self.inner.stats).record_send(bytes as u64);
         let checked = self
             .check_plain(&op, tensor.dtype())
             .and_then(|_| self.check_peer(&op, dst));

@@ -32,6 +32,7 @@ mod local;
 mod mesh;
 pub mod parallel;
 mod shared;
+mod stats;
 mod store;
 
 pub use call::ReduceOp;
@@ -40,4 +41,5 @@ pub use env::{ProcessEnv, Rendezvous};
 pub use error::CommError;
 pub use launch::{DEFAULT_TIMEOUT, LaunchConfig, RankContext, RankError, launch, launch_with};
 pub use mesh::DeviceMesh;
+pub use stats::{CommStats, OpStats};
 pub use store::{Store, StoreError, StoreServer};

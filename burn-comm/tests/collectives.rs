@@ -593,3 +593,36 @@ fn a_blocking_call_waits_for_the_async_calls_issued_before_it() {
         }
     }
 }
+
+#[test]
+fn stats_count_calls_and_payload_bytes_per_kind_of_collective() {
+    let results = burn_comm::launch(2, |ctx| {
+        let comm = ctx.world();
+        let x = Tensor::<B, 2>::zeros([4, 8], &Default::default());
+        comm.all_reduce(x.clone(), ReduceOp::Sum)?;
+        comm.all_reduce(x.clone(), ReduceOp::Max)?;
+        comm.all_gather(x.clone(), 0)?;
+        comm.reduce_scatter(x.clone(), ReduceOp::Sum, 1)?;
+        comm.barrier()?;
+        let stats = comm.stats();
+        comm.reset_stats();
+        Ok::<_, burn_comm::CommError>((stats, comm.stats()))
+    });
+    for result in results {
+        let (stats, reset) = result.unwrap();
+        assert_eq!(
+            (stats.all_reduce.calls, stats.all_reduce.bytes),
+            (2, 2 * 128)
+        );
+        assert_eq!((stats.all_gather.calls, stats.all_gather.bytes), (1, 128));
+        assert_eq!(
+            (stats.reduce_scatter.calls, stats.reduce_scatter.bytes),
+            (1, 128)
+        );
+        assert_eq!(stats.broadcast.calls + stats.send.calls, 0);
+        // Ring algorithm at 2 ranks: an all-reduce sends its message once, an all-gather its
+        // part once, a reduce-scatter half its input.
+        assert_eq!(stats.ring_bytes(2), 256.0 + 128.0 + 64.0);
+        assert_eq!(reset, burn_comm::CommStats::default());
+    }
+}

@@ -1,0 +1,49 @@
+//! Cross-entropy over logits split by vocabulary, without ever gathering them: each rank
+//! finds its local maximum, sum of exponentials and (if it holds it) the target's logit, and
+//! the group combines three numbers per token instead of `vocab` of them.
+
+use burn::tensor::{Int, Tensor};
+use burn_comm::ReduceOp;
+use burn_comm::parallel::{CommBackend, reduce_from_parallel_region};
+
+use crate::embedding::check_tokens;
+use crate::{TensorParallel, TpError};
+
+/// The cross-entropy `-log softmax(logits)[target]` of each of `n` tokens, from this rank's
+/// logits `[n, vocab / tp]` (columns `rank * vocab/tp ..`) and the targets `[n]`. Every rank
+/// gets the same losses, and on `Autodiff` each rank's logits get their own part of the
+/// gradient, `softmax - onehot`.
+///
+/// The maximum is taken out for stability only and carries no gradient (the loss does not
+/// depend on it); the sum of exponentials and the target's logit are summed over the group
+/// with an all-reduce whose backward is the identity.
+pub fn vocab_parallel_cross_entropy<B: CommBackend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    tp: &TensorParallel,
+) -> Result<Tensor<B, 1>, TpError> {
+    let [n, part] = logits.dims();
+    if targets.dims()[0] != n {
+        return Err(TpError::Config(format!(
+            "{n} rows of logits but {} targets; give one target per row",
+            targets.dims()[0]
+        )));
+    }
+    let comm = tp.comm();
+    let vocab = part * tp.size();
+    check_tokens(&targets, vocab)?;
+    let local_max = logits.clone().detach().max_dim(1);
+    let max = comm.all_reduce(local_max, ReduceOp::Max)?;
+    let shifted = logits - max;
+    let sum_exp = reduce_from_parallel_region(shifted.clone().exp().sum_dim(1), comm)?;
+
+    let local = targets - (tp.rank() * part) as i64;
+    let outside = local
+        .clone()
+        .lower_elem(0)
+        .bool_or(local.clone().greater_equal_elem(part as i64));
+    let ids = local.mask_fill(outside.clone(), 0).unsqueeze_dim::<2>(1);
+    let keep = outside.bool_not().float().unsqueeze_dim::<2>(1);
+    let target = reduce_from_parallel_region(shifted.gather(1, ids) * keep, comm)?;
+    Ok((sum_exp.log() - target).reshape([n]))
+}

@@ -1,0 +1,79 @@
+//! An embedding table split by vocabulary: each rank holds a contiguous range of token ids,
+//! looks up the tokens that fall in it (zeros for the others), and the group sums the results.
+
+use burn::module::{Module, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{ElementConversion, Int, Tensor};
+use burn_comm::parallel::CommBackend;
+
+use crate::{TensorParallel, TpError};
+
+/// An embedding table whose rows (tokens) are split over the group. Its output is the full
+/// embedding of every token: all-reduced, or under sequence parallelism reduce-scattered so
+/// each rank keeps its part of the sequence.
+#[derive(Module, Debug)]
+pub struct VocabParallelEmbedding<B: Backend> {
+    /// This rank's rows, `[vocab / tp, hidden]`.
+    pub weight: Param<Tensor<B, 2>>,
+    /// Tokens in the whole vocabulary.
+    pub vocab_size: usize,
+    #[module(skip)]
+    tp: TensorParallel,
+}
+
+impl<B: CommBackend> VocabParallelEmbedding<B> {
+    /// This rank's rows of the full table `[vocab, hidden]`.
+    pub fn from_full(weight: Tensor<B, 2>, tp: &TensorParallel) -> Result<Self, TpError> {
+        let vocab_size = weight.dims()[0];
+        tp.check_divides("the vocabulary", vocab_size)?;
+        let part = tp.part(vocab_size);
+        Ok(Self {
+            weight: Param::from_tensor(weight.narrow(0, part.start, part.len())),
+            vocab_size,
+            tp: tp.clone(),
+        })
+    }
+
+    /// The embeddings `[batch, seq, hidden]` of `tokens` `[batch, seq]` (under SP, this rank's
+    /// part of the sequence). Fails on a token outside the vocabulary.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, TpError> {
+        let [batch, seq] = tokens.dims();
+        let [rows, hidden] = self.weight.dims();
+        check_tokens(&tokens, self.vocab_size)?;
+        let start = self.tp.part(self.vocab_size).start as i64;
+        let local = tokens.reshape([batch * seq]) - start;
+        let outside = local
+            .clone()
+            .lower_elem(0)
+            .bool_or(local.clone().greater_equal_elem(rows as i64));
+        let ids = local.mask_fill(outside.clone(), 0);
+        let keep = outside.bool_not().float().unsqueeze_dim::<2>(1);
+        let rows = self.weight.val().select(0, ids) * keep;
+        self.tp.exit(rows.reshape([batch, seq, hidden]))
+    }
+
+    /// The full table `[vocab, hidden]`, gathered from the group (a collective).
+    pub fn full(&self) -> Result<Tensor<B, 2>, TpError> {
+        Ok(self.tp.comm().all_gather(self.weight.val().detach(), 0)?)
+    }
+}
+
+/// Fails unless every token is in `0..vocab_size`: a parallel lookup would otherwise give a
+/// silent zero where one device fails.
+pub(crate) fn check_tokens<B: Backend, const D: usize>(
+    tokens: &Tensor<B, D, Int>,
+    vocab_size: usize,
+) -> Result<(), TpError> {
+    if tokens.shape().num_elements() == 0 {
+        return Ok(());
+    }
+    let low: i64 = tokens.clone().min().into_scalar().elem();
+    let high: i64 = tokens.clone().max().into_scalar().elem();
+    if low < 0 || high >= vocab_size as i64 {
+        let bad = if low < 0 { low } else { high };
+        return Err(TpError::Config(format!(
+            "token id {bad} is outside the vocabulary of {vocab_size}; every id must be in 0..{vocab_size}"
+        )));
+    }
+    Ok(())
+}

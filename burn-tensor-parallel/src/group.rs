@@ -1,0 +1,142 @@
+//! The tensor-parallel group and the two places where activations cross it: entering a
+//! column-parallel region and leaving a row-parallel one.
+
+use std::ops::Range;
+
+use burn::tensor::Tensor;
+use burn_comm::Communicator;
+use burn_comm::parallel::{
+    CommBackend, copy_to_parallel_region, gather_from_sequence_parallel_region,
+    reduce_from_parallel_region, reduce_scatter_to_sequence_parallel_region,
+    scatter_to_parallel_region,
+};
+
+use crate::TpError;
+
+/// The sequence dimension of activations shaped `[batch, seq, hidden]`, along which sequence
+/// parallelism splits them.
+pub const SEQ_DIM: usize = 1;
+
+/// A tensor-parallel group, and whether activations outside the parallel regions are split
+/// along the sequence (Megatron's sequence parallelism) or held in full by every rank.
+#[derive(Debug, Clone)]
+pub struct TensorParallel {
+    comm: Communicator,
+    sequence_parallel: bool,
+}
+
+impl TensorParallel {
+    /// Plain tensor parallelism over `comm`: activations between the parallel regions are
+    /// replicated on every rank.
+    pub fn new(comm: Communicator) -> Self {
+        Self {
+            comm,
+            sequence_parallel: false,
+        }
+    }
+
+    /// With `enabled`, activations between the parallel regions are split along [`SEQ_DIM`].
+    pub fn with_sequence_parallel(mut self, enabled: bool) -> Self {
+        self.sequence_parallel = enabled;
+        self
+    }
+
+    /// The group.
+    pub fn comm(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// Ranks in the group.
+    pub fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Whether sequence parallelism is on.
+    pub fn sequence_parallel(&self) -> bool {
+        self.sequence_parallel
+    }
+
+    /// Fails unless `value` (called `what`) splits evenly over the group.
+    pub fn check_divides(&self, what: &str, value: usize) -> Result<(), TpError> {
+        let tp = self.size();
+        if value.is_multiple_of(tp) {
+            return Ok(());
+        }
+        let divisors: Vec<String> = (1..=value.min(64))
+            .filter(|d| value.is_multiple_of(*d))
+            .map(|d| d.to_string())
+            .collect();
+        Err(TpError::Config(format!(
+            "{what} ({value}) does not divide by the tensor-parallel size {tp}; choose a tensor-parallel size among {} or change {what} to a multiple of {tp}",
+            divisors.join(", ")
+        )))
+    }
+
+    /// This rank's part of a dimension of `len` split evenly over the group.
+    pub fn part(&self, len: usize) -> Range<usize> {
+        let part = len / self.size();
+        self.rank() * part..(self.rank() + 1) * part
+    }
+
+    /// Enters a column-parallel region: the activations every rank needs in full. Plain TP
+    /// copies them (the gradient is all-reduced on the way back); SP all-gathers the sequence
+    /// (the gradient is reduce-scattered).
+    pub fn enter<B: CommBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+    ) -> Result<Tensor<B, D>, TpError> {
+        Ok(if self.sequence_parallel {
+            gather_from_sequence_parallel_region(x, &self.comm, SEQ_DIM)?
+        } else {
+            copy_to_parallel_region(x, &self.comm)?
+        })
+    }
+
+    /// Leaves a row-parallel region: sums the partial results of the ranks. Plain TP
+    /// all-reduces them; SP reduce-scatters along the sequence, so each rank keeps its part.
+    pub fn exit<B: CommBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+    ) -> Result<Tensor<B, D>, TpError> {
+        Ok(if self.sequence_parallel {
+            self.check_divides("the sequence length", x.dims()[SEQ_DIM])?;
+            reduce_scatter_to_sequence_parallel_region(x, &self.comm, SEQ_DIM)?
+        } else {
+            reduce_from_parallel_region(x, &self.comm)?
+        })
+    }
+
+    /// A weight every rank holds in full (a norm's scale, a row-parallel bias), as the
+    /// computation should see it. Under SP each rank applies it to its own part of the
+    /// sequence only, so its gradient is summed over the group on the way back; under plain TP
+    /// every rank already computes the whole gradient.
+    pub fn replicated<B: CommBackend, const D: usize>(
+        &self,
+        weight: Tensor<B, D>,
+    ) -> Result<Tensor<B, D>, TpError> {
+        Ok(if self.sequence_parallel {
+            copy_to_parallel_region(weight, &self.comm)?
+        } else {
+            weight
+        })
+    }
+
+    /// This rank's part, along [`SEQ_DIM`], of activations every rank holds in full (the
+    /// gradient is all-gathered back): where a sequence-parallel stack starts when its input
+    /// does not come from a [`crate::VocabParallelEmbedding`]. Without SP, `x` as it is.
+    pub fn split_sequence<B: CommBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+    ) -> Result<Tensor<B, D>, TpError> {
+        if !self.sequence_parallel {
+            return Ok(x);
+        }
+        self.check_divides("the sequence length", x.dims()[SEQ_DIM])?;
+        Ok(scatter_to_parallel_region(x, &self.comm, SEQ_DIM)?)
+    }
+}

@@ -1,0 +1,226 @@
+//! Megatron's two linear layers. A column-parallel linear splits the output features, so each
+//! rank computes its own columns from the whole input; a row-parallel linear splits the input
+//! features, so each rank computes a partial sum of the whole output and the group adds them.
+//! A column-parallel layer followed by a row-parallel one (attention's projections, the MLP)
+//! needs no communication in between.
+//!
+//! Weights are `[in, out]`, as `x.matmul(w)` wants.
+
+use burn::module::{Module, Param};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use burn_comm::Communicator;
+use burn_comm::parallel::{
+    CommBackend, copy_to_parallel_region, gather_from_parallel_region, scatter_to_parallel_region,
+};
+
+use crate::{TensorParallel, TpError};
+
+/// `x @ w (+ b)` for `x` of any rank and a `[in, out]` weight.
+pub(crate) fn matmul<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>) -> Tensor<B, D> {
+    let dims = x.dims();
+    let [d_in, d_out] = w.dims();
+    let rows = dims[..D - 1].iter().product();
+    let mut out = dims;
+    out[D - 1] = d_out;
+    x.reshape([rows, d_in]).matmul(w).reshape(out)
+}
+
+/// `x + b`, `b` broadcast over every dimension but the last.
+fn add_bias<B: Backend, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1>) -> Tensor<B, D> {
+    let mut shape = [1; D];
+    shape[D - 1] = bias.dims()[0];
+    x + bias.reshape(shape)
+}
+
+/// A linear layer whose output features are split over the group: rank `r` holds columns
+/// `r * out/tp .. (r+1) * out/tp` of the weight (and of the bias).
+///
+/// The input must be entered into the parallel region ([`TensorParallel::enter`]), which
+/// [`forward`](Self::forward) does; several column-parallel layers that share one input enter
+/// it once and call [`forward_entered`](Self::forward_entered).
+#[derive(Module, Debug)]
+pub struct ColumnParallelLinear<B: Backend> {
+    /// This rank's columns, `[in, out / tp]`.
+    pub weight: Param<Tensor<B, 2>>,
+    /// This rank's part of the bias, `[out / tp]`.
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    /// All-gather the output features, so every rank gets all of them.
+    pub gather_output: bool,
+    /// How many ranks hold the same columns (1 unless built by
+    /// [`from_full_replicated`](Self::from_full_replicated)).
+    pub replication: usize,
+    #[module(skip)]
+    tp: TensorParallel,
+    /// The ranks that hold the same columns as this one, when there are several: their
+    /// gradients are summed.
+    #[module(skip)]
+    replicas: Option<Communicator>,
+}
+
+impl<B: CommBackend> ColumnParallelLinear<B> {
+    /// This rank's columns of `weight` (`[in, out]`) and `bias` (`[out]`).
+    pub fn from_full(
+        weight: Tensor<B, 2>,
+        bias: Option<Tensor<B, 1>>,
+        tp: &TensorParallel,
+        gather_output: bool,
+    ) -> Result<Self, TpError> {
+        let out = weight.dims()[1];
+        tp.check_divides("the output features of a column-parallel linear", out)?;
+        let part = tp.part(out);
+        Ok(Self {
+            weight: Param::from_tensor(weight.narrow(1, part.start, part.len())),
+            bias: bias.map(|b| Param::from_tensor(b.narrow(0, part.start, part.len()))),
+            gather_output,
+            replication: 1,
+            tp: tp.clone(),
+            replicas: None,
+        })
+    }
+
+    /// Splits the output features into `blocks` parts, fewer than the group's ranks, and gives
+    /// each part to `tp / blocks` neighbouring ranks, whose gradients are then summed. This is
+    /// how grouped-query attention shares its key/value heads when there are fewer of them
+    /// than ranks. A collective: every rank of the group calls it.
+    pub fn from_full_replicated(
+        weight: Tensor<B, 2>,
+        bias: Option<Tensor<B, 1>>,
+        tp: &TensorParallel,
+        blocks: usize,
+    ) -> Result<Self, TpError> {
+        let (out, size) = (weight.dims()[1], tp.size());
+        if blocks == 0 || !size.is_multiple_of(blocks) || !out.is_multiple_of(blocks) {
+            return Err(TpError::Config(format!(
+                "{out} output features in {blocks} blocks cannot be shared by a tensor-parallel group of {size}; the block count must divide both"
+            )));
+        }
+        let replication = size / blocks;
+        let block = tp.rank() / replication;
+        let width = out / blocks;
+        let name = format!("{}/replicas{block}", tp.comm().group_name());
+        let replicas = tp.comm().split(&name, block)?;
+        Ok(Self {
+            weight: Param::from_tensor(weight.narrow(1, block * width, width)),
+            bias: bias.map(|b| Param::from_tensor(b.narrow(0, block * width, width))),
+            gather_output: false,
+            replication,
+            tp: tp.clone(),
+            replicas: (replication > 1).then_some(replicas),
+        })
+    }
+
+    /// Enters the parallel region, then [`forward_entered`](Self::forward_entered).
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, TpError> {
+        self.forward_entered(self.tp.enter(x)?)
+    }
+
+    /// `x @ weight (+ bias)` for an input already in the parallel region; all-gathers the
+    /// features when `gather_output`.
+    pub fn forward_entered<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+    ) -> Result<Tensor<B, D>, TpError> {
+        let mut y = matmul(x, self.shared(self.weight.val())?);
+        if let Some(bias) = &self.bias {
+            y = add_bias(y, self.shared(bias.val())?);
+        }
+        if self.gather_output {
+            y = gather_from_parallel_region(y, self.tp.comm(), D - 1)?;
+        }
+        Ok(y)
+    }
+
+    /// A weight as the computation sees it: the gradient is summed over the replicas.
+    fn shared<const D: usize>(&self, w: Tensor<B, D>) -> Result<Tensor<B, D>, TpError> {
+        Ok(match &self.replicas {
+            Some(replicas) => copy_to_parallel_region(w, replicas)?,
+            None => w,
+        })
+    }
+
+    /// The full weight `[in, out]` and bias, gathered from the group (a collective).
+    pub fn full(&self) -> Result<(Tensor<B, 2>, Option<Tensor<B, 1>>), TpError> {
+        let weight = self.gather(self.weight.val().detach(), 1)?;
+        let bias = match &self.bias {
+            Some(b) => Some(self.gather(b.val().detach(), 0)?),
+            None => None,
+        };
+        Ok((weight, bias))
+    }
+
+    /// All-gathers the parts along `dim`, keeping one copy of each replicated block.
+    fn gather<const D: usize>(
+        &self,
+        part: Tensor<B, D>,
+        dim: usize,
+    ) -> Result<Tensor<B, D>, TpError> {
+        let all = self.tp.comm().all_gather(part, dim)?;
+        if self.replication == 1 {
+            return Ok(all);
+        }
+        let width = all.dims()[dim] / self.tp.size();
+        let blocks = (0..self.tp.size())
+            .step_by(self.replication)
+            .map(|rank| all.clone().narrow(dim, rank * width, width))
+            .collect();
+        Ok(Tensor::cat(blocks, dim))
+    }
+}
+
+/// A linear layer whose input features are split over the group: rank `r` holds rows
+/// `r * in/tp .. (r+1) * in/tp` of the weight, multiplies its part of the input, and the group
+/// sums the results ([`TensorParallel::exit`]: all-reduce, or reduce-scatter under SP). The
+/// bias is held in full and added once, after the sum.
+#[derive(Module, Debug)]
+pub struct RowParallelLinear<B: Backend> {
+    /// This rank's rows, `[in / tp, out]`.
+    pub weight: Param<Tensor<B, 2>>,
+    /// The whole bias, `[out]`.
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    /// The input is already split over the group (it comes from a column-parallel layer);
+    /// otherwise each rank takes its own part of a full input.
+    pub input_is_parallel: bool,
+    #[module(skip)]
+    tp: TensorParallel,
+}
+
+impl<B: CommBackend> RowParallelLinear<B> {
+    /// This rank's rows of `weight` (`[in, out]`), and the whole `bias`.
+    pub fn from_full(
+        weight: Tensor<B, 2>,
+        bias: Option<Tensor<B, 1>>,
+        tp: &TensorParallel,
+        input_is_parallel: bool,
+    ) -> Result<Self, TpError> {
+        let d_in = weight.dims()[0];
+        tp.check_divides("the input features of a row-parallel linear", d_in)?;
+        let part = tp.part(d_in);
+        Ok(Self {
+            weight: Param::from_tensor(weight.narrow(0, part.start, part.len())),
+            bias: bias.map(Param::from_tensor),
+            input_is_parallel,
+            tp: tp.clone(),
+        })
+    }
+
+    /// `x @ weight`, summed over the group, `+ bias`.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, TpError> {
+        let x = if self.input_is_parallel {
+            x
+        } else {
+            scatter_to_parallel_region(x, self.tp.comm(), D - 1)?
+        };
+        let y = self.tp.exit(matmul(x, self.weight.val()))?;
+        Ok(match &self.bias {
+            Some(bias) => add_bias(y, self.tp.replicated(bias.val())?),
+            None => y,
+        })
+    }
+
+    /// The full weight `[in, out]` and bias, gathered from the group (a collective).
+    pub fn full(&self) -> Result<(Tensor<B, 2>, Option<Tensor<B, 1>>), TpError> {
+        let weight = self.tp.comm().all_gather(self.weight.val().detach(), 0)?;
+        Ok((weight, self.bias.as_ref().map(|b| b.val().detach())))
+    }
+}

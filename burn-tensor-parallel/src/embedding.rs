@@ -6,6 +6,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Int, Tensor};
 use burn_comm::parallel::CommBackend;
 
+use crate::linear::param;
 use crate::{TensorParallel, TpError};
 
 /// An embedding table whose rows (tokens) are split over the group. Its output is the full
@@ -28,7 +29,7 @@ impl<B: CommBackend> VocabParallelEmbedding<B> {
         tp.check_divides("the vocabulary", vocab_size)?;
         let part = tp.part(vocab_size);
         Ok(Self {
-            weight: Param::from_tensor(weight.narrow(0, part.start, part.len())),
+            weight: param(weight.narrow(0, part.start, part.len())),
             vocab_size,
             tp: tp.clone(),
         })

@@ -26,6 +26,12 @@ pub(crate) fn matmul<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2
     x.reshape([rows, d_in]).matmul(w).reshape(out)
 }
 
+/// A parameter holding `part` of a weight, which may itself be a tracked parameter: the part
+/// starts its own graph.
+pub(crate) fn param<B: Backend, const D: usize>(part: Tensor<B, D>) -> Param<Tensor<B, D>> {
+    Param::from_tensor(part.detach())
+}
+
 /// `x + b`, `b` broadcast over every dimension but the last.
 fn add_bias<B: Backend, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1>) -> Tensor<B, D> {
     let mut shape = [1; D];
@@ -70,8 +76,8 @@ impl<B: CommBackend> ColumnParallelLinear<B> {
         tp.check_divides("the output features of a column-parallel linear", out)?;
         let part = tp.part(out);
         Ok(Self {
-            weight: Param::from_tensor(weight.narrow(1, part.start, part.len())),
-            bias: bias.map(|b| Param::from_tensor(b.narrow(0, part.start, part.len()))),
+            weight: param(weight.narrow(1, part.start, part.len())),
+            bias: bias.map(|b| param(b.narrow(0, part.start, part.len()))),
             gather_output,
             replication: 1,
             tp: tp.clone(),
@@ -101,8 +107,8 @@ impl<B: CommBackend> ColumnParallelLinear<B> {
         let name = format!("{}/replicas{block}", tp.comm().group_name());
         let replicas = tp.comm().split(&name, block)?;
         Ok(Self {
-            weight: Param::from_tensor(weight.narrow(1, block * width, width)),
-            bias: bias.map(|b| Param::from_tensor(b.narrow(0, block * width, width))),
+            weight: param(weight.narrow(1, block * width, width)),
+            bias: bias.map(|b| param(b.narrow(0, block * width, width))),
             gather_output: false,
             replication,
             tp: tp.clone(),
@@ -197,7 +203,7 @@ impl<B: CommBackend> RowParallelLinear<B> {
         tp.check_divides("the input features of a row-parallel linear", d_in)?;
         let part = tp.part(d_in);
         Ok(Self {
-            weight: Param::from_tensor(weight.narrow(0, part.start, part.len())),
+            weight: param(weight.narrow(0, part.start, part.len())),
             bias: bias.map(Param::from_tensor),
             input_is_parallel,
             tp: tp.clone(),

@@ -2,7 +2,8 @@
 //!
 //! A Llama-style decoder (RMSNorm, rotary positions in Hugging Face's layout, grouped-query
 //! causal attention, SwiGLU, untied head) and its trainer, the main job of burn-parallel:
-//! the same run on one device or data-parallel over many ranks, with the same losses.
+//! the same run on one device, data-parallel over many ranks or tensor-parallel within each
+//! replica, with the same losses.
 
 pub mod config;
 pub mod data;
@@ -10,6 +11,7 @@ pub mod hf;
 pub mod model;
 pub mod rope;
 pub mod schedule;
+pub mod tensor_parallel;
 pub mod train;
 
 pub use config::LlamaConfig;

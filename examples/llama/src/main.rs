@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn_comm::parallel::CommBackend;
 use burn_ddp::{BackwardHooks, DdpConfig};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -37,7 +38,7 @@ enum Device {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum StrategyArg {
-    /// One device for --dp 1, DDP otherwise.
+    /// No data parallelism for --dp 1, DDP otherwise.
     Auto,
     Single,
     Ddp,
@@ -79,6 +80,14 @@ struct TrainArgs {
     /// Data-parallel ranks (threads of this process).
     #[arg(long, default_value_t = 1)]
     dp: usize,
+    /// Tensor-parallel ranks per replica (Megatron: attention heads, MLP features and the
+    /// vocabulary split); the run uses dp x tp threads.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Sequence parallelism: norms and the residual stream split along the sequence over the
+    /// tensor-parallel ranks (needs --tp 2 or more).
+    #[arg(long)]
+    sp: bool,
     /// Data-parallel strategy.
     #[arg(long, value_enum, default_value_t = StrategyArg::Auto)]
     strategy: StrategyArg,
@@ -165,6 +174,8 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     config.warmup_steps = args.warmup;
     config.seed = args.seed;
     config.dp = args.dp;
+    config.tp = args.tp;
+    config.sequence_parallel = args.sp;
     config.strategy = strategy;
     config.ddp = DdpConfig::new()
         .with_bucket_cap_bytes((args.bucket_mb * 1024.0 * 1024.0) as usize)
@@ -196,7 +207,7 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         return Err("byte-level data needs a vocabulary of at least 256".into());
     }
     println!(
-        "model {} ({:.2}M parameters), {} x {} tokens per step, {} rank(s) {:?}, {} micro-batch(es) of {} per rank",
+        "model {} ({:.2}M parameters), {} x {} tokens per step, dp {} ({:?}) x tp {}{}, {} micro-batch(es) of {} per replica",
         args.init_from
             .as_ref()
             .map_or(name, |d| d.display().to_string()),
@@ -205,6 +216,12 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         config.seq_len,
         config.dp,
         strategy,
+        config.tp,
+        if config.sequence_parallel {
+            " with sequence parallelism"
+        } else {
+            ""
+        },
         layout.accum,
         layout.micro
     );
@@ -229,12 +246,15 @@ fn train_on_cuda(_: &TrainConfig, _: &dyn Dataset, _: &TrainArgs) -> Result<(), 
     Err("this binary was built without CUDA; rebuild with `--features cuda`".into())
 }
 
-fn train_on<B: BackwardHooks>(
+fn train_on<B: BackwardHooks + CommBackend>(
     config: &TrainConfig,
     data: &dyn Dataset,
     device: &B::Device,
     args: &TrainArgs,
-) -> Result<(), String> {
+) -> Result<(), String>
+where
+    B::InnerBackend: CommBackend,
+{
     let mut metrics = match &args.metrics {
         Some(path) => {
             Some(BufWriter::new(File::create(path).map_err(|e| {

@@ -27,8 +27,18 @@ pub struct RmsNorm<B: Backend> {
 impl<B: Backend> RmsNorm<B> {
     /// Normalises the last dimension of `x`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        self.forward_scaled(x, self.weight.val())
+    }
+
+    /// Normalises the last dimension of `x` and multiplies by `scale`, this norm's weight as
+    /// the caller wants it seen (tensor parallelism routes it through its group).
+    pub fn forward_scaled<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        scale: Tensor<B, 1>,
+    ) -> Tensor<B, D> {
         let rms = (x.clone().powi_scalar(2).mean_dim(D - 1) + self.eps).sqrt();
-        (x / rms) * self.weight.val().unsqueeze()
+        (x / rms) * scale.unsqueeze()
     }
 }
 
@@ -60,6 +70,15 @@ pub struct Positions<B: Backend> {
     mask: Tensor<B, 4>,
 }
 
+impl<B: Backend> Positions<B> {
+    /// The rotary tables and causal mask for sequences of `seq` tokens and heads of `head_dim`.
+    pub fn new(seq: usize, head_dim: usize, rope_theta: f64, device: &B::Device) -> Self {
+        let (cos, sin) = rope::tables::<B>(seq, head_dim, rope_theta, device);
+        let mask = causal_mask::<B>(seq, device);
+        Self { cos, sin, mask }
+    }
+}
+
 impl<B: Backend> Attention<B> {
     fn head_dim(&self) -> usize {
         self.q_proj.dims()[1] / self.heads
@@ -67,9 +86,7 @@ impl<B: Backend> Attention<B> {
 
     /// The rotary tables and causal mask for sequences of `seq` tokens.
     pub fn positions(&self, seq: usize, device: &B::Device) -> Positions<B> {
-        let (cos, sin) = rope::tables::<B>(seq, self.head_dim(), self.rope_theta, device);
-        let mask = causal_mask::<B>(seq, device);
-        Positions { cos, sin, mask }
+        Positions::new(seq, self.head_dim(), self.rope_theta, device)
     }
 
     /// `x`: `[batch, seq, hidden]` to `[batch, seq, hidden]`.
@@ -81,35 +98,47 @@ impl<B: Backend> Attention<B> {
                 .reshape([batch, seq, heads, head_dim])
                 .swap_dims(1, 2)
         };
-        let (cos, sin) = (&positions.cos, &positions.sin);
-        let q = rope::apply(split(&self.q_proj, self.heads), cos, sin);
-        let k = rope::apply(split(&self.k_proj, self.kv_heads), cos, sin);
+        let q = split(&self.q_proj, self.heads);
+        let k = split(&self.k_proj, self.kv_heads);
         let v = split(&self.v_proj, self.kv_heads);
-        let (k, v) = (self.repeat_kv(k), self.repeat_kv(v));
-
-        let scores = q.matmul(k.swap_dims(2, 3)) / (head_dim as f64).sqrt();
-        let scores = scores + positions.mask.clone();
-        let context = softmax(scores, 3).matmul(v);
-        let context = context
-            .swap_dims(1, 2)
-            .reshape([batch, seq, self.heads * head_dim]);
+        let context =
+            attend(q, k, v, positions)
+                .swap_dims(1, 2)
+                .reshape([batch, seq, self.heads * head_dim]);
         linear(context, &self.o_proj)
     }
+}
 
-    /// Repeats each key/value head for the query heads that share it.
-    fn repeat_kv(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let group = self.heads / self.kv_heads;
-        if group == 1 {
-            return x;
-        }
-        let [batch, kv_heads, seq, head_dim] = x.dims();
-        x.unsqueeze_dim::<5>(2).repeat_dim(2, group).reshape([
-            batch,
-            kv_heads * group,
-            seq,
-            head_dim,
-        ])
+/// Causal attention of query heads `q` `[batch, heads, seq, head_dim]` over key/value heads
+/// `k`, `v` `[batch, kv_heads, seq, head_dim]` (each shared by `heads / kv_heads` query heads),
+/// with rotary positions; the context comes back shaped like `q`. The same for every head, so
+/// tensor parallelism calls it on each rank's heads.
+pub fn attend<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    positions: &Positions<B>,
+) -> Tensor<B, 4> {
+    let (cos, sin) = (&positions.cos, &positions.sin);
+    let group = q.dims()[1] / k.dims()[1];
+    let head_dim = q.dims()[3];
+    let q = rope::apply(q, cos, sin);
+    let k = repeat_kv(rope::apply(k, cos, sin), group);
+    let v = repeat_kv(v, group);
+    let scores = q.matmul(k.swap_dims(2, 3)) / (head_dim as f64).sqrt();
+    let scores = scores + positions.mask.clone();
+    softmax(scores, 3).matmul(v)
+}
+
+/// Repeats each key/value head for the `group` query heads that share it.
+fn repeat_kv<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
+    if group == 1 {
+        return x;
     }
+    let [batch, kv_heads, seq, head_dim] = x.dims();
+    x.unsqueeze_dim::<5>(2)
+        .repeat_dim(2, group)
+        .reshape([batch, kv_heads * group, seq, head_dim])
 }
 
 /// `-inf` above the diagonal, `0` elsewhere, shaped `[1, 1, seq, seq]` to broadcast.

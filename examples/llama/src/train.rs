@@ -1,7 +1,9 @@
 //! The training loop, one function per rank, for every data-parallel strategy:
 //! a plain single-device burn loop (the oracle and the baseline), DistributedDataParallel and
-//! the parameter-server DataParallel. Every layout reads the same global batches, starts from
-//! the same weights and reports the same loss: the mean over the whole global batch.
+//! the parameter-server DataParallel, each over a replica that is either the whole model on
+//! one rank or the model split over a tensor-parallel group (`tp` ranks, on a `dp x tp`
+//! mesh). Every layout reads the same global batches, starts from the same weights and
+//! reports the same loss: the mean over the whole global batch.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -9,23 +11,28 @@ use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsAccumulator, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData, backend::Backend};
-use burn_comm::{CommError, Communicator, ReduceOp};
+use burn_comm::parallel::CommBackend;
+use burn_comm::{CommError, Communicator, DeviceMesh, ReduceOp};
 use burn_ddp::{
     BackwardHooks, DataParallel, DdpConfig, DdpError, DistributedDataParallel, DistributedSampler,
     per_rank_batch,
 };
+use burn_tensor_parallel::{TensorParallel, TpError};
 use serde::Serialize;
 
 use crate::config::LlamaConfig;
 use crate::data::Dataset;
 use crate::model::Llama;
 use crate::schedule::WarmupCosine;
+use crate::tensor_parallel::{TpLlama, check_split};
 
 /// How the data-parallel ranks share the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 pub enum Strategy {
-    /// One device, plain burn: no communicator at all.
+    /// One replica, plain burn: no data-parallel communicator at all (the replica is one
+    /// device, or a tensor-parallel group with `tp > 1`).
     Single,
     /// DistributedDataParallel: bucketed, overlapped gradient all-reduce.
     Ddp,
@@ -56,6 +63,10 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Data-parallel ranks.
     pub dp: usize,
+    /// Tensor-parallel ranks per replica.
+    pub tp: usize,
+    /// Sequence parallelism within the tensor-parallel group.
+    pub sequence_parallel: bool,
     /// Data-parallel strategy.
     pub strategy: Strategy,
     /// DDP settings.
@@ -78,6 +89,8 @@ impl TrainConfig {
             warmup_steps: 10,
             seed: 42,
             dp: 1,
+            tp: 1,
+            sequence_parallel: false,
             strategy: Strategy::Single,
             ddp: DdpConfig::new(),
             init_from: None,
@@ -98,6 +111,22 @@ impl TrainConfig {
                 "the single-device strategy runs one rank, not --dp {}; choose --strategy ddp or parameter-server",
                 self.dp
             )));
+        }
+        if self.tp == 0 {
+            return Err(TrainError::Config("--tp must be at least 1".into()));
+        }
+        if self.sequence_parallel && self.tp == 1 {
+            return Err(TrainError::Config(
+                "--sp splits sequences over the tensor-parallel ranks; use it with --tp 2 or more"
+                    .into(),
+            ));
+        }
+        check_split(&self.model, self.tp, self.sequence_parallel, self.seq_len)
+            .map_err(TrainError::Config)?;
+        if self.strategy == Strategy::ParameterServer && self.tp > 1 {
+            return Err(TrainError::Config(
+                "the parameter-server baseline replicates whole models; use --strategy ddp with --tp".into(),
+            ));
         }
         let per_rank = per_rank_batch(self.batch_size, self.dp)?;
         let (micro, accum) = match (self.micro_batch_size, self.grad_accum) {
@@ -170,6 +199,54 @@ pub enum TrainError {
     /// Communication failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// Tensor parallelism failed.
+    #[error(transparent)]
+    Tp(#[from] TpError),
+}
+
+impl TrainError {
+    /// Whether this rank failed only because a peer did (so the peer's error is the cause).
+    fn is_peer_failure(&self) -> bool {
+        matches!(
+            self,
+            TrainError::Comm(CommError::PeerFailed { .. })
+                | TrainError::Ddp(DdpError::Comm(CommError::PeerFailed { .. }))
+                | TrainError::Tp(TpError::Comm(CommError::PeerFailed { .. }))
+        )
+    }
+}
+
+/// A model the loop can train: one replica, whole or split over a tensor-parallel group.
+pub trait Replica<B: AutodiffBackend>: AutodiffModule<B> {
+    /// Mean next-token cross-entropy of `targets` given `inputs`.
+    fn loss(
+        &self,
+        inputs: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+    ) -> Result<Tensor<B, 1>, TrainError>;
+}
+
+impl<B: AutodiffBackend> Replica<B> for Llama<B> {
+    fn loss(
+        &self,
+        inputs: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+    ) -> Result<Tensor<B, 1>, TrainError> {
+        Ok(Llama::loss(self, inputs, targets))
+    }
+}
+
+impl<B: AutodiffBackend + CommBackend> Replica<B> for TpLlama<B>
+where
+    B::InnerBackend: CommBackend,
+{
+    fn loss(
+        &self,
+        inputs: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+    ) -> Result<Tensor<B, 1>, TrainError> {
+        Ok(TpLlama::loss(self, inputs, targets)?)
+    }
 }
 
 /// One optimizer step, as written to `--metrics`.
@@ -194,16 +271,17 @@ pub struct StepMetrics {
     pub comm_wait_s: f64,
 }
 
-/// Trains one rank. `comm` is the data-parallel group (`None` for [`Strategy::Single`]);
-/// `on_step` sees every step's metrics (the same on every rank). Returns the final weights.
-pub fn train_rank<B: BackwardHooks>(
+/// Trains one rank's replica. `comm` is the data-parallel group (`None` for
+/// [`Strategy::Single`]); `on_step` sees every step's metrics (the same on every rank).
+/// Returns the final weights.
+pub fn train_rank<B: BackwardHooks, M: Replica<B>>(
     config: &TrainConfig,
     data: &dyn Dataset,
     comm: Option<&Communicator>,
-    init: Llama<B>,
+    init: M,
     device: &B::Device,
     on_step: &mut dyn FnMut(&StepMetrics),
-) -> Result<Llama<B>, TrainError> {
+) -> Result<M, TrainError> {
     let layout = config.layout()?;
     if config.strategy != Strategy::Single && comm.is_none() {
         return Err(TrainError::Config(format!(
@@ -219,7 +297,7 @@ pub fn train_rank<B: BackwardHooks>(
         )));
     }
     let batches = Batches::new(config, data, world, rank, layout)?;
-    let mut optimizer = config.optimizer().init::<B, Llama<B>>();
+    let mut optimizer = config.optimizer().init::<B, M>();
     let schedule = config.schedule();
     let tokens = config.batch_size * config.seq_len;
     let started = Instant::now();
@@ -246,7 +324,7 @@ pub fn train_rank<B: BackwardHooks>(
                 let mut loss_sum = 0.0;
                 for micro in 0..layout.accum {
                     let (inputs, targets) = batches.micro(step, micro, device);
-                    let loss = model.loss(inputs, targets) / layout.accum as f64;
+                    let loss = model.loss(inputs, targets)? / layout.accum as f64;
                     loss_sum += scalar(&loss);
                     let grads = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
                     accumulator.accumulate(&model, grads);
@@ -265,7 +343,7 @@ pub fn train_rank<B: BackwardHooks>(
                 let mut grads = None;
                 for micro in 0..layout.accum {
                     let (inputs, targets) = batches.micro(step, micro, device);
-                    let loss = ddp.module().loss(inputs, targets) / layout.accum as f64;
+                    let loss = ddp.module().loss(inputs, targets)? / layout.accum as f64;
                     loss_sum += scalar(&loss);
                     if micro + 1 < layout.accum {
                         ddp.backward_no_sync(loss);
@@ -290,7 +368,7 @@ pub fn train_rank<B: BackwardHooks>(
                 let len = config.seq_len;
                 let inputs = local.clone().narrow(1, 0, len);
                 let targets = local.narrow(1, 1, len);
-                let loss = dp.module().loss(inputs, targets);
+                let loss = dp.module().loss(inputs, targets)?;
                 let loss_value = scalar(&loss);
                 dp.step(loss, &mut optimizer, schedule.lr(step))?;
                 let loss = global_mean::<B>(comm, loss_value, device)?;
@@ -432,14 +510,17 @@ impl<'a> Batches<'a> {
     }
 }
 
-/// Runs `config` on `config.dp` ranks (threads) and returns rank 0's final weights; `on_step`
-/// sees rank 0's metrics.
-pub fn train<B: BackwardHooks>(
+/// Runs `config` on `config.dp * config.tp` ranks (threads) and returns the final weights,
+/// whole; `on_step` sees rank 0's metrics.
+pub fn train<B: BackwardHooks + CommBackend>(
     config: &TrainConfig,
     data: &dyn Dataset,
     device: &B::Device,
     on_step: &mut (dyn FnMut(&StepMetrics) + Send),
-) -> Result<Llama<B::InnerBackend>, TrainError> {
+) -> Result<Llama<B::InnerBackend>, TrainError>
+where
+    B::InnerBackend: CommBackend,
+{
     config.layout()?;
     let init = || -> Result<Llama<B>, TrainError> {
         match &config.init_from {
@@ -457,27 +538,36 @@ pub fn train<B: BackwardHooks>(
             }
         }
     };
-    if config.strategy == Strategy::Single {
+    if config.strategy == Strategy::Single && config.tp == 1 {
         return Ok(train_rank(config, data, None, init()?, device, on_step)?.valid());
     }
     let on_step = std::sync::Mutex::new(on_step);
-    let mut results = burn_comm::launch(config.dp, |ctx| {
+    let mut results = burn_comm::launch(config.dp * config.tp, |ctx| {
         let mut forward = |m: &StepMetrics| {
             if ctx.rank() == 0 {
                 (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
             }
         };
         let model = init()?;
-        train_rank(config, data, Some(ctx.world()), model, device, &mut forward)
-            .map(|model| model.valid())
+        let data_parallel =
+            |group: &Communicator| (config.strategy != Strategy::Single).then_some(group.clone());
+        if config.tp == 1 {
+            let dp = data_parallel(ctx.world());
+            return train_rank(config, data, dp.as_ref(), model, device, &mut forward)
+                .map(|model| model.valid());
+        }
+        // Tensor-parallel peers are neighbours on the mesh (tp varies fastest).
+        let mesh = DeviceMesh::new(ctx.world(), &[("dp", config.dp), ("tp", config.tp)])?;
+        let dp = data_parallel(mesh.group("dp")?);
+        let tp = TensorParallel::new(mesh.group("tp")?.clone())
+            .with_sequence_parallel(config.sequence_parallel);
+        let model = TpLlama::from_full(model, &config.model, &tp)?;
+        let model = train_rank(config, data, dp.as_ref(), model, device, &mut forward)?;
+        Ok(model.valid().full()?)
     });
     // Report the cause: a rank's own failure rather than its peers' "peer failed".
     let cause = results.iter().position(|r| match r {
-        Err(burn_comm::RankError::Failed { error, .. }) => !matches!(
-            error,
-            TrainError::Comm(CommError::PeerFailed { .. })
-                | TrainError::Ddp(DdpError::Comm(CommError::PeerFailed { .. }))
-        ),
+        Err(burn_comm::RankError::Failed { error, .. }) => !error.is_peer_failure(),
         Err(burn_comm::RankError::Panicked { .. }) => true,
         Ok(_) => false,
     });

@@ -139,7 +139,13 @@ fn trains_on_a_text_file_read_as_bytes() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 7] = [
+        (&["train", "--tp", "3"], "choose --tp among 1, 2, 4"),
+        (
+            &["train", "--tp", "2", "--sp", "--seq-len", "63"],
+            "multiple of 2",
+        ),
+        (&["train", "--sp"], "use it with --tp 2 or more"),
         (
             &["train", "--dp", "3", "--batch-size", "8"],
             "multiple of 3",

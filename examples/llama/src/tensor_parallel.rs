@@ -1,0 +1,223 @@
+//! The Llama decoder with Megatron tensor parallelism (and optionally sequence parallelism),
+//! built from burn-tensor-parallel's layers: the same blocks as [`Llama`], each matrix split
+//! over the tensor-parallel group. It is made from a full [`Llama`] by slicing and gives one
+//! back, so it starts and ends exactly where one device would.
+
+use burn::module::{Module, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+use burn_comm::parallel::CommBackend;
+use burn_tensor_parallel::attention::{AttentionWeights, check_heads};
+use burn_tensor_parallel::{
+    ColumnParallelLinear, ParallelAttention, ParallelSwiGlu, TensorParallel, TpError,
+    VocabParallelEmbedding, vocab_parallel_cross_entropy,
+};
+
+use crate::config::LlamaConfig;
+use crate::model::{Attention, Block, Llama, Mlp, Positions, RmsNorm, attend};
+
+/// One block with its attention heads and MLP features split over the group.
+#[derive(Module, Debug)]
+pub struct TpBlock<B: Backend> {
+    /// Norm before attention (every rank holds it whole).
+    pub input_layernorm: RmsNorm<B>,
+    /// Head-sharded attention.
+    pub self_attn: ParallelAttention<B>,
+    /// Norm before the MLP (every rank holds it whole).
+    pub post_attention_layernorm: RmsNorm<B>,
+    /// SwiGLU with its intermediate features split.
+    pub mlp: ParallelSwiGlu<B>,
+    #[module(skip)]
+    tp: TensorParallel,
+}
+
+impl<B: CommBackend> TpBlock<B> {
+    /// Residual attention, then residual MLP; under SP `x` is this rank's part of the sequence.
+    fn forward(&self, x: Tensor<B, 3>, positions: &Positions<B>) -> Result<Tensor<B, 3>, TpError> {
+        let normed = norm(&self.input_layernorm, x.clone(), &self.tp)?;
+        let attended = self
+            .self_attn
+            .forward(normed, |q, k, v| attend(q, k, v, positions))?;
+        let x = x + attended;
+        let normed = norm(&self.post_attention_layernorm, x.clone(), &self.tp)?;
+        Ok(x + self.mlp.forward(normed)?)
+    }
+}
+
+/// A norm whose weight every rank holds; under SP its gradient is summed over the group.
+fn norm<B: CommBackend>(
+    norm: &RmsNorm<B>,
+    x: Tensor<B, 3>,
+    tp: &TensorParallel,
+) -> Result<Tensor<B, 3>, TpError> {
+    Ok(norm.forward_scaled(x, tp.replicated(norm.weight.val())?))
+}
+
+/// The Llama decoder split over a tensor-parallel group.
+#[derive(Module, Debug)]
+pub struct TpLlama<B: Backend> {
+    /// The embedding, split by vocabulary.
+    pub embed_tokens: VocabParallelEmbedding<B>,
+    /// The blocks.
+    pub layers: Vec<TpBlock<B>>,
+    /// The final norm (every rank holds it whole).
+    pub norm: RmsNorm<B>,
+    /// The head, split by vocabulary: its logits go to the vocab-parallel cross-entropy
+    /// without ever being gathered.
+    pub lm_head: ColumnParallelLinear<B>,
+    #[module(skip)]
+    config: LlamaConfig,
+    #[module(skip)]
+    tp: TensorParallel,
+}
+
+/// Checks that `config` can be split over `tp` ranks (and, with `sequence_parallel`, sequences
+/// of `seq_len` tokens too), with a sentence saying what to change.
+pub fn check_split(
+    config: &LlamaConfig,
+    tp: usize,
+    sequence_parallel: bool,
+    seq_len: usize,
+) -> Result<(), String> {
+    let divisors = |n: usize| {
+        let d: Vec<String> = (1..=n.min(64))
+            .filter(|d| n.is_multiple_of(*d))
+            .map(|d| d.to_string())
+            .collect();
+        d.join(", ")
+    };
+    let must_divide = [
+        ("num_attention_heads", config.num_attention_heads),
+        ("hidden_size", config.hidden_size),
+        ("intermediate_size", config.intermediate_size),
+        ("vocab_size", config.vocab_size),
+    ];
+    for (name, value) in must_divide {
+        if !value.is_multiple_of(tp) {
+            return Err(format!(
+                "--tp {tp} does not divide {name} {value}; choose --tp among {}",
+                divisors(value)
+            ));
+        }
+    }
+    check_heads(config.num_attention_heads, config.num_key_value_heads, tp)
+        .map_err(|e| format!("--tp {tp}: {e}"))?;
+    if sequence_parallel && !seq_len.is_multiple_of(tp) {
+        return Err(format!(
+            "--sp splits each sequence over the {tp} tensor-parallel ranks, but --seq-len {seq_len} does not divide by {tp}; choose a --seq-len that is a multiple of {tp}"
+        ));
+    }
+    Ok(())
+}
+
+impl<B: CommBackend> TpLlama<B> {
+    /// This rank's part of `model`, whose shape is `config`. A collective over `tp`.
+    pub fn from_full(
+        model: Llama<B>,
+        config: &LlamaConfig,
+        tp: &TensorParallel,
+    ) -> Result<Self, TpError> {
+        check_split(config, tp.size(), false, 0).map_err(TpError::Config)?;
+        let (heads, kv_heads) = (config.num_attention_heads, config.num_key_value_heads);
+        let layers = model
+            .layers
+            .into_iter()
+            .map(|block| {
+                let attention = block.self_attn;
+                let weights = AttentionWeights {
+                    q: attention.q_proj.val(),
+                    k: attention.k_proj.val(),
+                    v: attention.v_proj.val(),
+                    o: attention.o_proj.val(),
+                };
+                let mlp = block.mlp;
+                Ok(TpBlock {
+                    input_layernorm: block.input_layernorm,
+                    self_attn: ParallelAttention::from_full(weights, heads, kv_heads, tp)?,
+                    post_attention_layernorm: block.post_attention_layernorm,
+                    mlp: ParallelSwiGlu::from_full(
+                        mlp.gate_proj.val(),
+                        mlp.up_proj.val(),
+                        mlp.down_proj.val(),
+                        tp,
+                    )?,
+                    tp: tp.clone(),
+                })
+            })
+            .collect::<Result<_, TpError>>()?;
+        Ok(Self {
+            embed_tokens: VocabParallelEmbedding::from_full(model.embed_tokens.val(), tp)?,
+            layers,
+            norm: model.norm,
+            lm_head: ColumnParallelLinear::from_full(model.lm_head.val(), None, tp, false)?,
+            config: config.clone(),
+            tp: tp.clone(),
+        })
+    }
+
+    /// Mean next-token cross-entropy (nats) of `targets` given `inputs`, both `[batch, seq]`,
+    /// the same on every rank of the group.
+    pub fn loss(
+        &self,
+        inputs: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+    ) -> Result<Tensor<B, 1>, TpError> {
+        let [batch, seq] = targets.dims();
+        let mut x = self.embed_tokens.forward(inputs)?;
+        let positions = Positions::new(
+            seq,
+            self.config.head_dim(),
+            self.config.rope_theta,
+            &x.device(),
+        );
+        for layer in &self.layers {
+            x = layer.forward(x, &positions)?;
+        }
+        let x = norm(&self.norm, x, &self.tp)?;
+        let logits = self.lm_head.forward(x)?;
+        let vocab_part = logits.dims()[2];
+        let losses = vocab_parallel_cross_entropy(
+            logits.reshape([batch * seq, vocab_part]),
+            targets.reshape([batch * seq]),
+            &self.tp,
+        )?;
+        Ok(losses.mean())
+    }
+
+    /// The whole model, gathered from the group (a collective).
+    pub fn full(&self) -> Result<Llama<B>, TpError> {
+        let config = &self.config;
+        let layers = self
+            .layers
+            .iter()
+            .map(|block| {
+                let attention = block.self_attn.full()?;
+                let [gate, up, down] = block.mlp.full()?;
+                Ok(Block {
+                    input_layernorm: block.input_layernorm.clone(),
+                    self_attn: Attention {
+                        q_proj: Param::from_tensor(attention.q),
+                        k_proj: Param::from_tensor(attention.k),
+                        v_proj: Param::from_tensor(attention.v),
+                        o_proj: Param::from_tensor(attention.o),
+                        heads: config.num_attention_heads,
+                        kv_heads: config.num_key_value_heads,
+                        rope_theta: config.rope_theta,
+                    },
+                    post_attention_layernorm: block.post_attention_layernorm.clone(),
+                    mlp: Mlp {
+                        gate_proj: Param::from_tensor(gate),
+                        up_proj: Param::from_tensor(up),
+                        down_proj: Param::from_tensor(down),
+                    },
+                })
+            })
+            .collect::<Result<_, TpError>>()?;
+        Ok(Llama {
+            embed_tokens: Param::from_tensor(self.embed_tokens.full()?),
+            layers,
+            norm: self.norm.clone(),
+            lm_head: Param::from_tensor(self.lm_head.full()?.0),
+        })
+    }
+}

@@ -1,0 +1,84 @@
+//! What the parity tests share: a training run recorded (losses and final weights) and the
+//! comparison against the one-device oracle.
+//!
+//! Tolerances: the ranks sum in a different order than one device does (per-rank means then
+//! an average, partial matmuls then an all-reduce), so float32 rounding differs. Losses must
+//! agree to rtol 1e-5 at every step. Final weights must agree to rtol 1e-4 per tensor, in L2
+//! norm: AdamW scales each element's step by that element's own gradient history, so the few
+//! elements whose gradient is at rounding-noise level take visibly different steps (about 1
+//! in 10^5 elements differs by more than 1e-4 relative, by at most ~1.5e-5 absolute).
+
+#![allow(dead_code)]
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::TensorData;
+use llama::data::MarkovSource;
+use llama::hf::export;
+use llama::train::{Strategy, TrainConfig, train};
+use llama::{Llama, LlamaConfig};
+
+pub type B = Autodiff<Flex>;
+
+pub struct Run {
+    pub losses: Vec<f64>,
+    pub weights: Vec<(String, TensorData)>,
+}
+
+pub fn config(strategy: Strategy, dp: usize) -> TrainConfig {
+    let mut config = TrainConfig::new(LlamaConfig::preset("tiny").unwrap(), 20);
+    config.batch_size = 8;
+    config.seq_len = 32;
+    config.warmup_steps = 5;
+    config.strategy = strategy;
+    config.dp = dp;
+    config
+}
+
+pub fn run(config: &TrainConfig) -> Run {
+    run_on(config, 4096)
+}
+
+pub fn run_on(config: &TrainConfig, samples: usize) -> Run {
+    let data = MarkovSource::new(16, 3, config.seq_len, samples, 1);
+    let mut losses = Vec::new();
+    let model: Llama<Flex> = train::<B>(config, &data, &Default::default(), &mut |m| {
+        losses.push(m.loss)
+    })
+    .unwrap();
+    Run {
+        losses,
+        weights: export(&model),
+    }
+}
+
+/// Asserts the tolerances above, and prints the largest deviations seen (with `--nocapture`).
+pub fn assert_close(oracle: &Run, other: &Run, what: &str) {
+    assert_eq!(oracle.losses.len(), other.losses.len());
+    let (mut worst_loss, mut worst_weight) = (0f64, 0f64);
+    for (step, (a, b)) in oracle.losses.iter().zip(&other.losses).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs(),
+            "{what}: loss at step {} is {b}, one device has {a}",
+            step + 1
+        );
+        worst_loss = worst_loss.max((a - b).abs() / a.abs());
+    }
+    assert_eq!(oracle.weights.len(), other.weights.len());
+    for ((name, a), (other_name, b)) in oracle.weights.iter().zip(&other.weights) {
+        assert_eq!(name, other_name);
+        let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        assert_eq!(a.len(), b.len(), "{what}: {name} has another shape");
+        let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+        let diff = norm(&mut a.iter().zip(&b).map(|(x, y)| (x - y) as f64));
+        let scale = norm(&mut a.iter().map(|&x| x as f64));
+        assert!(
+            diff <= 1e-4 * scale,
+            "{what}: {name} differs from one device by {:e} relative (L2)",
+            diff / scale
+        );
+        worst_weight = worst_weight.max(diff / scale);
+    }
+    eprintln!(
+        "{what}: losses within {worst_loss:.1e}, weights within {worst_weight:.1e} (relative)"
+    );
+}

@@ -1,0 +1,50 @@
+//! Tensor parallelism against the oracle: `tiny` (4 query heads, 2 key/value heads) trained 20
+//! steps on one device and split over 2 and 4 tensor-parallel ranks (at 4 the key/value heads
+//! are shared by pairs of ranks), with sequence parallelism, and on a 2 x 2 data x tensor
+//! mesh. The final weights are gathered from the shards.
+//!
+//! Tolerances are in `common`: row-parallel layers sum partial matmuls across ranks, a
+//! different order from one device's single matmul.
+
+mod common;
+
+use common::*;
+use llama::train::Strategy;
+
+fn tensor_parallel(dp: usize, tp: usize, sequence_parallel: bool) -> Run {
+    let strategy = if dp == 1 {
+        Strategy::Single
+    } else {
+        Strategy::Ddp
+    };
+    let mut config = config(strategy, dp);
+    config.tp = tp;
+    config.sequence_parallel = sequence_parallel;
+    run(&config)
+}
+
+#[test]
+fn tensor_parallel_matches_one_device_at_tp_2_and_4() {
+    let oracle = run(&config(Strategy::Single, 1));
+    assert!(
+        oracle.losses[19] < oracle.losses[0] - 0.5,
+        "{:?}",
+        oracle.losses
+    );
+    assert_close(&oracle, &tensor_parallel(1, 2, false), "tp 2");
+    assert_close(&oracle, &tensor_parallel(1, 4, false), "tp 4");
+}
+
+#[test]
+fn sequence_parallel_matches_one_device() {
+    let oracle = run(&config(Strategy::Single, 1));
+    assert_close(&oracle, &tensor_parallel(1, 2, true), "tp 2 + sp");
+    assert_close(&oracle, &tensor_parallel(1, 4, true), "tp 4 + sp");
+}
+
+#[test]
+fn data_times_tensor_parallel_matches_one_device() {
+    let oracle = run(&config(Strategy::Single, 1));
+    assert_close(&oracle, &tensor_parallel(2, 2, false), "dp 2 x tp 2");
+    assert_close(&oracle, &tensor_parallel(2, 2, true), "dp 2 x tp 2 + sp");
+}

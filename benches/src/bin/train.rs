@@ -11,6 +11,7 @@
 //!
 //! `cargo run --release -p benches --bin train -- --help`
 
+use benches::median;
 use burn::backend::{Autodiff, Flex};
 use burn_ddp::DdpConfig;
 use clap::Parser;
@@ -239,15 +240,4 @@ fn run(config: &TrainConfig, copies: usize, data: &MarkovSource) -> Vec<StepMetr
         }
     }
     total
-}
-
-fn median(values: impl Iterator<Item = f64>) -> f64 {
-    let mut values: Vec<f64> = values.collect();
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len() % 2 == 1 {
-        values[mid]
-    } else {
-        (values[mid - 1] + values[mid]) / 2.0
-    }
 }

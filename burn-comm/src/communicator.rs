@@ -272,8 +272,10 @@ impl Communicator {
         + Send
         + 'static,
     ) -> Work<Tensor<B, D, K>> {
-        let bytes = call.shape.iter().product::<usize>() * call.dtype.map_or(0, |d| d.size());
-        lock(&self.inner.stats).record(call.op, bytes as u64);
+        if checked.is_ok() {
+            let bytes = call.shape.iter().product::<usize>() * call.dtype.map_or(0, |d| d.size());
+            lock(&self.inner.stats).record(call.op, bytes as u64);
+        }
         self.submit(call.to_string(), move |inner, stream| {
             if let Err(error) = checked {
                 return refuse(inner, stream, call, error);
@@ -653,11 +655,13 @@ impl Communicator {
         dst: usize,
     ) -> Work<()> {
         let op = format!("send(to {dst})");
-        let bytes = tensor.shape().num_elements() * tensor.dtype().size();
-        lock(&self.inner.stats).record_send(bytes as u64);
         let checked = self
             .check_plain(&op, tensor.dtype())
             .and_then(|_| self.check_peer(&op, dst));
+        if checked.is_ok() {
+            let bytes = tensor.shape().num_elements() * tensor.dtype().size();
+            lock(&self.inner.stats).record_send(bytes as u64);
+        }
         self.submit(op, move |inner, _| {
             checked?;
             inner.group.send(inner.rank, dst, tensor.into_data())

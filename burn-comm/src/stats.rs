@@ -21,7 +21,8 @@ impl OpStats {
 }
 
 /// Traffic of one rank in one group, since the communicator was made or last reset. Counts
-/// calls as issued, including those of a one-rank group, which move nothing.
+/// calls as issued (not those refused for their arguments), including those of a one-rank
+/// group, which move nothing.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CommStats {
     /// All-reduces.
@@ -55,9 +56,11 @@ impl CommStats {
         self.send.add(bytes);
     }
 
-    /// Bytes this rank sends over the wire under ring algorithms, for a group of `size` ranks:
+    /// Bytes a rank sends over the wire under ring algorithms, for a group of `size` ranks:
     /// all-reduce `2(p-1)/p` of its message, all-gather `(p-1)` parts, reduce-scatter `(p-1)/p`
-    /// of its input, broadcast and all-to-all `(p-1)/p`, sends in full.
+    /// of its input, all-to-all `(p-1)/p`, sends in full; broadcast `(p-1)/p` of the message,
+    /// the average over the ranks of a pipelined ring (the root and the middle ranks send it
+    /// all, the last none).
     pub fn ring_bytes(&self, size: usize) -> f64 {
         let p = size as f64;
         let share = (p - 1.0) / p;

@@ -5,7 +5,8 @@
 //!
 //! With grouped-query attention the key/value heads are split too when there are at least as
 //! many as ranks; when there are fewer, each is held by the `tp / kv_heads` ranks whose query
-//! heads use it, and their gradients are summed.
+//! heads use it, and their gradients are summed (two more all-reduces per layer in backward,
+//! of the key and value weights, within each such subgroup).
 
 use burn::module::Module;
 use burn::tensor::Tensor;
@@ -80,6 +81,20 @@ impl<B: CommBackend> ParallelAttention<B> {
     ) -> Result<Self, TpError> {
         check_heads(heads, kv_heads, tp.size())?;
         let head_dim = weights.q.dims()[1] / heads;
+        let shapes = [&weights.q, &weights.k, &weights.v, &weights.o].map(|w| w.dims());
+        let hidden = shapes[0][0];
+        let expected = [
+            [hidden, heads * head_dim],
+            [hidden, kv_heads * head_dim],
+            [hidden, kv_heads * head_dim],
+            [heads * head_dim, hidden],
+        ];
+        if head_dim == 0 || shapes != expected {
+            return Err(TpError::Config(format!(
+                "attention weights shaped q {:?}, k {:?}, v {:?}, o {:?} do not fit {heads} query and {kv_heads} key/value heads; expected {expected:?} ([in, out] each)",
+                shapes[0], shapes[1], shapes[2], shapes[3]
+            )));
+        }
         let size = tp.size();
         let kv = |w: Tensor<B, 2>| {
             if kv_heads >= size {

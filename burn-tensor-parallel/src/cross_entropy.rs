@@ -6,7 +6,7 @@ use burn::tensor::{Int, Tensor};
 use burn_comm::ReduceOp;
 use burn_comm::parallel::{CommBackend, reduce_from_parallel_region};
 
-use crate::embedding::check_tokens;
+use crate::embedding::{check_tokens, local_ids};
 use crate::{TensorParallel, TpError};
 
 /// The cross-entropy `-log softmax(logits)[target]` of each of `n` tokens, from this rank's
@@ -23,6 +23,11 @@ pub fn vocab_parallel_cross_entropy<B: CommBackend>(
     tp: &TensorParallel,
 ) -> Result<Tensor<B, 1>, TpError> {
     let [n, part] = logits.dims();
+    if n == 0 {
+        return Err(TpError::Config(
+            "no tokens to compute a cross-entropy over; give at least one row of logits".into(),
+        ));
+    }
     if targets.dims()[0] != n {
         return Err(TpError::Config(format!(
             "{n} rows of logits but {} targets; give one target per row",
@@ -37,13 +42,8 @@ pub fn vocab_parallel_cross_entropy<B: CommBackend>(
     let shifted = logits - max;
     let sum_exp = reduce_from_parallel_region(shifted.clone().exp().sum_dim(1), comm)?;
 
-    let local = targets - (tp.rank() * part) as i64;
-    let outside = local
-        .clone()
-        .lower_elem(0)
-        .bool_or(local.clone().greater_equal_elem(part as i64));
-    let ids = local.mask_fill(outside.clone(), 0).unsqueeze_dim::<2>(1);
-    let keep = outside.bool_not().float().unsqueeze_dim::<2>(1);
-    let target = reduce_from_parallel_region(shifted.gather(1, ids) * keep, comm)?;
+    let (ids, keep) = local_ids(targets, tp.rank() * part, part);
+    let picked = shifted.gather(1, ids.unsqueeze_dim::<2>(1)) * keep;
+    let target = reduce_from_parallel_region(picked, comm)?;
     Ok((sum_exp.log() - target).reshape([n]))
 }

@@ -35,20 +35,15 @@ impl<B: CommBackend> VocabParallelEmbedding<B> {
         })
     }
 
-    /// The embeddings `[batch, seq, hidden]` of `tokens` `[batch, seq]` (under SP, this rank's
-    /// part of the sequence). Fails on a token outside the vocabulary.
+    /// The embeddings of `tokens` `[batch, seq]`, the whole sequence and the same on every
+    /// rank: `[batch, seq, hidden]`, or under SP this rank's part of the sequence,
+    /// `[batch, seq / tp, hidden]`. Fails on a token outside the vocabulary.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, TpError> {
         let [batch, seq] = tokens.dims();
         let [rows, hidden] = self.weight.dims();
         check_tokens(&tokens, self.vocab_size)?;
-        let start = self.tp.part(self.vocab_size).start as i64;
-        let local = tokens.reshape([batch * seq]) - start;
-        let outside = local
-            .clone()
-            .lower_elem(0)
-            .bool_or(local.clone().greater_equal_elem(rows as i64));
-        let ids = local.mask_fill(outside.clone(), 0);
-        let keep = outside.bool_not().float().unsqueeze_dim::<2>(1);
+        let start = self.tp.part(self.vocab_size).start;
+        let (ids, keep) = local_ids(tokens.reshape([batch * seq]), start, rows);
         let rows = self.weight.val().select(0, ids) * keep;
         self.tp.exit(rows.reshape([batch, seq, hidden]))
     }
@@ -59,21 +54,36 @@ impl<B: CommBackend> VocabParallelEmbedding<B> {
     }
 }
 
+/// The ids of `ids` that fall in this rank's range `start..start + len`, shifted to it (0
+/// elsewhere), and `[n, 1]` ones where they fall in it and zeros elsewhere, to mask the rows
+/// looked up for the others.
+pub(crate) fn local_ids<B: Backend>(
+    ids: Tensor<B, 1, Int>,
+    start: usize,
+    len: usize,
+) -> (Tensor<B, 1, Int>, Tensor<B, 2>) {
+    let local = ids - start as i64;
+    let outside = local
+        .clone()
+        .lower_elem(0)
+        .bool_or(local.clone().greater_equal_elem(len as i64));
+    let keep = outside.clone().bool_not().float().unsqueeze_dim::<2>(1);
+    (local.mask_fill(outside, 0), keep)
+}
+
 /// Fails unless every token is in `0..vocab_size`: a parallel lookup would otherwise give a
-/// silent zero where one device fails.
+/// silent zero where one device fails. One read back from the device.
 pub(crate) fn check_tokens<B: Backend, const D: usize>(
     tokens: &Tensor<B, D, Int>,
     vocab_size: usize,
 ) -> Result<(), TpError> {
-    if tokens.shape().num_elements() == 0 {
-        return Ok(());
-    }
-    let low: i64 = tokens.clone().min().into_scalar().elem();
-    let high: i64 = tokens.clone().max().into_scalar().elem();
-    if low < 0 || high >= vocab_size as i64 {
-        let bad = if low < 0 { low } else { high };
+    let outside = tokens
+        .clone()
+        .lower_elem(0)
+        .bool_or(tokens.clone().greater_equal_elem(vocab_size as i64));
+    if outside.any().int().into_scalar().elem::<i64>() != 0 {
         return Err(TpError::Config(format!(
-            "token id {bad} is outside the vocabulary of {vocab_size}; every id must be in 0..{vocab_size}"
+            "a token id is outside the vocabulary of {vocab_size}; every id must be in 0..{vocab_size}"
         )));
     }
     Ok(())

@@ -1,7 +1,9 @@
 //! The tensor-parallel group and the two places where activations cross it: entering a
 //! column-parallel region and leaving a row-parallel one.
 
+use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use burn::tensor::Tensor;
 use burn_comm::Communicator;
@@ -23,6 +25,9 @@ pub const SEQ_DIM: usize = 1;
 pub struct TensorParallel {
     comm: Communicator,
     sequence_parallel: bool,
+    /// The groups of ranks that share a block, by block count (see
+    /// [`TensorParallel::replica_group`]), shared by the clones.
+    replicas: Arc<Mutex<HashMap<usize, Communicator>>>,
 }
 
 impl TensorParallel {
@@ -32,6 +37,7 @@ impl TensorParallel {
         Self {
             comm,
             sequence_parallel: false,
+            replicas: Arc::default(),
         }
     }
 
@@ -67,14 +73,26 @@ impl TensorParallel {
         if value.is_multiple_of(tp) {
             return Ok(());
         }
-        let divisors: Vec<String> = (1..=value.min(64))
-            .filter(|d| value.is_multiple_of(*d))
-            .map(|d| d.to_string())
-            .collect();
         Err(TpError::Config(format!(
             "{what} ({value}) does not divide by the tensor-parallel size {tp}; choose a tensor-parallel size among {} or change {what} to a multiple of {tp}",
-            divisors.join(", ")
+            divisors(value)
         )))
+    }
+
+    /// When something is cut into `blocks` (fewer than the ranks) and each block is held by
+    /// `size / blocks` neighbouring ranks: the group of the ranks that hold this rank's block.
+    /// Made once per block count (a collective the first time: every rank asks for the same
+    /// counts in the same order, as building the same model does).
+    pub fn replica_group(&self, blocks: usize) -> Result<Communicator, TpError> {
+        let mut groups = self.replicas.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(group) = groups.get(&blocks) {
+            return Ok(group.clone());
+        }
+        let block = self.rank() / (self.size() / blocks);
+        let name = format!("{}/replicas-of-{blocks}[{block}]", self.comm.group_name());
+        let group = self.comm.split(&name, block)?;
+        groups.insert(blocks, group.clone());
+        Ok(group)
     }
 
     /// This rank's part of a dimension of `len` split evenly over the group.
@@ -139,4 +157,13 @@ impl TensorParallel {
         self.check_divides("the sequence length", x.dims()[SEQ_DIM])?;
         Ok(scatter_to_parallel_region(x, &self.comm, SEQ_DIM)?)
     }
+}
+
+/// The divisors of `n` up to 64, for messages that suggest a tensor-parallel size.
+pub fn divisors(n: usize) -> String {
+    let list: Vec<String> = (1..=n.min(64))
+        .filter(|d| n.is_multiple_of(*d))
+        .map(|d| d.to_string())
+        .collect();
+    list.join(", ")
 }

@@ -26,10 +26,12 @@ pub(crate) fn matmul<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2
     x.reshape([rows, d_in]).matmul(w).reshape(out)
 }
 
-/// A parameter holding `part` of a weight, which may itself be a tracked parameter: the part
-/// starts its own graph.
+/// A parameter holding a copy of `part` of a weight: a slice would be a view that keeps the
+/// whole weight alive (and, for columns, strided), and the weight may itself be a tracked
+/// parameter, whose slices are not leaves.
 pub(crate) fn param<B: Backend, const D: usize>(part: Tensor<B, D>) -> Param<Tensor<B, D>> {
-    Param::from_tensor(part.detach())
+    let device = part.device();
+    Param::from_tensor(Tensor::from_data(part.into_data(), &device))
 }
 
 /// `x + b`, `b` broadcast over every dimension but the last.
@@ -65,13 +67,20 @@ pub struct ColumnParallelLinear<B: Backend> {
 }
 
 impl<B: CommBackend> ColumnParallelLinear<B> {
-    /// This rank's columns of `weight` (`[in, out]`) and `bias` (`[out]`).
+    /// This rank's columns of `weight` (`[in, out]`) and `bias` (`[out]`). `gather_output` is
+    /// refused under sequence parallelism, where what leaves a parallel region is split by
+    /// sequence, not gathered.
     pub fn from_full(
         weight: Tensor<B, 2>,
         bias: Option<Tensor<B, 1>>,
         tp: &TensorParallel,
         gather_output: bool,
     ) -> Result<Self, TpError> {
+        if gather_output && tp.sequence_parallel() {
+            return Err(TpError::Config(
+                "a column-parallel linear cannot gather its output under sequence parallelism; follow it with a row-parallel linear, or gather the sequence yourself".into(),
+            ));
+        }
         let out = weight.dims()[1];
         tp.check_divides("the output features of a column-parallel linear", out)?;
         let part = tp.part(out);
@@ -104,15 +113,17 @@ impl<B: CommBackend> ColumnParallelLinear<B> {
         let replication = size / blocks;
         let block = tp.rank() / replication;
         let width = out / blocks;
-        let name = format!("{}/replicas{block}", tp.comm().group_name());
-        let replicas = tp.comm().split(&name, block)?;
+        let replicas = match replication {
+            1 => None,
+            _ => Some(tp.replica_group(blocks)?),
+        };
         Ok(Self {
             weight: param(weight.narrow(1, block * width, width)),
             bias: bias.map(|b| param(b.narrow(0, block * width, width))),
             gather_output: false,
             replication,
             tp: tp.clone(),
-            replicas: (replication > 1).then_some(replicas),
+            replicas,
         })
     }
 
@@ -192,13 +203,20 @@ pub struct RowParallelLinear<B: Backend> {
 }
 
 impl<B: CommBackend> RowParallelLinear<B> {
-    /// This rank's rows of `weight` (`[in, out]`), and the whole `bias`.
+    /// This rank's rows of `weight` (`[in, out]`), and the whole `bias`. Under sequence
+    /// parallelism the input must come already split by features (`input_is_parallel`): a
+    /// full input there is split by sequence.
     pub fn from_full(
         weight: Tensor<B, 2>,
         bias: Option<Tensor<B, 1>>,
         tp: &TensorParallel,
         input_is_parallel: bool,
     ) -> Result<Self, TpError> {
+        if !input_is_parallel && tp.sequence_parallel() {
+            return Err(TpError::Config(
+                "under sequence parallelism a row-parallel linear takes the output of a column-parallel one (input_is_parallel); a full input there is split by sequence".into(),
+            ));
+        }
         let d_in = weight.dims()[0];
         tp.check_divides("the input features of a row-parallel linear", d_in)?;
         let part = tp.part(d_in);

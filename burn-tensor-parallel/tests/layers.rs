@@ -491,6 +491,41 @@ fn shapes_that_do_not_split_are_refused_with_what_to_change() {
             error.contains("intermediate size of the MLP (6)"),
             "{error}"
         );
+        // Under SP what leaves a region is split by sequence: no gathered output, no full input.
+        let w = || Tensor::<B, 2>::from_inner(random([8, 8], 1));
+        let error = ColumnParallelLinear::from_full(w(), None, tp, true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("cannot gather its output under sequence parallelism"),
+            "{error}"
+        );
+        let error = RowParallelLinear::from_full(w(), None, tp, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("takes the output of a column-parallel one"),
+            "{error}"
+        );
+        let weights = AttentionWeights {
+            q: w(),
+            k: w(),
+            v: w(),
+            o: w(),
+        };
+        let error = ParallelAttention::from_full(weights, 4, 2, tp)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("do not fit 4 query and 2 key/value heads"),
+            "{error}"
+        );
+        let no_tokens = Tensor::<B, 2>::zeros([0, 8], &Default::default());
+        let no_targets = Tensor::<B, 1, Int>::zeros([0], &Default::default());
+        let error = vocab_parallel_cross_entropy(no_tokens, no_targets, tp)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("no tokens"), "{error}");
         // A sequence of 6 cannot be split over 4 ranks: refused before any communication.
         let table =
             VocabParallelEmbedding::<B>::from_full(Tensor::from_inner(random([32, 8], 1)), tp)?;

@@ -5,7 +5,8 @@
 //! count (per layer: two all-reduces of the activations forward and two backward; under SP
 //! an all-gather and a reduce-scatter in place of each all-reduce).
 //!
-//! Activation bytes are heap bytes held after the first forward pass minus those held before
+//! Parameter bytes are the shards' sizes (each shard is its own copy). Activation bytes are
+//! heap bytes held after the first forward pass minus those held before
 //! it, over all ranks of the process, divided by tp: the activations kept for backward plus
 //! the communication buffers they live in. Ranks are threads with one compute thread each, so
 //! tp 4 on a 2-core machine is oversubscribed: its time shows correctness under load, not
@@ -18,14 +19,14 @@ use std::time::Instant;
 use benches::median;
 use benches::memory::{CountingAllocator, live_bytes};
 use burn::backend::{Autodiff, Flex};
-use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_comm::{CommError, CommStats, Communicator, launch};
-use burn_tensor_parallel::{TensorParallel, TpError};
+use burn_tensor_parallel::TensorParallel;
 use clap::Parser;
 use llama::data::{Dataset, MarkovSource};
 use llama::tensor_parallel::TpLlama;
+use llama::train::{Replica, TrainError};
 use llama::{Llama, LlamaConfig};
 use serde::Serialize;
 
@@ -225,6 +226,9 @@ fn main() {
         rows.push(row);
     }
     println!(
+        "per layer: the measured payload less the theoretical embedding, head, cross-entropy and norm traffic, over the layers"
+    );
+    println!(
         "per layer, theory: TP 4 all-reduces of {:.2} MB; SP 4 all-gathers of {:.2}/tp MB and 4 reduce-scatters of {:.2} MB (same wire bytes under ring algorithms)",
         message / 1e6,
         message / 1e6,
@@ -289,43 +293,14 @@ fn batch(
     (tokens.clone().narrow(1, 0, seq), tokens.narrow(1, 1, seq))
 }
 
-/// A model the bench can step: the dense one or the tensor-parallel one.
-trait Steppable: AutodiffModule<B> {
-    fn loss(
-        &self,
-        inputs: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-    ) -> Result<Tensor<B, 1>, TpError>;
-}
-
-impl Steppable for Llama<B> {
-    fn loss(
-        &self,
-        inputs: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-    ) -> Result<Tensor<B, 1>, TpError> {
-        Ok(Llama::loss(self, inputs, targets))
-    }
-}
-
-impl Steppable for TpLlama<B> {
-    fn loss(
-        &self,
-        inputs: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-    ) -> Result<Tensor<B, 1>, TpError> {
-        TpLlama::loss(self, inputs, targets)
-    }
-}
-
 /// Trains `model` for `--steps` steps; `sync` lines the ranks up (a barrier, or nothing).
-fn steps<M: Steppable>(
+fn steps<M: Replica<B>>(
     args: &Args,
     data: &MarkovSource,
     mut model: M,
     ranks: usize,
     comm: Option<&Communicator>,
-) -> Result<Measured, TpError> {
+) -> Result<Measured, TrainError> {
     let sync = || -> Result<(), CommError> { comm.map_or(Ok(()), |c| c.barrier()) };
     let mut optimizer = AdamWConfig::new().init::<B, M>();
     let param_bytes = model.num_params() * 4;
@@ -373,7 +348,8 @@ fn run(args: &Args, config: &LlamaConfig, data: &MarkovSource, layout: Layout) -
     };
     let mut results = launch(tp, |ctx| {
         let group = TensorParallel::new(ctx.world().clone()).with_sequence_parallel(layout.sp);
-        let model = TpLlama::from_full(Llama::<B>::init(config, 42, &device), config, &group)?;
+        let model = TpLlama::from_full(Llama::<B>::init(config, 42, &device), config, &group)
+            .map_err(TrainError::from)?;
         steps(args, data, model, tp, Some(ctx.world()))
     });
     match results.remove(0) {

@@ -8,6 +8,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use burn_comm::parallel::CommBackend;
 use burn_tensor_parallel::attention::{AttentionWeights, check_heads};
+use burn_tensor_parallel::group::divisors;
 use burn_tensor_parallel::{
     ColumnParallelLinear, ParallelAttention, ParallelSwiGlu, TensorParallel, TpError,
     VocabParallelEmbedding, vocab_parallel_cross_entropy,
@@ -79,16 +80,9 @@ pub fn check_split(
     sequence_parallel: bool,
     seq_len: usize,
 ) -> Result<(), String> {
-    let divisors = |n: usize| {
-        let d: Vec<String> = (1..=n.min(64))
-            .filter(|d| n.is_multiple_of(*d))
-            .map(|d| d.to_string())
-            .collect();
-        d.join(", ")
-    };
+    // The hidden size is heads x head width, so it divides whenever the heads do.
     let must_divide = [
         ("num_attention_heads", config.num_attention_heads),
-        ("hidden_size", config.hidden_size),
         ("intermediate_size", config.intermediate_size),
         ("vocab_size", config.vocab_size),
     ];

@@ -16,8 +16,8 @@ use burn_comm::parallel::{
 
 use crate::{TensorParallel, TpError};
 
-/// `x @ w (+ b)` for `x` of any rank and a `[in, out]` weight.
-pub(crate) fn matmul<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>) -> Tensor<B, D> {
+/// `x @ w` for `x` of any rank and a `[in, out]` weight.
+pub fn matmul<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>) -> Tensor<B, D> {
     let dims = x.dims();
     let [d_in, d_out] = w.dims();
     let rows = dims[..D - 1].iter().product();

@@ -26,7 +26,7 @@ use burn_tensor_parallel::TensorParallel;
 use clap::Parser;
 use llama::data::{Dataset, MarkovSource};
 use llama::tensor_parallel::TpLlama;
-use llama::train::{Replica, TrainError};
+use llama::train::{TrainError, Trainable};
 use llama::{Llama, LlamaConfig};
 use serde::Serialize;
 
@@ -294,7 +294,7 @@ fn batch(
 }
 
 /// Trains `model` for `--steps` steps; `sync` lines the ranks up (a barrier, or nothing).
-fn steps<M: Replica<B>>(
+fn steps<M: Trainable<B>>(
     args: &Args,
     data: &MarkovSource,
     mut model: M,

@@ -155,15 +155,10 @@ fn causal_mask<B: Backend>(seq: usize, device: &B::Device) -> Tensor<B, 4> {
     Tensor::from_data(TensorData::new(values, [1, 1, seq, seq]), device)
 }
 
-/// `x @ w` for `x` of any rank and a `[in, out]` weight.
+/// `x @ w` for `x` of any rank and a `[in, out]` weight (the same product the tensor-parallel
+/// layers compute on their shards).
 fn linear<B: Backend, const D: usize>(x: Tensor<B, D>, w: &Param<Tensor<B, 2>>) -> Tensor<B, D> {
-    let dims = x.dims();
-    let w = w.val();
-    let [d_in, d_out] = w.dims();
-    let rows = dims[..D - 1].iter().product();
-    let mut out = dims;
-    out[D - 1] = d_out;
-    x.reshape([rows, d_in]).matmul(w).reshape(out)
+    burn_tensor_parallel::linear::matmul(x, w.val())
 }
 
 /// SwiGLU: `down(silu(gate(x)) * up(x))`.

@@ -217,7 +217,7 @@ impl TrainError {
 }
 
 /// A model the loop can train: one replica, whole or split over a tensor-parallel group.
-pub trait Replica<B: AutodiffBackend>: AutodiffModule<B> {
+pub trait Trainable<B: AutodiffBackend>: AutodiffModule<B> {
     /// Mean next-token cross-entropy of `targets` given `inputs`.
     fn loss(
         &self,
@@ -226,7 +226,7 @@ pub trait Replica<B: AutodiffBackend>: AutodiffModule<B> {
     ) -> Result<Tensor<B, 1>, TrainError>;
 }
 
-impl<B: AutodiffBackend> Replica<B> for Llama<B> {
+impl<B: AutodiffBackend> Trainable<B> for Llama<B> {
     fn loss(
         &self,
         inputs: Tensor<B, 2, Int>,
@@ -236,7 +236,7 @@ impl<B: AutodiffBackend> Replica<B> for Llama<B> {
     }
 }
 
-impl<B: AutodiffBackend + CommBackend> Replica<B> for TpLlama<B>
+impl<B: AutodiffBackend + CommBackend> Trainable<B> for TpLlama<B>
 where
     B::InnerBackend: CommBackend,
 {
@@ -274,7 +274,7 @@ pub struct StepMetrics {
 /// Trains one rank's replica. `comm` is the data-parallel group (`None` for
 /// [`Strategy::Single`]); `on_step` sees every step's metrics (the same on every rank).
 /// Returns the final weights.
-pub fn train_rank<B: BackwardHooks, M: Replica<B>>(
+pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
     config: &TrainConfig,
     data: &dyn Dataset,
     comm: Option<&Communicator>,

@@ -10,7 +10,6 @@ use burn_comm::Communicator;
 use burn_comm::parallel::{
     CommBackend, copy_to_parallel_region, gather_from_sequence_parallel_region,
     reduce_from_parallel_region, reduce_scatter_to_sequence_parallel_region,
-    scatter_to_parallel_region,
 };
 
 use crate::TpError;
@@ -142,20 +141,6 @@ impl TensorParallel {
         } else {
             weight
         })
-    }
-
-    /// This rank's part, along [`SEQ_DIM`], of activations every rank holds in full (the
-    /// gradient is all-gathered back): where a sequence-parallel stack starts when its input
-    /// does not come from a [`crate::VocabParallelEmbedding`]. Without SP, `x` as it is.
-    pub fn split_sequence<B: CommBackend, const D: usize>(
-        &self,
-        x: Tensor<B, D>,
-    ) -> Result<Tensor<B, D>, TpError> {
-        if !self.sequence_parallel {
-            return Ok(x);
-        }
-        self.check_divides("the sequence length", x.dims()[SEQ_DIM])?;
-        Ok(scatter_to_parallel_region(x, &self.comm, SEQ_DIM)?)
     }
 }
 

@@ -5,7 +5,7 @@
 //! all-reduces per layer forward and two backward. With sequence parallelism the residual
 //! stream, the norms and the dropouts are split along the sequence too, and each all-reduce
 //! becomes an all-gather before a column-parallel linear and a reduce-scatter after a
-//! row-parallel one: the same bytes, `1/tp` of the activations.
+//! row-parallel one: the same bytes, fewer activations per rank.
 //!
 //! Every layer is built from the full weight by slicing (so training starts exactly where one
 //! device starts), gives the full weight back for export, and is generic over any

@@ -81,23 +81,22 @@ impl<B: CommBackend> ColumnParallelLinear<B> {
                 "a column-parallel linear cannot gather its output under sequence parallelism; follow it with a row-parallel linear, or gather the sequence yourself".into(),
             ));
         }
-        let out = weight.dims()[1];
-        tp.check_divides("the output features of a column-parallel linear", out)?;
-        let part = tp.part(out);
+        tp.check_divides(
+            "the output features of a column-parallel linear",
+            weight.dims()[1],
+        )?;
+        // One block per rank: nothing is shared.
+        let layer = Self::from_full_replicated(weight, bias, tp, tp.size())?;
         Ok(Self {
-            weight: param(weight.narrow(1, part.start, part.len())),
-            bias: bias.map(|b| param(b.narrow(0, part.start, part.len()))),
             gather_output,
-            replication: 1,
-            tp: tp.clone(),
-            replicas: None,
+            ..layer
         })
     }
 
-    /// Splits the output features into `blocks` parts, fewer than the group's ranks, and gives
-    /// each part to `tp / blocks` neighbouring ranks, whose gradients are then summed. This is
-    /// how grouped-query attention shares its key/value heads when there are fewer of them
-    /// than ranks. A collective: every rank of the group calls it.
+    /// Splits the output features into `blocks` parts, a divisor of the group's ranks, and
+    /// gives each part to `tp / blocks` neighbouring ranks, whose gradients are then summed.
+    /// This is how grouped-query attention shares its key/value heads when there are fewer of
+    /// them than ranks. A collective when `blocks < tp`: every rank of the group calls it.
     pub fn from_full_replicated(
         weight: Tensor<B, 2>,
         bias: Option<Tensor<B, 1>>,
@@ -222,7 +221,7 @@ impl<B: CommBackend> RowParallelLinear<B> {
         let part = tp.part(d_in);
         Ok(Self {
             weight: param(weight.narrow(0, part.start, part.len())),
-            bias: bias.map(Param::from_tensor),
+            bias: bias.map(param),
             input_is_parallel,
             tp: tp.clone(),
         })

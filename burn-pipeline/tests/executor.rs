@@ -1,0 +1,238 @@
+//! The executor against one device: a chain of `tanh(x W)` layers with a squared-error loss,
+//! cut into stages, gives the same loss and the same weight gradients as the whole chain
+//! trained with gradient accumulation, under every schedule, with and without recompute.
+
+use std::time::Instant;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, Param};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::backend::Backend;
+use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn_pipeline::{
+    PipelineError, PipelineExecutor, PipelineStage, Schedule, ScheduleKind, StageOutput, balance,
+};
+
+type B = Autodiff<Flex>;
+type Inner = Flex;
+
+const HIDDEN: usize = 6;
+const MICRO: usize = 3;
+const SEQ: usize = 2;
+
+#[derive(Module, Debug)]
+struct Chain<B: Backend> {
+    layers: Vec<Param<Tensor<B, 2>>>,
+    first: bool,
+    last: bool,
+}
+
+type Batch = (Tensor<B, 3>, Tensor<B, 3>);
+
+impl Chain<B> {
+    fn run(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.layers.iter().fold(x, |x, w| {
+            burn::tensor::activation::tanh(x.matmul(w.val().unsqueeze()))
+        })
+    }
+}
+
+impl PipelineStage<B> for Chain<B> {
+    type Batch = Batch;
+    type Error = PipelineError;
+
+    fn forward(
+        &self,
+        input: Option<Tensor<B, 3>>,
+        batch: &Batch,
+    ) -> Result<StageOutput<B>, PipelineError> {
+        let x = match (self.first, input) {
+            (true, None) => batch.0.clone(),
+            (false, Some(x)) => x,
+            _ => return Err(PipelineError::Config("wrong input for the stage".into())),
+        };
+        let y = self.run(x);
+        Ok(if self.last {
+            let diff = y - batch.1.clone();
+            StageOutput::Loss((diff.clone() * diff).mean())
+        } else {
+            StageOutput::Activation(y)
+        })
+    }
+}
+
+fn weights(layers: usize) -> Vec<Vec<f32>> {
+    (0..layers)
+        .map(|l| {
+            (0..HIDDEN * HIDDEN)
+                .map(|i| (((l * 31 + i * 17) % 23) as f32 / 23.0 - 0.5) * 0.9)
+                .collect()
+        })
+        .collect()
+}
+
+fn batches(micro_batches: usize) -> Vec<Batch> {
+    let device = Default::default();
+    let tensor = |seed: usize| {
+        let values: Vec<f32> = (0..MICRO * SEQ * HIDDEN)
+            .map(|i| (((seed * 13 + i * 7) % 19) as f32 / 19.0 - 0.5) * 2.0)
+            .collect();
+        Tensor::<B, 3>::from_data(TensorData::new(values, [MICRO, SEQ, HIDDEN]), &device)
+    };
+    (0..micro_batches)
+        .map(|mb| (tensor(2 * mb), tensor(2 * mb + 1)))
+        .collect()
+}
+
+fn param(values: &[f32]) -> Param<Tensor<B, 2>> {
+    Param::from_tensor(Tensor::from_data(
+        TensorData::new(values.to_vec(), [HIDDEN, HIDDEN]),
+        &Default::default(),
+    ))
+}
+
+fn values(tensor: Tensor<Inner, 2>) -> Vec<f32> {
+    tensor.into_data().to_vec().unwrap()
+}
+
+/// Loss and per-layer gradients of the whole chain on one device.
+fn reference(layers: usize, micro_batches: usize) -> (f64, Vec<Vec<f32>>) {
+    let chain = Chain {
+        layers: weights(layers).iter().map(|w| param(w)).collect(),
+        first: true,
+        last: true,
+    };
+    let mut accumulator = GradientsAccumulator::new();
+    let mut loss_sum = 0.0;
+    for batch in batches(micro_batches) {
+        let StageOutput::Loss(loss) = chain.forward(None, &batch).unwrap() else {
+            unreachable!()
+        };
+        let loss = loss / micro_batches as f64;
+        loss_sum += loss.clone().into_scalar().elem::<f64>();
+        accumulator.accumulate(&chain, GradientsParams::from_grads(loss.backward(), &chain));
+    }
+    let grads = accumulator.grads();
+    let per_layer = chain
+        .layers
+        .iter()
+        .map(|w| values(grads.get::<Inner, 2>(w.id).unwrap()))
+        .collect();
+    (loss_sum, per_layer)
+}
+
+/// Loss and per-layer gradients of the chain cut into stages and run under `kind`.
+fn pipelined(
+    kind: ScheduleKind,
+    ranks: usize,
+    virtual_stages: usize,
+    layers: usize,
+    micro_batches: usize,
+    recompute: bool,
+) -> (f64, Vec<Vec<f32>>) {
+    let ranges = balance(&vec![1.0; layers], ranks * virtual_stages, 0.0, 0.0).unwrap();
+    let stages = ranges.len();
+    let origin = Instant::now();
+    let results = burn_comm::launch(ranks, |ctx| {
+        let schedule = Schedule::new(kind, ranks, micro_batches, virtual_stages)?;
+        let executor =
+            PipelineExecutor::new(schedule, ctx.world().clone())?.with_recompute(recompute);
+        let all = weights(layers);
+        let chunks: Vec<Chain<B>> = executor
+            .stages()
+            .into_iter()
+            .map(|s| Chain {
+                layers: all[ranges[s].clone()].iter().map(|w| param(w)).collect(),
+                first: s == 0,
+                last: s + 1 == stages,
+            })
+            .collect();
+        let out = executor.step(
+            &chunks,
+            &batches(micro_batches),
+            [MICRO, SEQ, HIDDEN],
+            &Default::default(),
+            origin,
+        )?;
+        let grads: Vec<(usize, Vec<f32>)> = executor
+            .stages()
+            .into_iter()
+            .zip(&chunks)
+            .flat_map(|(s, chunk)| {
+                let grads = &out.grads;
+                ranges[s].clone().zip(&chunk.layers).map(move |(layer, w)| {
+                    (
+                        layer,
+                        values(grads.get::<Inner, 2>(w.id).expect("a gradient")),
+                    )
+                })
+            })
+            .collect();
+        Ok::<_, PipelineError>((out.loss, grads))
+    });
+    let mut loss = None;
+    let mut per_layer = vec![Vec::new(); layers];
+    for result in results {
+        let (rank_loss, grads) = result.unwrap_or_else(|e| panic!("{e}"));
+        loss = loss.or(rank_loss);
+        for (layer, grad) in grads {
+            per_layer[layer] = grad;
+        }
+    }
+    (loss.expect("the last stage reports the loss"), per_layer)
+}
+
+fn assert_matches(what: &str, got: (f64, Vec<Vec<f32>>), want: &(f64, Vec<Vec<f32>>)) {
+    assert!(
+        (got.0 - want.0).abs() <= 1e-6 * want.0.abs(),
+        "{what}: loss {} vs {}",
+        got.0,
+        want.0
+    );
+    for (layer, (g, w)) in got.1.iter().zip(&want.1).enumerate() {
+        assert_eq!(g.len(), w.len(), "{what}: layer {layer} has no gradient");
+        for (a, b) in g.iter().zip(w) {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1e-3),
+                "{what}: layer {layer} gradient {a} vs {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_schedule_gives_the_gradients_of_one_device() {
+    let micro_batches = 4;
+    let layers = 8;
+    let want = reference(layers, micro_batches);
+    let cases = [
+        (ScheduleKind::Gpipe, 2, 1),
+        (ScheduleKind::OneFOneB, 2, 1),
+        (ScheduleKind::OneFOneB, 4, 1),
+        (ScheduleKind::Interleaved, 2, 2),
+        (ScheduleKind::Interleaved, 4, 2),
+        (ScheduleKind::ZeroBubbleH1, 2, 1),
+        (ScheduleKind::ZeroBubbleH1, 4, 1),
+        (ScheduleKind::Interleaved, 1, 4),
+    ];
+    for (kind, ranks, v) in cases {
+        for recompute in [false, true] {
+            let what = format!("{kind} pp {ranks} v {v} recompute {recompute}");
+            let got = pipelined(kind, ranks, v, layers, micro_batches, recompute);
+            assert_matches(&what, got, &want);
+        }
+    }
+}
+
+#[test]
+fn bad_layouts_are_refused() {
+    let schedule = Schedule::new(ScheduleKind::OneFOneB, 2, 4, 1).unwrap();
+    let results = burn_comm::launch(3, |ctx| {
+        PipelineExecutor::new(schedule.clone(), ctx.world().clone()).map(|_| ())
+    });
+    let error = results[0].as_ref().unwrap_err().to_string();
+    assert!(
+        error.contains("2 pipeline ranks but the group has 3"),
+        "{error}"
+    );
+}

@@ -9,6 +9,7 @@ pub mod config;
 pub mod data;
 pub mod hf;
 pub mod model;
+pub mod pipeline;
 pub mod rope;
 pub mod schedule;
 pub mod tensor_parallel;

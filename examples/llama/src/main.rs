@@ -9,6 +9,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn_comm::parallel::CommBackend;
 use burn_ddp::{BackwardHooks, DdpConfig};
+use burn_pipeline::ScheduleKind;
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use llama::data::{ByteCorpus, Dataset, MarkovSource};
@@ -25,7 +26,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train on the synthetic Markov source (or --data FILE) and report every step.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Mean next-token cross-entropy of a checkpoint on token sequences, as JSON.
     Eval(EvalArgs),
 }
@@ -59,8 +60,8 @@ struct TrainArgs {
     /// Samples per forward/backward on one rank (the rest is gradient accumulation).
     #[arg(long)]
     micro_batch_size: Option<usize>,
-    /// Micro-batches per step on each rank.
-    #[arg(long)]
+    /// Micro-batches per step on each rank (with --pp, the pipeline's micro-batches).
+    #[arg(long, alias = "micro-batches")]
     grad_accum: Option<usize>,
     /// Tokens per sample.
     #[arg(long, default_value_t = 64)]
@@ -88,6 +89,22 @@ struct TrainArgs {
     /// tensor-parallel ranks (needs --tp 2 or more).
     #[arg(long)]
     sp: bool,
+    /// Pipeline ranks per replica: the blocks are cut into stages of even parameter count; the
+    /// run uses dp x pp threads.
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    /// Pipeline schedule.
+    #[arg(long, value_enum, default_value_t = ScheduleKind::OneFOneB)]
+    schedule: ScheduleKind,
+    /// Model chunks per pipeline rank (with --schedule interleaved).
+    #[arg(long, default_value_t = 1)]
+    virtual_stages: usize,
+    /// Keep only each stage's input and redo its forward before its backward.
+    #[arg(long)]
+    recompute: bool,
+    /// Draw the pipeline's last step, as measured, as an SVG Gantt chart.
+    #[arg(long)]
+    schedule_svg: Option<PathBuf>,
     /// Data-parallel strategy.
     #[arg(long, value_enum, default_value_t = StrategyArg::Auto)]
     strategy: StrategyArg,
@@ -132,7 +149,7 @@ struct EvalArgs {
 
 fn main() {
     let result = match Cli::parse().command {
-        Command::Train(args) => run_train(args),
+        Command::Train(args) => run_train(*args),
         Command::Eval(args) => run_eval(args),
     };
     if let Err(message) = result {
@@ -176,6 +193,11 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     config.dp = args.dp;
     config.tp = args.tp;
     config.sequence_parallel = args.sp;
+    config.pp = args.pp;
+    config.schedule = args.schedule;
+    config.virtual_stages = args.virtual_stages;
+    config.recompute = args.recompute;
+    config.schedule_svg = args.schedule_svg.clone();
     config.strategy = strategy;
     config.ddp = DdpConfig::new()
         .with_bucket_cap_bytes((args.bucket_mb * 1024.0 * 1024.0) as usize)
@@ -207,7 +229,7 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         return Err("byte-level data needs a vocabulary of at least 256".into());
     }
     println!(
-        "model {} ({:.2}M parameters), {} x {} tokens per step, dp {} ({:?}) x tp {}{}, {} micro-batch(es) of {} per replica",
+        "model {} ({:.2}M parameters), {} x {} tokens per step, dp {} ({:?}) x tp {}{} x pp {}{}, {} micro-batch(es) of {} per replica",
         args.init_from
             .as_ref()
             .map_or(name, |d| d.display().to_string()),
@@ -221,6 +243,17 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
             " with sequence parallelism"
         } else {
             ""
+        },
+        config.pp,
+        if config.pp > 1 {
+            format!(
+                " ({}, {} chunk(s) per rank{})",
+                config.schedule,
+                config.virtual_stages,
+                if config.recompute { ", recompute" } else { "" }
+            )
+        } else {
+            String::new()
         },
         layout.accum,
         layout.micro

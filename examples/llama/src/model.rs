@@ -290,31 +290,51 @@ impl<B: Backend> Llama<B> {
 
     /// Logits `[batch, seq, vocab]` for `tokens` `[batch, seq]`.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let [batch, seq] = tokens.dims();
-        let hidden = self.embed_tokens.dims()[1];
-        let mut x = self
-            .embed_tokens
-            .val()
-            .select(0, tokens.reshape([batch * seq]))
-            .reshape([batch, seq, hidden]);
+        let mut x = embed(&self.embed_tokens, tokens);
         if let Some(first) = self.layers.first() {
-            let positions = first.self_attn.positions(seq, &x.device());
+            let positions = first.self_attn.positions(x.dims()[1], &x.device());
             for layer in &self.layers {
                 x = layer.forward(x, &positions);
             }
         }
-        linear(self.norm.forward(x), &self.lm_head)
+        head(&self.norm, &self.lm_head, x)
     }
 
     /// Mean next-token cross-entropy (nats) of `targets` given `inputs`, both `[batch, seq]`.
     pub fn loss(&self, inputs: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let [batch, seq] = targets.dims();
-        let logits = self.forward(inputs);
-        let vocab = logits.dims()[2];
-        let log_probs = log_softmax(logits.reshape([batch * seq, vocab]), 1);
-        let picked = log_probs.gather(1, targets.reshape([batch * seq, 1]));
-        picked.mean().neg()
+        next_token_loss(self.forward(inputs), targets)
     }
+}
+
+/// The rows of `table` `[vocab, hidden]` for `tokens` `[batch, seq]`: `[batch, seq, hidden]`.
+pub fn embed<B: Backend>(table: &Param<Tensor<B, 2>>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    let [batch, seq] = tokens.dims();
+    let hidden = table.dims()[1];
+    table
+        .val()
+        .select(0, tokens.reshape([batch * seq]))
+        .reshape([batch, seq, hidden])
+}
+
+/// The final norm and the head: logits `[batch, seq, vocab]` of the last hidden states.
+pub fn head<B: Backend>(
+    norm: &RmsNorm<B>,
+    lm_head: &Param<Tensor<B, 2>>,
+    x: Tensor<B, 3>,
+) -> Tensor<B, 3> {
+    linear(norm.forward(x), lm_head)
+}
+
+/// Mean cross-entropy (nats) of `targets` `[batch, seq]` under `logits` `[batch, seq, vocab]`.
+pub fn next_token_loss<B: Backend>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+) -> Tensor<B, 1> {
+    let [batch, seq] = targets.dims();
+    let vocab = logits.dims()[2];
+    let log_probs = log_softmax(logits.reshape([batch * seq, vocab]), 1);
+    let picked = log_probs.gather(1, targets.reshape([batch * seq, 1]));
+    picked.mean().neg()
 }
 
 /// FNV-1a, to give every tensor name its own stream of random numbers.

@@ -19,12 +19,14 @@ use burn_ddp::{
     BackwardHooks, DataParallel, DdpConfig, DdpError, DistributedDataParallel, DistributedSampler,
     per_rank_batch,
 };
+use burn_pipeline::{PipelineError, ScheduleKind};
 use burn_tensor_parallel::{TensorParallel, TpError};
 use serde::Serialize;
 
 use crate::config::LlamaConfig;
 use crate::data::Dataset;
 use crate::model::Llama;
+use crate::pipeline::LlamaStage;
 use crate::schedule::WarmupCosine;
 use crate::tensor_parallel::{TpLlama, check_split};
 
@@ -67,6 +69,18 @@ pub struct TrainConfig {
     pub tp: usize,
     /// Sequence parallelism within the tensor-parallel group.
     pub sequence_parallel: bool,
+    /// Pipeline ranks per replica.
+    pub pp: usize,
+    /// The pipeline schedule (with `pp > 1`); its micro-batches are the gradient-accumulation
+    /// micro-batches.
+    pub schedule: ScheduleKind,
+    /// Model chunks per pipeline rank (interleaved schedule).
+    pub virtual_stages: usize,
+    /// Activation recompute in the pipeline: keep only stage inputs, redo the forward before
+    /// the backward.
+    pub recompute: bool,
+    /// Draw the pipeline's last step (measured) as a Gantt chart here.
+    pub schedule_svg: Option<std::path::PathBuf>,
     /// Data-parallel strategy.
     pub strategy: Strategy,
     /// DDP settings.
@@ -91,6 +105,11 @@ impl TrainConfig {
             dp: 1,
             tp: 1,
             sequence_parallel: false,
+            pp: 1,
+            schedule: ScheduleKind::OneFOneB,
+            virtual_stages: 1,
+            recompute: false,
+            schedule_svg: None,
             strategy: Strategy::Single,
             ddp: DdpConfig::new(),
             init_from: None,
@@ -112,8 +131,26 @@ impl TrainConfig {
                 self.dp
             )));
         }
-        if self.tp == 0 {
-            return Err(TrainError::Config("--tp must be at least 1".into()));
+        if self.tp == 0 || self.pp == 0 {
+            return Err(TrainError::Config(
+                "--tp and --pp must be at least 1".into(),
+            ));
+        }
+        if self.pp > 1 && self.tp > 1 {
+            return Err(TrainError::Config(
+                "--pp with --tp is not supported yet; use one of them (each composes with --dp)"
+                    .into(),
+            ));
+        }
+        if self.pp > 1 && self.strategy == Strategy::ParameterServer {
+            return Err(TrainError::Config(
+                "the parameter-server baseline replicates whole models; use --strategy ddp with --pp".into(),
+            ));
+        }
+        if self.pp == 1 && (self.virtual_stages != 1 || self.recompute) {
+            return Err(TrainError::Config(
+                "--virtual-stages and --recompute belong to pipeline parallelism; use them with --pp 2 or more".into(),
+            ));
         }
         if self.sequence_parallel && self.tp == 1 {
             return Err(TrainError::Config(
@@ -149,6 +186,15 @@ impl TrainConfig {
             return Err(TrainError::Config(
                 "the parameter-server baseline steps after every backward; use --grad-accum 1 with it".into(),
             ));
+        }
+        if self.pp > 1 {
+            crate::pipeline::split(&self.model, self.pp, self.virtual_stages)?;
+            burn_pipeline::Schedule::new(self.schedule, self.pp, accum, self.virtual_stages)
+                .map_err(|e| {
+                    TrainError::Config(format!(
+                        "{e} (the pipeline's micro-batches are the {accum} of --grad-accum / --micro-batches)"
+                    ))
+                })?;
         }
         Ok(Layout {
             per_rank,
@@ -202,6 +248,9 @@ pub enum TrainError {
     /// Tensor parallelism failed.
     #[error(transparent)]
     Tp(#[from] TpError),
+    /// Pipeline parallelism failed.
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
 }
 
 impl TrainError {
@@ -212,6 +261,7 @@ impl TrainError {
             TrainError::Comm(CommError::PeerFailed { .. })
                 | TrainError::Ddp(DdpError::Comm(CommError::PeerFailed { .. }))
                 | TrainError::Tp(TpError::Comm(CommError::PeerFailed { .. }))
+                | TrainError::Pipeline(PipelineError::Comm(CommError::PeerFailed { .. }))
         )
     }
 }
@@ -395,7 +445,7 @@ fn global_mean<B: BackwardHooks>(
 }
 
 /// The samples of every step for one rank, from the sampler.
-struct Batches<'a> {
+pub(crate) struct Batches<'a> {
     data: &'a dyn Dataset,
     /// This rank's share of every global batch.
     rank: Reading,
@@ -440,7 +490,7 @@ impl Reading {
 }
 
 impl<'a> Batches<'a> {
-    fn new(
+    pub(crate) fn new(
         config: &TrainConfig,
         data: &'a dyn Dataset,
         world: usize,
@@ -490,7 +540,7 @@ impl<'a> Batches<'a> {
     }
 
     /// Inputs and targets of this rank's micro-batch `micro` of `step`.
-    fn micro<B: Backend>(
+    pub(crate) fn micro<B: Backend>(
         &self,
         step: usize,
         micro: usize,
@@ -538,11 +588,14 @@ where
             }
         }
     };
+    if config.pp > 1 {
+        return train_pipeline::<B>(config, data, device, &init, on_step);
+    }
     if config.strategy == Strategy::Single && config.tp == 1 {
         return Ok(train_rank(config, data, None, init()?, device, on_step)?.valid());
     }
     let on_step = std::sync::Mutex::new(on_step);
-    let mut results = burn_comm::launch(config.dp * config.tp, |ctx| {
+    let results = burn_comm::launch(config.dp * config.tp, |ctx| {
         let mut forward = |m: &StepMetrics| {
             if ctx.rank() == 0 {
                 (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
@@ -565,15 +618,90 @@ where
         let model = train_rank(config, data, dp.as_ref(), model, device, &mut forward)?;
         Ok(model.valid().full()?)
     });
-    // Report the cause: a rank's own failure rather than its peers' "peer failed".
+    Ok(first_cause(results)?.remove(0))
+}
+
+/// Every rank's result, or the error that caused the run to fail: a rank's own failure rather
+/// than its peers' "peer failed".
+fn first_cause<T>(
+    results: Vec<Result<T, burn_comm::RankError<TrainError>>>,
+) -> Result<Vec<T>, TrainError> {
     let cause = results.iter().position(|r| match r {
         Err(burn_comm::RankError::Failed { error, .. }) => !error.is_peer_failure(),
         Err(burn_comm::RankError::Panicked { .. }) => true,
         Ok(_) => false,
     });
-    match results.remove(cause.unwrap_or(0)) {
-        Ok(model) => Ok(model),
-        Err(burn_comm::RankError::Failed { error, .. }) => Err(error),
-        Err(panicked) => Err(TrainError::Config(panicked.to_string())),
+    let cause = cause.or_else(|| results.iter().position(Result::is_err));
+    let mut results = results;
+    match cause.map(|i| results.remove(i)) {
+        // No rank failed.
+        None => Ok(results.into_iter().filter_map(Result::ok).collect()),
+        Some(Err(burn_comm::RankError::Failed { error, .. })) => Err(error),
+        Some(Err(panicked)) => Err(TrainError::Config(panicked.to_string())),
+        Some(Ok(_)) => unreachable!("the cause is an error"),
     }
+}
+
+/// Runs `config` on a `dp x pp` mesh (pp fastest) and returns the whole model, joined from
+/// the stages of the first replica.
+fn train_pipeline<B: BackwardHooks + CommBackend>(
+    config: &TrainConfig,
+    data: &dyn Dataset,
+    device: &B::Device,
+    init: &(dyn Fn() -> Result<Llama<B>, TrainError> + Sync),
+    on_step: &mut (dyn FnMut(&StepMetrics) + Send),
+) -> Result<Llama<B::InnerBackend>, TrainError>
+where
+    B::InnerBackend: CommBackend,
+{
+    let on_step = std::sync::Mutex::new(on_step);
+    let results = burn_comm::launch(config.dp * config.pp, |ctx| {
+        let mut forward = |m: &StepMetrics| {
+            if ctx.rank() == 0 {
+                (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
+            }
+        };
+        let mesh = DeviceMesh::new(ctx.world(), &[("dp", config.dp), ("pp", config.pp)])?;
+        let dp = (config.strategy != Strategy::Single).then(|| mesh.group("dp").cloned());
+        let dp = dp.transpose()?;
+        let pp = mesh.group("pp")?.clone();
+        let (stages, spans) = crate::pipeline::train_rank(
+            config,
+            data,
+            init()?,
+            &pp,
+            dp.as_ref(),
+            device,
+            &mut forward,
+        )?;
+        Ok((mesh.coord("dp")?, stages, spans))
+    });
+    let mut stages = Vec::new();
+    let mut timeline = burn_pipeline::Timeline {
+        ranks: Vec::new(),
+        virtual_stages: config.virtual_stages,
+    };
+    // Ranks come back in order, pp fastest: the first replica's are the first pp.
+    for (replica, rank_stages, spans) in first_cause(results)? {
+        if replica == 0 {
+            stages.extend(rank_stages);
+            timeline.ranks.push(spans);
+        }
+    }
+    if let Some(path) = &config.schedule_svg {
+        let title = format!(
+            "{} measured, pp {}, {} micro-batches, {} chunk(s) per rank{}",
+            config.schedule,
+            config.pp,
+            config.layout()?.accum,
+            config.virtual_stages,
+            if config.recompute { ", recompute" } else { "" }
+        );
+        std::fs::write(path, timeline.to_svg(&title))
+            .map_err(|e| TrainError::Config(format!("cannot write {}: {e}", path.display())))?;
+    }
+    stages.sort_by_key(|(stage, _)| *stage);
+    Ok(LlamaStage::join(
+        stages.into_iter().map(|(_, s)| s).collect(),
+    ))
 }

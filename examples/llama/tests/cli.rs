@@ -139,7 +139,51 @@ fn trains_on_a_text_file_read_as_bytes() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 11] = [
+        (
+            &[
+                "train",
+                "--pp",
+                "4",
+                "--schedule",
+                "interleaved",
+                "--virtual-stages",
+                "2",
+            ],
+            "lower --pp or --virtual-stages",
+        ),
+        (
+            &[
+                "train",
+                "--pp",
+                "4",
+                "--schedule",
+                "interleaved",
+                "--virtual-stages",
+                "1",
+            ],
+            "--virtual-stages 2 or more",
+        ),
+        (
+            &[
+                "train",
+                "--pp",
+                "2",
+                "--batch-size",
+                "6",
+                "--micro-batches",
+                "3",
+                "--schedule",
+                "interleaved",
+                "--virtual-stages",
+                "2",
+            ],
+            "use a multiple of 2",
+        ),
+        (
+            &["train", "--pp", "2", "--tp", "2"],
+            "--pp with --tp is not supported yet",
+        ),
         (&["train", "--tp", "3"], "choose --tp among 1, 2, 4"),
         (
             &["train", "--tp", "2", "--sp", "--seq-len", "63"],

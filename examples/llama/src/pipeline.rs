@@ -9,13 +9,13 @@ use std::time::Instant;
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor};
 use burn_comm::{CommError, Communicator, ReduceOp};
 use burn_pipeline::{PipelineExecutor, PipelineStage, Schedule, Span, StageOutput, balance};
 
 use crate::config::LlamaConfig;
 use crate::model::{Block, Llama, Positions, RmsNorm, embed, head, next_token_loss};
-use crate::train::{Batches, StepMetrics, TrainConfig, TrainError};
+use crate::train::{Batches, StepMetrics, TrainConfig, TrainError, reduce_scalar};
 
 /// A run of consecutive blocks, with the embedding if it is the first stage and the final
 /// norm and head if it is the last.
@@ -203,22 +203,20 @@ pub fn train_rank<B: AutodiffBackend>(
         }
         chunks = optimizer.step(schedule.lr(step), chunks, grads);
         // The last stage's rank knows the loss; the sum over the group hands it to all.
-        let loss = scalar_sum::<B::InnerBackend>(pp, out.loss.unwrap_or(0.0), device)?;
-        let loss = match dp {
-            Some(dp) => scalar_sum::<B::InnerBackend>(dp, loss, device)? / dp.size() as f64,
-            None => loss,
-        };
-        let seconds = begun.elapsed().as_secs_f64();
-        on_step(&StepMetrics {
-            step: step + 1,
+        let loss = out.loss.unwrap_or(0.0);
+        let mut loss = reduce_scalar::<B::InnerBackend>(pp, loss, ReduceOp::Sum, device)?;
+        if let Some(dp) = dp {
+            loss = reduce_scalar::<B::InnerBackend>(dp, loss, ReduceOp::Avg, device)?;
+        }
+        let lr = schedule.lr(step);
+        on_step(&StepMetrics::measure(
+            step,
             loss,
-            lr: schedule.lr(step),
+            lr,
             tokens,
-            tokens_per_s: tokens as f64 / seconds,
-            seconds,
-            elapsed: started.elapsed().as_secs_f64(),
-            comm_wait_s: wait,
-        });
+            (begun, started),
+            wait,
+        ));
         spans = out.spans;
     }
     let stages = mine
@@ -227,20 +225,6 @@ pub fn train_rank<B: AutodiffBackend>(
         .map(|(s, chunk)| (s, chunk.valid()))
         .collect();
     Ok((stages, spans))
-}
-
-fn scalar_sum<B: Backend>(
-    comm: &Communicator,
-    value: f64,
-    device: &B::Device,
-) -> Result<f64, CommError> {
-    let local = Tensor::<B, 1>::from_data(TensorData::new(vec![value], [1]), device);
-    let sum = comm.all_reduce(local, ReduceOp::Sum)?;
-    Ok(sum
-        .into_data()
-        .convert::<f64>()
-        .to_vec::<f64>()
-        .expect("one value")[0])
 }
 
 /// The gradients of `chunks` averaged over the replicas in `dp`, one parameter at a time in the

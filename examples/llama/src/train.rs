@@ -321,6 +321,31 @@ pub struct StepMetrics {
     pub comm_wait_s: f64,
 }
 
+impl StepMetrics {
+    /// The metrics of step `step` (from 0), which began at `begun`, of a run that started at
+    /// `started`.
+    pub(crate) fn measure(
+        step: usize,
+        loss: f64,
+        lr: f64,
+        tokens: usize,
+        (begun, started): (Instant, Instant),
+        comm_wait_s: f64,
+    ) -> Self {
+        let seconds = begun.elapsed().as_secs_f64();
+        Self {
+            step: step + 1,
+            loss,
+            lr,
+            tokens,
+            tokens_per_s: tokens as f64 / seconds,
+            seconds,
+            elapsed: started.elapsed().as_secs_f64(),
+            comm_wait_s,
+        }
+    }
+}
+
 /// Trains one rank's replica. `comm` is the data-parallel group (`None` for
 /// [`Strategy::Single`]); `on_step` sees every step's metrics (the same on every rank).
 /// Returns the final weights.
@@ -352,17 +377,14 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
     let tokens = config.batch_size * config.seq_len;
     let started = Instant::now();
     let mut report = |step: usize, loss: f64, begun: Instant, wait: f64| {
-        let seconds = begun.elapsed().as_secs_f64();
-        on_step(&StepMetrics {
-            step: step + 1,
+        on_step(&StepMetrics::measure(
+            step,
             loss,
-            lr: schedule.lr(step),
+            schedule.lr(step),
             tokens,
-            tokens_per_s: tokens as f64 / seconds,
-            seconds,
-            elapsed: started.elapsed().as_secs_f64(),
-            comm_wait_s: wait,
-        });
+            (begun, started),
+            wait,
+        ));
     };
 
     match config.strategy {
@@ -403,7 +425,7 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
                 }
                 let grads = grads.expect("the last micro-batch synchronises");
                 ddp.step(&mut optimizer, schedule.lr(step), grads);
-                let loss = global_mean::<B>(comm, loss_sum, device)?;
+                let loss = reduce_scalar::<B::InnerBackend>(comm, loss_sum, ReduceOp::Avg, device)?;
                 report(step, loss, begun, ddp.stats().comm_wait.as_secs_f64());
             }
             Ok(ddp.into_module())
@@ -421,7 +443,8 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
                 let loss = dp.module().loss(inputs, targets)?;
                 let loss_value = scalar(&loss);
                 dp.step(loss, &mut optimizer, schedule.lr(step))?;
-                let loss = global_mean::<B>(comm, loss_value, device)?;
+                let loss =
+                    reduce_scalar::<B::InnerBackend>(comm, loss_value, ReduceOp::Avg, device)?;
                 // Its communication is inside `step`, not separable from it.
                 report(step, loss, begun, f64::NAN);
             }
@@ -434,14 +457,15 @@ fn scalar<B: Backend>(loss: &Tensor<B, 1>) -> f64 {
     loss.clone().into_scalar().elem::<f64>()
 }
 
-/// The mean of every rank's `value` (each the mean over an equal share of the batch).
-fn global_mean<B: BackwardHooks>(
+/// Every rank's `value` reduced with `op` over `comm`.
+pub(crate) fn reduce_scalar<B: Backend>(
     comm: &Communicator,
     value: f64,
+    op: ReduceOp,
     device: &B::Device,
 ) -> Result<f64, CommError> {
-    let local = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(vec![value], [1]), device);
-    Ok(scalar(&comm.all_reduce(local, ReduceOp::Avg)?))
+    let local = Tensor::<B, 1>::from_data(TensorData::new(vec![value], [1]), device);
+    Ok(scalar(&comm.all_reduce(local, op)?))
 }
 
 /// The samples of every step for one rank, from the sampler.

@@ -98,11 +98,7 @@ impl ProcessEnv {
         };
         let mut store = Store::connect(&self.master(), timeout)?;
         store.barrier("rendezvous", self.world_size)?;
-        Ok(Rendezvous {
-            server,
-            store,
-            world_size: self.world_size,
-        })
+        Ok(Rendezvous { server, store })
     }
 }
 
@@ -111,21 +107,26 @@ pub struct Rendezvous {
     server: Option<StoreServer>,
     /// This rank's connection.
     pub store: Store,
-    world_size: usize,
 }
 
 impl Rendezvous {
-    /// Leaves the job: every rank says so, and rank 0 (which serves the store) returns only
+    /// Leaves the job: every rank hangs up, and rank 0 (which serves the store) returns only
     /// once all have, so no rank loses the store in the middle of a call.
-    pub fn depart(mut self) -> Result<(), StoreError> {
-        let left = self.store.add("depart/left", 1)?;
-        if left == self.world_size as i64 {
-            self.store.set("depart/all", &[])?;
+    pub fn depart(self) -> Result<(), StoreError> {
+        let Self { server, store } = self;
+        let timeout = store.timeout();
+        let addr = store.addr().to_string();
+        drop(store);
+        match server {
+            Some(server) if !server.wait_for_clients_to_leave(timeout) => {
+                Err(StoreError::Timeout {
+                    op: "depart",
+                    key: format!("the clients of {addr}"),
+                    after: timeout,
+                })
+            }
+            _ => Ok(()),
         }
-        if self.server.is_some() {
-            self.store.get("depart/all")?;
-        }
-        Ok(())
     }
 }
 
@@ -175,5 +176,46 @@ mod tests {
         assert!(with("WORLD_SIZE", "two").contains("WORLD_SIZE=two"));
         assert!(with("LOCAL_RANK", "2").contains("LOCAL_RANK=2"));
         assert!(with("MASTER_PORT", "70000").contains("not a port"));
+    }
+
+    #[test]
+    fn rank_0_departs_only_after_every_rank_has_hung_up() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+            .to_string();
+        let rank = |r: &str| {
+            let mut pairs = GOOD.to_vec();
+            pairs.retain(|(k, _)| !matches!(*k, "RANK" | "MASTER_ADDR" | "MASTER_PORT"));
+            pairs.extend([("RANK", r), ("MASTER_ADDR", "127.0.0.1")]);
+            pairs.push(("MASTER_PORT", port.as_str()));
+            ProcessEnv::from_lookup(env(&pairs)).unwrap()
+        };
+        let ranks: Vec<ProcessEnv> = ["0", "1", "2", "3"].into_iter().map(rank).collect();
+        let slow_done = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let threads: Vec<_> = ranks
+            .into_iter()
+            .map(|env| {
+                let slow_done = slow_done.clone();
+                std::thread::spawn(move || {
+                    let mut job = env.rendezvous(Duration::from_secs(10)).unwrap();
+                    if env.rank == 3 {
+                        std::thread::sleep(Duration::from_millis(200));
+                        job.store.set("late", b"x").unwrap();
+                        *slow_done.lock().unwrap() = Some(std::time::Instant::now());
+                    }
+                    job.depart().unwrap();
+                    std::time::Instant::now()
+                })
+            })
+            .collect();
+        let departed: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let slow_done = slow_done.lock().unwrap().expect("rank 3 finished its call");
+        assert!(
+            departed[0] >= slow_done,
+            "rank 0 left before rank 3's last call"
+        );
     }
 }

@@ -62,16 +62,20 @@ const OK: u8 = 0;
 const TIMED_OUT: u8 = 1;
 const REFUSED: u8 = 2;
 
-/// The server's table: values, and a condition variable that wakes waiters on every change.
+/// The server's table: values, and a condition variable that wakes waiters on every change;
+/// and how many clients are connected, so the serving process can wait for all to hang up.
 #[derive(Default)]
 struct Table {
     values: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
+    clients: Mutex<usize>,
+    client_left: Condvar,
 }
 
 /// A running store server. It serves until the process ends (connections are cheap threads).
 pub struct StoreServer {
     addr: SocketAddr,
+    table: Arc<Table>,
 }
 
 impl StoreServer {
@@ -80,22 +84,61 @@ impl StoreServer {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
         let table = Arc::new(Table::default());
+        let served = table.clone();
         thread::Builder::new()
             .name("burn-comm-store".into())
             .spawn(move || {
                 for stream in listener.incoming().flatten() {
-                    let table = table.clone();
+                    let table = served.clone();
                     let _ = thread::Builder::new()
                         .name("burn-comm-store-client".into())
                         .spawn(move || serve(stream, &table));
                 }
             })?;
-        Ok(Self { addr })
+        Ok(Self { addr, table })
     }
 
     /// The address clients connect to.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Waits until every client that has made a request has hung up; false after `timeout`.
+    /// A client hangs up only after its last reply, so none loses the server in mid-call, which
+    /// a key set by the last client cannot promise: the server may stop before that reply.
+    pub fn wait_for_clients_to_leave(&self, timeout: Duration) -> bool {
+        let until = deadline(timeout);
+        let mut clients = lock(&self.table.clients);
+        while *clients > 0 {
+            let now = Instant::now();
+            if now >= until {
+                return false;
+            }
+            clients = self
+                .table
+                .client_left
+                .wait_timeout(clients, until - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
+    }
+}
+
+/// Counts a connection as a client from its first request until it ends.
+struct Client<'a>(&'a Table);
+
+impl<'a> Client<'a> {
+    fn join(table: &'a Table) -> Self {
+        *lock(&table.clients) += 1;
+        Self(table)
+    }
+}
+
+impl Drop for Client<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.clients) -= 1;
+        self.0.client_left.notify_all();
     }
 }
 
@@ -106,8 +149,11 @@ fn serve(stream: TcpStream, table: &Table) {
     };
     let mut reader = BufReader::new(read_half);
     let mut writer = BufWriter::new(stream);
+    // A stray connection that never sends a request is not waited for.
+    let mut client = None;
     // A client that hangs up ends its thread.
     while let Ok((op, timeout, key, value)) = read_request(&mut reader) {
+        client.get_or_insert_with(|| Client::join(table));
         let (status, reply) = answer(table, op, timeout, key, value);
         if write_frame(&mut writer, status, &reply).is_err() {
             return;
@@ -264,6 +310,11 @@ impl Store {
         }
     }
 
+    /// The server's address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
     /// The timeout of every call.
     pub fn timeout(&self) -> Duration {
         self.timeout
@@ -408,6 +459,22 @@ mod tests {
         assert_eq!(writer.add("n", -5).unwrap(), -3);
         let refused = writer.add("id", 1).unwrap_err().to_string();
         assert!(refused.contains("not a counter"), "{refused}");
+    }
+
+    #[test]
+    fn the_server_waits_for_its_clients_to_hang_up_not_for_silent_connections() {
+        let (server, connect) = pair();
+        let silent = TcpStream::connect(server.addr()).unwrap();
+        let mut client = connect();
+        client.set("k", b"v").unwrap();
+        assert!(!server.wait_for_clients_to_leave(Duration::from_millis(100)));
+        let leaving = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(50));
+            drop(client);
+        });
+        assert!(server.wait_for_clients_to_leave(Duration::from_secs(5)));
+        leaving.join().unwrap();
+        drop(silent);
     }
 
     #[test]

@@ -68,6 +68,7 @@ pub struct PipelineExecutor {
     schedule: Schedule,
     comm: Communicator,
     recompute: bool,
+    backward_group: Option<Communicator>,
 }
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -102,7 +103,26 @@ impl PipelineExecutor {
             schedule,
             comm,
             recompute: false,
+            backward_group: None,
         })
+    }
+
+    /// Makes the ranks of `group` start every backward together; needed when a stage's
+    /// backward runs collectives over `group` (tensor parallelism). burn 0.21's autodiff holds a
+    /// graph's lock through its backward and ends every backward by locking each graph of the
+    /// process in turn, so a rank blocked in a collective inside its next backward would keep a
+    /// peer, still finishing the previous one, from ever joining it.
+    pub fn with_backward_group(mut self, group: Communicator) -> Self {
+        self.backward_group = Some(group);
+        self
+    }
+
+    /// Waits for the backward group, if any, before a backward.
+    fn enter_backward(&self) -> Result<(), PipelineError> {
+        match &self.backward_group {
+            Some(group) => Ok(group.barrier()?),
+            None => Ok(()),
+        }
     }
 
     /// Keep only each stage's input during the step and run its forward again just before its
@@ -316,7 +336,9 @@ impl PipelineExecutor {
                     }
                     // The first stage has no input gradient: its input half has nothing to do.
                     if whole || input.is_some() {
-                        let mut grads = target(output, grad, action)?.backward();
+                        let target = target(output, grad, action)?;
+                        self.enter_backward()?;
+                        let mut grads = target.backward();
                         if let Some(input) = input {
                             let input_grad = input
                                 .grad_remove(&mut grads)
@@ -339,7 +361,9 @@ impl PipelineExecutor {
                         .ok_or_else(|| missing(action, "its input half"))?;
                     let module = own_leaves(chunk(s).clone());
                     let output = module.forward(input.map(Tensor::from_inner), &batches[mb])?;
-                    let grads = target(output, grad, action)?.backward();
+                    let target = target(output, grad, action)?;
+                    self.enter_backward()?;
+                    let grads = target.backward();
                     let grads = GradientsParams::from_grads(grads, &module);
                     accumulator.accumulate(chunk(s), grads);
                 }

@@ -13,6 +13,7 @@ pub mod pipeline;
 pub mod rope;
 pub mod schedule;
 pub mod tensor_parallel;
+pub mod tp_stage;
 pub mod train;
 
 pub use config::LlamaConfig;

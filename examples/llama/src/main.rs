@@ -13,6 +13,7 @@ use burn_pipeline::ScheduleKind;
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use llama::data::{ByteCorpus, Dataset, MarkovSource};
+use llama::pipeline::Balance;
 use llama::train::{StepMetrics, Strategy, TrainConfig, train};
 use llama::{Llama, LlamaConfig, hf};
 
@@ -89,8 +90,8 @@ struct TrainArgs {
     /// tensor-parallel ranks (needs --tp 2 or more).
     #[arg(long)]
     sp: bool,
-    /// Pipeline ranks per replica: the blocks are cut into stages of even parameter count; the
-    /// run uses dp x pp threads.
+    /// Pipeline ranks per replica: the blocks are cut into stages (see --balance); the run uses
+    /// dp x pp threads.
     #[arg(long, default_value_t = 1)]
     pp: usize,
     /// Pipeline schedule.
@@ -102,6 +103,10 @@ struct TrainArgs {
     /// Keep only each stage's input and redo its forward before its backward.
     #[arg(long)]
     recompute: bool,
+    /// Cut the blocks into stages of even parameter count, or of even time measured on the
+    /// first micro-batch before training.
+    #[arg(long, value_enum, default_value_t = Balance::Params)]
+    balance: Balance,
     /// Draw the pipeline's last step, as measured, as an SVG Gantt chart.
     #[arg(long)]
     schedule_svg: Option<PathBuf>,
@@ -197,6 +202,7 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     config.schedule = args.schedule;
     config.virtual_stages = args.virtual_stages;
     config.recompute = args.recompute;
+    config.balance = args.balance;
     config.schedule_svg = args.schedule_svg.clone();
     config.strategy = strategy;
     config.ddp = DdpConfig::new()
@@ -247,10 +253,11 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         config.pp,
         if config.pp > 1 {
             format!(
-                " ({}, {} chunk(s) per rank{})",
+                " ({}, {} chunk(s) per rank{}, stages balanced by {})",
                 config.schedule,
                 config.virtual_stages,
-                if config.recompute { ", recompute" } else { "" }
+                if config.recompute { ", recompute" } else { "" },
+                config.balance
             )
         } else {
             String::new()

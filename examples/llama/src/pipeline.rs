@@ -3,6 +3,7 @@
 //! head and loss. Each rank trains its stages under a burn-pipeline schedule; data-parallel
 //! replicas of a stage average their gradients after the pipeline has drained.
 
+use std::fmt;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -10,11 +11,15 @@ use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
+use burn_comm::parallel::CommBackend;
 use burn_comm::{CommError, Communicator, ReduceOp};
 use burn_pipeline::{PipelineExecutor, PipelineStage, Schedule, Span, StageOutput, balance};
+use burn_tensor_parallel::TensorParallel;
+use serde::Serialize;
 
 use crate::config::LlamaConfig;
 use crate::model::{Block, Llama, Positions, RmsNorm, embed, head, next_token_loss};
+use crate::tp_stage::TpLlamaStage;
 use crate::train::{Batches, StepMetrics, TrainConfig, TrainError, reduce_scalar};
 
 /// A run of consecutive blocks, with the embedding if it is the first stage and the final
@@ -72,35 +77,178 @@ impl<B: AutodiffBackend> PipelineStage<B> for LlamaStage<B> {
     }
 }
 
-/// Parameters of each block, of the embedding and of the norm and head: what the split
-/// balances.
-fn costs(config: &LlamaConfig) -> (Vec<f64>, f64, f64) {
-    let (h, v) = (config.hidden_size as f64, config.vocab_size as f64);
-    let total = config.num_params() as f64;
-    let embedding = v * h;
-    let tail = h + h * v;
-    let block = (total - embedding - tail) / config.num_hidden_layers as f64;
-    (vec![block; config.num_hidden_layers], embedding, tail)
+/// How the blocks are shared out among the pipeline stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
+pub enum Balance {
+    /// Even parameter counts, the embedding counting on the first stage and the final norm and
+    /// head on the last.
+    #[default]
+    Params,
+    /// Even forward + backward time of a micro-batch, each block, the embedding and the head
+    /// timed alone on the first rank before training and shared with every rank.
+    Time,
 }
 
-/// The blocks of each of `stages` stages, balanced by parameter count; an error says what to
-/// change when there are too few blocks.
+impl fmt::Display for Balance {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Balance::Params => "params",
+            Balance::Time => "time",
+        })
+    }
+}
+
+/// What each block, the embedding, and the final norm with the head and loss cost, in one unit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageCosts {
+    /// Each block's.
+    pub blocks: Vec<f64>,
+    /// The embedding's, on the first stage.
+    pub embedding: f64,
+    /// The final norm's, head's and loss's, on the last stage.
+    pub tail: f64,
+}
+
+impl StageCosts {
+    /// Parameter counts.
+    pub fn params(config: &LlamaConfig) -> Self {
+        let (h, v) = (config.hidden_size as f64, config.vocab_size as f64);
+        let total = config.num_params() as f64;
+        let embedding = v * h;
+        let tail = h + h * v;
+        let block = (total - embedding - tail) / config.num_hidden_layers as f64;
+        Self {
+            blocks: vec![block; config.num_hidden_layers],
+            embedding,
+            tail,
+        }
+    }
+
+    /// Seconds of forward + backward of `batch` through each part of `model` alone, the fastest
+    /// of a few runs after a warm-up.
+    pub fn time<B: AutodiffBackend>(
+        model: &Llama<B>,
+        config: &LlamaConfig,
+        (inputs, targets): &MicroBatch<B>,
+    ) -> Result<Self, TrainError> {
+        const RUNS: usize = 3;
+        let device = inputs.device();
+        let time = |work: &dyn Fn()| -> Result<f64, TrainError> {
+            let mut fastest = f64::INFINITY;
+            for run in 0..=RUNS {
+                let started = Instant::now();
+                work();
+                B::sync(&device).map_err(|e| {
+                    TrainError::Config(format!("timing the stages failed on the device: {e:?}"))
+                })?;
+                if run > 0 {
+                    fastest = fastest.min(started.elapsed().as_secs_f64());
+                }
+            }
+            Ok(fastest)
+        };
+        // Every block and the head take the embedding's output, as in training.
+        let x = embed(&model.embed_tokens, inputs.clone()).detach();
+        let positions = Positions::new(x.dims()[1], config.head_dim(), config.rope_theta, &device);
+        let embedding = time(&|| {
+            embed(&model.embed_tokens, inputs.clone()).sum().backward();
+        })?;
+        let blocks = model
+            .layers
+            .iter()
+            .map(|block| {
+                time(&|| {
+                    block
+                        .forward(x.clone().require_grad(), &positions)
+                        .sum()
+                        .backward();
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let tail = time(&|| {
+            let logits = head(&model.norm, &model.lm_head, x.clone().require_grad());
+            next_token_loss(logits, targets.clone()).backward();
+        })?;
+        Ok(Self {
+            blocks,
+            embedding,
+            tail,
+        })
+    }
+
+    /// The blocks of each of `pp x virtual_stages` stages, balancing these costs; an error
+    /// says what to change when there are too few blocks.
+    pub fn split(&self, pp: usize, virtual_stages: usize) -> Result<Vec<Range<usize>>, TrainError> {
+        let stages = pp * virtual_stages;
+        balance(&self.blocks, stages, self.embedding, self.tail).map_err(|_| {
+            TrainError::Config(format!(
+                "--pp {pp} x --virtual-stages {virtual_stages} needs {stages} stages of at least one block, but the model has {} blocks; lower --pp or --virtual-stages",
+                self.blocks.len()
+            ))
+        })
+    }
+
+    /// The same costs on every rank: those of the first rank of every group, broadcast.
+    fn shared<B: Backend>(
+        self,
+        groups: Groups<'_>,
+        device: &B::Device,
+    ) -> Result<Self, TrainError> {
+        let layers = self.blocks.len();
+        let values: Vec<f32> = self
+            .blocks
+            .iter()
+            .chain([&self.embedding, &self.tail])
+            .map(|&c| c as f32)
+            .collect();
+        let mut tensor = Tensor::<B, 1>::from_floats(values.as_slice(), device);
+        let tp = groups.tp.map(TensorParallel::comm);
+        for group in [Some(groups.pp), groups.dp, tp].into_iter().flatten() {
+            tensor = group.broadcast(tensor, 0)?;
+        }
+        let values: Vec<f64> = tensor.into_data().iter::<f32>().map(f64::from).collect();
+        Ok(Self {
+            blocks: values[..layers].to_vec(),
+            embedding: values[layers],
+            tail: values[layers + 1],
+        })
+    }
+}
+
+/// The blocks of each of `pp x virtual_stages` stages, balanced by parameter count; an error
+/// says what to change when there are too few blocks.
 pub fn split(
     config: &LlamaConfig,
     pp: usize,
     virtual_stages: usize,
 ) -> Result<Vec<Range<usize>>, TrainError> {
-    let (blocks, embedding, tail) = costs(config);
-    balance(&blocks, pp * virtual_stages, embedding, tail).map_err(|_| {
-        TrainError::Config(format!(
-            "--pp {pp} x --virtual-stages {virtual_stages} needs {} stages of at least one block, but the model has {} blocks; lower --pp or --virtual-stages",
-            pp * virtual_stages,
-            config.num_hidden_layers
-        ))
-    })
+    StageCosts::params(config).split(pp, virtual_stages)
 }
 
 impl<B: Backend> LlamaStage<B> {
+    /// A stage of a model shaped `config`: the embedding table on the first stage, the final
+    /// norm and head on the last.
+    pub fn new(
+        embed_tokens: Option<Tensor<B, 2>>,
+        layers: Vec<Block<B>>,
+        norm: Option<RmsNorm<B>>,
+        lm_head: Option<Tensor<B, 2>>,
+        config: LlamaConfig,
+    ) -> Self {
+        Self {
+            embed_tokens: embed_tokens.map(Param::from_tensor),
+            layers,
+            norm,
+            lm_head: lm_head.map(Param::from_tensor),
+            config,
+        }
+    }
+
+    /// The shape of the model this stage is part of.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
     /// The stages of `model` holding the blocks in `ranges`, in order.
     pub fn cut(model: Llama<B>, config: &LlamaConfig, ranges: &[Range<usize>]) -> Vec<Self> {
         let last = ranges.len() - 1;
@@ -143,22 +291,43 @@ impl<B: Backend> LlamaStage<B> {
     }
 }
 
-/// What one pipeline rank hands back: its stages (by stage index) and the timeline of its last
-/// step.
+/// What one pipeline rank hands back: its stages (by stage index), whole, and the timeline of
+/// its last step.
 pub type RankResult<B> = (Vec<(usize, LlamaStage<B>)>, Vec<Span>);
 
-/// Trains this rank's stages of `model`: `pp` is the pipeline group, `dp` the group of the
-/// replicas of the same stages (if any).
-#[allow(clippy::too_many_arguments)]
-pub fn train_rank<B: AutodiffBackend>(
+/// The groups of one pipeline rank: its pipeline, the replicas of its stages (data
+/// parallelism), and the tensor-parallel peers sharing its stages.
+#[derive(Clone, Copy)]
+pub struct Groups<'a> {
+    /// One rank per stage group, in stage order.
+    pub pp: &'a Communicator,
+    /// The replicas of this rank's stages, if any.
+    pub dp: Option<&'a Communicator>,
+    /// The ranks splitting this rank's stages, if any.
+    pub tp: Option<&'a TensorParallel>,
+}
+
+impl Groups<'_> {
+    /// Whether this is the first rank of every group.
+    fn is_first(&self) -> bool {
+        self.pp.rank() == 0
+            && self.dp.is_none_or(|dp| dp.rank() == 0)
+            && self.tp.is_none_or(|tp| tp.rank() == 0)
+    }
+}
+
+/// Trains this rank's stages of `model` in `groups`.
+pub fn train_rank<B: AutodiffBackend + CommBackend>(
     config: &TrainConfig,
     data: &dyn crate::data::Dataset,
     model: Llama<B>,
-    pp: &Communicator,
-    dp: Option<&Communicator>,
+    groups: Groups<'_>,
     device: &B::Device,
     on_step: &mut dyn FnMut(&StepMetrics),
-) -> Result<RankResult<B::InnerBackend>, TrainError> {
+) -> Result<RankResult<B::InnerBackend>, TrainError>
+where
+    B::InnerBackend: CommBackend,
+{
     let layout = config.layout()?;
     let schedule = Schedule::new(
         config.schedule,
@@ -166,72 +335,154 @@ pub fn train_rank<B: AutodiffBackend>(
         layout.accum,
         config.virtual_stages,
     )?;
-    let executor = PipelineExecutor::new(schedule, pp.clone())?.with_recompute(config.recompute);
-    let ranges = split(&config.model, config.pp, config.virtual_stages)?;
+    let mut executor =
+        PipelineExecutor::new(schedule, groups.pp.clone())?.with_recompute(config.recompute);
+    if let Some(tp) = groups.tp {
+        executor = executor.with_backward_group(tp.comm().clone());
+    }
+    let (world, rank) = groups.dp.map_or((1, 0), |c| (c.size(), c.rank()));
+    let batches = Batches::new(config, data, world, rank, layout)?;
+    let costs = match config.balance {
+        Balance::Params => StageCosts::params(&config.model),
+        Balance::Time => {
+            // The others' costs are placeholders of the right length for the broadcast.
+            let measured = if groups.is_first() {
+                StageCosts::time(&model, &config.model, &batches.micro(0, 0, device))?
+            } else {
+                StageCosts::params(&config.model)
+            };
+            measured.shared::<B::InnerBackend>(groups, device)?
+        }
+    };
+    let ranges = costs.split(config.pp, config.virtual_stages)?;
     let mut stages: Vec<Option<LlamaStage<B>>> = LlamaStage::cut(model, &config.model, &ranges)
         .into_iter()
         .map(Some)
         .collect();
     let mine = executor.stages();
-    let mut chunks: Vec<LlamaStage<B>> = mine
+    let chunks: Vec<LlamaStage<B>> = mine
         .iter()
         .map(|&s| stages[s].take().expect("each stage once"))
         .collect();
     drop(stages);
 
-    let (world, rank) = dp.map_or((1, 0), |c| (c.size(), c.rank()));
-    let batches = Batches::new(config, data, world, rank, layout)?;
-    let mut optimizer = config.optimizer().init::<B, Vec<LlamaStage<B>>>();
-    let schedule = config.schedule();
-    let tokens = config.batch_size * config.seq_len;
-    let message = [layout.micro, config.seq_len, config.model.hidden_size];
-    let started = Instant::now();
-    let mut spans = Vec::new();
-    for step in 0..config.steps {
-        let micro_batches: Vec<MicroBatch<B>> = (0..layout.accum)
-            .map(|mb| batches.micro(step, mb, device))
-            .collect();
-        pp.barrier()?;
-        let begun = Instant::now();
-        let out = executor.step(&chunks, &micro_batches, message, device, begun)?;
-        let mut grads = out.grads;
-        let mut wait = 0.0;
-        if let Some(dp) = dp {
-            let waited = Instant::now();
-            grads = average(grads, &chunks, dp)?;
-            wait = waited.elapsed().as_secs_f64();
+    // Under sequence parallelism each tensor-parallel rank sends its part of the sequence.
+    let sequence_parts = match groups.tp {
+        Some(tp) if tp.sequence_parallel() => tp.size(),
+        _ => 1,
+    };
+    let message = [
+        layout.micro,
+        config.seq_len / sequence_parts,
+        config.model.hidden_size,
+    ];
+    let run = Run {
+        config,
+        executor: &executor,
+        batches: &batches,
+        message,
+        groups,
+        device,
+    };
+    let (chunks, spans) = match groups.tp {
+        None => {
+            let (chunks, spans) = run.train(chunks, on_step)?;
+            let chunks: Vec<_> = chunks.into_iter().map(|c| c.valid()).collect();
+            (chunks, spans)
         }
-        chunks = optimizer.step(schedule.lr(step), chunks, grads);
-        // The last stage's rank knows the loss; the sum over the group hands it to all.
-        let loss = out.loss.unwrap_or(0.0);
-        let mut loss = reduce_scalar::<B::InnerBackend>(pp, loss, ReduceOp::Sum, device)?;
-        if let Some(dp) = dp {
-            loss = reduce_scalar::<B::InnerBackend>(dp, loss, ReduceOp::Avg, device)?;
+        Some(tp) => {
+            let chunks = chunks
+                .into_iter()
+                .map(|chunk| TpLlamaStage::from_stage(chunk, tp))
+                .collect::<Result<Vec<_>, _>>()?;
+            let (chunks, spans) = run.train(chunks, on_step)?;
+            let chunks = chunks
+                .into_iter()
+                .map(|chunk| chunk.valid().full())
+                .collect::<Result<Vec<_>, _>>()?;
+            (chunks, spans)
         }
-        let lr = schedule.lr(step);
-        on_step(&StepMetrics::measure(
-            step,
-            loss,
-            lr,
-            tokens,
-            (begun, started),
-            wait,
-        ));
-        spans = out.spans;
+    };
+    Ok((mine.into_iter().zip(chunks).collect(), spans))
+}
+
+/// What every step of one rank's training shares.
+struct Run<'a, B: AutodiffBackend> {
+    config: &'a TrainConfig,
+    executor: &'a PipelineExecutor,
+    batches: &'a Batches<'a>,
+    message: [usize; 3],
+    groups: Groups<'a>,
+    device: &'a B::Device,
+}
+
+impl<B: AutodiffBackend> Run<'_, B> {
+    /// Trains `chunks`, this rank's stages, for the configured steps; returns them with the
+    /// timeline of the last step.
+    fn train<S>(
+        &self,
+        mut chunks: Vec<S>,
+        on_step: &mut dyn FnMut(&StepMetrics),
+    ) -> Result<(Vec<S>, Vec<Span>), TrainError>
+    where
+        S: PipelineStage<B, Batch = MicroBatch<B>, Error = TrainError>,
+    {
+        let Self {
+            config,
+            executor,
+            batches,
+            message,
+            groups,
+            device,
+        } = *self;
+        let (pp, dp) = (groups.pp, groups.dp);
+        let layout = config.layout()?;
+        let mut optimizer = config.optimizer().init::<B, Vec<S>>();
+        let schedule = config.schedule();
+        let tokens = config.batch_size * config.seq_len;
+        let started = Instant::now();
+        let mut spans = Vec::new();
+        for step in 0..config.steps {
+            let micro_batches: Vec<MicroBatch<B>> = (0..layout.accum)
+                .map(|mb| batches.micro(step, mb, device))
+                .collect();
+            pp.barrier()?;
+            let begun = Instant::now();
+            let out = executor.step(&chunks, &micro_batches, message, device, begun)?;
+            let mut grads = out.grads;
+            let mut wait = 0.0;
+            if let Some(dp) = dp {
+                let waited = Instant::now();
+                grads = average(grads, &chunks, dp)?;
+                wait = waited.elapsed().as_secs_f64();
+            }
+            chunks = optimizer.step(schedule.lr(step), chunks, grads);
+            // The last stage's rank knows the loss; the sum over the group hands it to all.
+            let loss = out.loss.unwrap_or(0.0);
+            let mut loss = reduce_scalar::<B::InnerBackend>(pp, loss, ReduceOp::Sum, device)?;
+            if let Some(dp) = dp {
+                loss = reduce_scalar::<B::InnerBackend>(dp, loss, ReduceOp::Avg, device)?;
+            }
+            let lr = schedule.lr(step);
+            on_step(&StepMetrics::measure(
+                step,
+                loss,
+                lr,
+                tokens,
+                (begun, started),
+                wait,
+            ));
+            spans = out.spans;
+        }
+        Ok((chunks, spans))
     }
-    let stages = mine
-        .into_iter()
-        .zip(chunks)
-        .map(|(s, chunk)| (s, chunk.valid()))
-        .collect();
-    Ok((stages, spans))
 }
 
 /// The gradients of `chunks` averaged over the replicas in `dp`, one parameter at a time in the
 /// modules' order (the same on every replica).
-fn average<B: AutodiffBackend>(
+fn average<B: AutodiffBackend, M: Module<B>>(
     grads: GradientsParams,
-    chunks: &[LlamaStage<B>],
+    chunks: &[M],
     dp: &Communicator,
 ) -> Result<GradientsParams, CommError> {
     struct Averager<'a> {
@@ -264,5 +515,56 @@ fn average<B: AutodiffBackend>(
     match averager.error {
         Some(e) => Err(e),
         None => Ok(averager.grads),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn_comm::DeviceMesh;
+
+    #[test]
+    fn every_rank_gets_the_first_ranks_costs() {
+        let results = burn_comm::launch(8, |ctx| {
+            let mesh = DeviceMesh::new(ctx.world(), &[("dp", 2), ("pp", 2), ("tp", 2)])?;
+            let tp = TensorParallel::new(mesh.group("tp")?.clone());
+            let groups = Groups {
+                pp: mesh.group("pp")?,
+                dp: Some(mesh.group("dp")?),
+                tp: Some(&tp),
+            };
+            let mine = ctx.rank() as f64;
+            let costs = StageCosts {
+                blocks: vec![mine + 1.0, 2.0 * mine],
+                embedding: mine,
+                tail: 3.0 + mine,
+            };
+            Ok::<_, TrainError>((
+                groups.is_first(),
+                costs.shared::<Flex>(groups, &Default::default())?,
+            ))
+        });
+        for (rank, result) in results.into_iter().enumerate() {
+            let (first, costs) = result.unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(first, rank == 0);
+            assert_eq!(costs.blocks, vec![1.0, 0.0], "rank {rank}");
+            assert_eq!((costs.embedding, costs.tail), (0.0, 3.0), "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn an_expensive_head_gets_a_stage_with_fewer_blocks() {
+        let costs = StageCosts {
+            blocks: vec![1.0; 8],
+            embedding: 0.0,
+            tail: 2.0,
+        };
+        assert_eq!(costs.split(2, 1).unwrap(), vec![0..5, 5..8]);
+        let err = costs.split(3, 3).unwrap_err().to_string();
+        assert!(
+            err.contains("needs 9 stages") && err.contains("8 blocks"),
+            "{err}"
+        );
     }
 }

@@ -33,8 +33,65 @@ pub struct TpBlock<B: Backend> {
 }
 
 impl<B: CommBackend> TpBlock<B> {
+    /// This rank's part of `block`, whose shape is `config`.
+    pub fn from_full(
+        block: Block<B>,
+        config: &LlamaConfig,
+        tp: &TensorParallel,
+    ) -> Result<Self, TpError> {
+        let attention = block.self_attn;
+        let weights = AttentionWeights {
+            q: attention.q_proj.val(),
+            k: attention.k_proj.val(),
+            v: attention.v_proj.val(),
+            o: attention.o_proj.val(),
+        };
+        let (heads, kv_heads) = (config.num_attention_heads, config.num_key_value_heads);
+        let mlp = block.mlp;
+        Ok(Self {
+            input_layernorm: block.input_layernorm,
+            self_attn: ParallelAttention::from_full(weights, heads, kv_heads, tp)?,
+            post_attention_layernorm: block.post_attention_layernorm,
+            mlp: ParallelSwiGlu::from_full(
+                mlp.gate_proj.val(),
+                mlp.up_proj.val(),
+                mlp.down_proj.val(),
+                tp,
+            )?,
+            tp: tp.clone(),
+        })
+    }
+
+    /// The whole block, gathered from the group (a collective).
+    pub fn full(&self, config: &LlamaConfig) -> Result<Block<B>, TpError> {
+        let attention = self.self_attn.full()?;
+        let [gate, up, down] = self.mlp.full()?;
+        Ok(Block {
+            input_layernorm: self.input_layernorm.clone(),
+            self_attn: Attention {
+                q_proj: Param::from_tensor(attention.q),
+                k_proj: Param::from_tensor(attention.k),
+                v_proj: Param::from_tensor(attention.v),
+                o_proj: Param::from_tensor(attention.o),
+                heads: config.num_attention_heads,
+                kv_heads: config.num_key_value_heads,
+                rope_theta: config.rope_theta,
+            },
+            post_attention_layernorm: self.post_attention_layernorm.clone(),
+            mlp: Mlp {
+                gate_proj: Param::from_tensor(gate),
+                up_proj: Param::from_tensor(up),
+                down_proj: Param::from_tensor(down),
+            },
+        })
+    }
+
     /// Residual attention, then residual MLP; under SP `x` is this rank's part of the sequence.
-    fn forward(&self, x: Tensor<B, 3>, positions: &Positions<B>) -> Result<Tensor<B, 3>, TpError> {
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        positions: &Positions<B>,
+    ) -> Result<Tensor<B, 3>, TpError> {
         let normed = norm(&self.input_layernorm, x.clone(), &self.tp)?;
         let attended = self
             .self_attn
@@ -52,6 +109,27 @@ fn norm<B: CommBackend>(
     tp: &TensorParallel,
 ) -> Result<Tensor<B, 3>, TpError> {
     Ok(norm.forward_scaled(x, tp.replicated(norm.weight.val())?))
+}
+
+/// Mean next-token cross-entropy of `targets` (`[batch, seq]`) from the last block's output
+/// `x`: the final norm, the vocab-parallel head, and the vocab-parallel cross-entropy, so the
+/// logits are never gathered. The same on every rank of the group.
+pub fn head_loss<B: CommBackend>(
+    final_norm: &RmsNorm<B>,
+    lm_head: &ColumnParallelLinear<B>,
+    x: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+    tp: &TensorParallel,
+) -> Result<Tensor<B, 1>, TpError> {
+    let [batch, seq] = targets.dims();
+    let logits = lm_head.forward(norm(final_norm, x, tp)?)?;
+    let vocab_part = logits.dims()[2];
+    let losses = vocab_parallel_cross_entropy(
+        logits.reshape([batch * seq, vocab_part]),
+        targets.reshape([batch * seq]),
+        tp,
+    )?;
+    Ok(losses.mean())
 }
 
 /// The Llama decoder split over a tensor-parallel group.
@@ -112,32 +190,10 @@ impl<B: CommBackend> TpLlama<B> {
         tp: &TensorParallel,
     ) -> Result<Self, TpError> {
         check_split(config, tp.size(), false, 0).map_err(TpError::Config)?;
-        let (heads, kv_heads) = (config.num_attention_heads, config.num_key_value_heads);
         let layers = model
             .layers
             .into_iter()
-            .map(|block| {
-                let attention = block.self_attn;
-                let weights = AttentionWeights {
-                    q: attention.q_proj.val(),
-                    k: attention.k_proj.val(),
-                    v: attention.v_proj.val(),
-                    o: attention.o_proj.val(),
-                };
-                let mlp = block.mlp;
-                Ok(TpBlock {
-                    input_layernorm: block.input_layernorm,
-                    self_attn: ParallelAttention::from_full(weights, heads, kv_heads, tp)?,
-                    post_attention_layernorm: block.post_attention_layernorm,
-                    mlp: ParallelSwiGlu::from_full(
-                        mlp.gate_proj.val(),
-                        mlp.up_proj.val(),
-                        mlp.down_proj.val(),
-                        tp,
-                    )?,
-                    tp: tp.clone(),
-                })
-            })
+            .map(|block| TpBlock::from_full(block, config, tp))
             .collect::<Result<_, TpError>>()?;
         Ok(Self {
             embed_tokens: VocabParallelEmbedding::from_full(model.embed_tokens.val(), tp)?,
@@ -156,7 +212,7 @@ impl<B: CommBackend> TpLlama<B> {
         inputs: Tensor<B, 2, Int>,
         targets: Tensor<B, 2, Int>,
     ) -> Result<Tensor<B, 1>, TpError> {
-        let [batch, seq] = targets.dims();
+        let seq = targets.dims()[1];
         let mut x = self.embed_tokens.forward(inputs)?;
         let positions = Positions::new(
             seq,
@@ -167,45 +223,15 @@ impl<B: CommBackend> TpLlama<B> {
         for layer in &self.layers {
             x = layer.forward(x, &positions)?;
         }
-        let x = norm(&self.norm, x, &self.tp)?;
-        let logits = self.lm_head.forward(x)?;
-        let vocab_part = logits.dims()[2];
-        let losses = vocab_parallel_cross_entropy(
-            logits.reshape([batch * seq, vocab_part]),
-            targets.reshape([batch * seq]),
-            &self.tp,
-        )?;
-        Ok(losses.mean())
+        head_loss(&self.norm, &self.lm_head, x, targets, &self.tp)
     }
 
     /// The whole model, gathered from the group (a collective).
     pub fn full(&self) -> Result<Llama<B>, TpError> {
-        let config = &self.config;
         let layers = self
             .layers
             .iter()
-            .map(|block| {
-                let attention = block.self_attn.full()?;
-                let [gate, up, down] = block.mlp.full()?;
-                Ok(Block {
-                    input_layernorm: block.input_layernorm.clone(),
-                    self_attn: Attention {
-                        q_proj: Param::from_tensor(attention.q),
-                        k_proj: Param::from_tensor(attention.k),
-                        v_proj: Param::from_tensor(attention.v),
-                        o_proj: Param::from_tensor(attention.o),
-                        heads: config.num_attention_heads,
-                        kv_heads: config.num_key_value_heads,
-                        rope_theta: config.rope_theta,
-                    },
-                    post_attention_layernorm: block.post_attention_layernorm.clone(),
-                    mlp: Mlp {
-                        gate_proj: Param::from_tensor(gate),
-                        up_proj: Param::from_tensor(up),
-                        down_proj: Param::from_tensor(down),
-                    },
-                })
-            })
+            .map(|block| block.full(&self.config))
             .collect::<Result<_, TpError>>()?;
         Ok(Llama {
             embed_tokens: Param::from_tensor(self.embed_tokens.full()?),

@@ -79,6 +79,8 @@ pub struct TrainConfig {
     /// Activation recompute in the pipeline: keep only stage inputs, redo the forward before
     /// the backward.
     pub recompute: bool,
+    /// How the blocks are shared out among the pipeline stages.
+    pub balance: crate::pipeline::Balance,
     /// Draw the pipeline's last step (measured) as a Gantt chart here.
     pub schedule_svg: Option<std::path::PathBuf>,
     /// Data-parallel strategy.
@@ -109,6 +111,7 @@ impl TrainConfig {
             schedule: ScheduleKind::OneFOneB,
             virtual_stages: 1,
             recompute: false,
+            balance: crate::pipeline::Balance::Params,
             schedule_svg: None,
             strategy: Strategy::Single,
             ddp: DdpConfig::new(),
@@ -136,20 +139,17 @@ impl TrainConfig {
                 "--tp and --pp must be at least 1".into(),
             ));
         }
-        if self.pp > 1 && self.tp > 1 {
-            return Err(TrainError::Config(
-                "--pp with --tp is not supported yet; use one of them (each composes with --dp)"
-                    .into(),
-            ));
-        }
         if self.pp > 1 && self.strategy == Strategy::ParameterServer {
             return Err(TrainError::Config(
                 "the parameter-server baseline replicates whole models; use --strategy ddp with --pp".into(),
             ));
         }
-        if self.pp == 1 && (self.virtual_stages != 1 || self.recompute) {
+        let pipeline_only = self.virtual_stages != 1
+            || self.recompute
+            || self.balance != crate::pipeline::Balance::Params;
+        if self.pp == 1 && pipeline_only {
             return Err(TrainError::Config(
-                "--virtual-stages and --recompute belong to pipeline parallelism; use them with --pp 2 or more".into(),
+                "--virtual-stages, --recompute and --balance belong to pipeline parallelism; use them with --pp 2 or more".into(),
             ));
         }
         if self.sequence_parallel && self.tp == 1 {
@@ -666,8 +666,8 @@ fn first_cause<T>(
     }
 }
 
-/// Runs `config` on a `dp x pp` mesh (pp fastest) and returns the whole model, joined from
-/// the stages of the first replica.
+/// Runs `config` on a `dp x pp x tp` mesh (tp fastest) and returns the whole model, joined
+/// from the stages of the first replica.
 fn train_pipeline<B: BackwardHooks + CommBackend>(
     config: &TrainConfig,
     data: &dyn Dataset,
@@ -679,35 +679,43 @@ where
     B::InnerBackend: CommBackend,
 {
     let on_step = std::sync::Mutex::new(on_step);
-    let results = burn_comm::launch(config.dp * config.pp, |ctx| {
+    let results = burn_comm::launch(config.dp * config.pp * config.tp, |ctx| {
         let mut forward = |m: &StepMetrics| {
             if ctx.rank() == 0 {
                 (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
             }
         };
-        let mesh = DeviceMesh::new(ctx.world(), &[("dp", config.dp), ("pp", config.pp)])?;
+        // Tensor-parallel peers are neighbours on the mesh, then the stages of a pipeline.
+        let mesh = DeviceMesh::new(
+            ctx.world(),
+            &[("dp", config.dp), ("pp", config.pp), ("tp", config.tp)],
+        )?;
         let dp = (config.strategy != Strategy::Single).then(|| mesh.group("dp").cloned());
         let dp = dp.transpose()?;
-        let pp = mesh.group("pp")?.clone();
-        let (stages, spans) = crate::pipeline::train_rank(
-            config,
-            data,
-            init()?,
-            &pp,
-            dp.as_ref(),
-            device,
-            &mut forward,
-        )?;
-        Ok((mesh.coord("dp")?, stages, spans))
+        let tp = (config.tp > 1)
+            .then(|| mesh.group("tp").cloned())
+            .transpose()?
+            .map(|group| {
+                TensorParallel::new(group).with_sequence_parallel(config.sequence_parallel)
+            });
+        let groups = crate::pipeline::Groups {
+            pp: mesh.group("pp")?,
+            dp: dp.as_ref(),
+            tp: tp.as_ref(),
+        };
+        let (stages, spans) =
+            crate::pipeline::train_rank(config, data, init()?, groups, device, &mut forward)?;
+        let first_copy = mesh.coord("dp")? == 0 && mesh.coord("tp")? == 0;
+        Ok((first_copy, stages, spans))
     });
     let mut stages = Vec::new();
     let mut timeline = burn_pipeline::Timeline {
         ranks: Vec::new(),
         virtual_stages: config.virtual_stages,
     };
-    // Ranks come back in order, pp fastest: the first replica's are the first pp.
-    for (replica, rank_stages, spans) in first_cause(results)? {
-        if replica == 0 {
+    // Ranks come back in order, pp before tp: the first copy's are in stage order.
+    for (first_copy, rank_stages, spans) in first_cause(results)? {
+        if first_copy {
             stages.extend(rank_stages);
             timeline.ranks.push(spans);
         }

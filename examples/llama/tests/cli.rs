@@ -181,8 +181,8 @@ fn bad_input_gets_a_sentence() {
             "use a multiple of 2",
         ),
         (
-            &["train", "--pp", "2", "--tp", "2"],
-            "--pp with --tp is not supported yet",
+            &["train", "--balance", "time"],
+            "--balance belong to pipeline parallelism",
         ),
         (&["train", "--tp", "3"], "choose --tp among 1, 2, 4"),
         (

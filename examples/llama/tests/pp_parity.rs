@@ -1,6 +1,7 @@
 //! Pipeline parallelism against the oracle: `tiny` trained 20 steps on one device, and cut
 //! into 2 and 4 pipeline stages under every schedule (4 micro-batches per step), with
-//! activation recompute, and on a 2 x 2 data x pipeline mesh. Interleaving 4 ranks x 2 chunks
+//! activation recompute, on a 2 x 2 data x pipeline mesh, with tensor-parallel stages (and
+//! sequence parallelism, and all three on a 2 x 2 x 2 mesh), and split by measured time. Interleaving 4 ranks x 2 chunks
 //! needs 8 blocks, so that case trains `tiny` with 8 layers against its own oracle.
 //!
 //! Tolerances are in `common`: micro-batch means summed one by one differ in float32 rounding
@@ -75,4 +76,46 @@ fn recompute_and_data_parallel_pipelines_match_one_device() {
     config.pp = 2;
     config.grad_accum = Some(2);
     assert_close(&oracle, &run(&config), "dp 2 x pp 2 1f1b");
+}
+
+#[test]
+fn tensor_parallel_pipelines_and_a_time_balanced_split_match_one_device() {
+    let base = config(Strategy::Single, 1);
+    let oracle = run(&base);
+    let with_tp = |pp: usize, schedule: ScheduleKind, v: usize, sp: bool| {
+        let mut config = base.clone();
+        config.pp = pp;
+        config.tp = 2;
+        config.sequence_parallel = sp;
+        config.grad_accum = Some(4);
+        config.schedule = schedule;
+        config.virtual_stages = v;
+        config
+    };
+    assert_close(
+        &oracle,
+        &run(&with_tp(2, ScheduleKind::OneFOneB, 1, false)),
+        "pp 2 x tp 2 1f1b",
+    );
+    assert_close(
+        &oracle,
+        &run(&with_tp(2, ScheduleKind::ZeroBubbleH1, 1, true)),
+        "pp 2 x tp 2 + sp zb-h1",
+    );
+    let mut config = with_tp(2, ScheduleKind::Interleaved, 2, false);
+    config.strategy = Strategy::Ddp;
+    config.dp = 2;
+    config.grad_accum = Some(2);
+    config.balance = llama::pipeline::Balance::Time;
+    assert_close(
+        &oracle,
+        &run(&config),
+        "dp 2 x pp 2 x tp 2 interleaved, balanced by time",
+    );
+    let mut config = base.clone();
+    config.pp = 2;
+    config.grad_accum = Some(4);
+    config.schedule = ScheduleKind::Gpipe;
+    config.balance = llama::pipeline::Balance::Time;
+    assert_close(&oracle, &run(&config), "pp 2 gpipe balanced by time");
 }

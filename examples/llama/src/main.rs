@@ -91,7 +91,7 @@ struct TrainArgs {
     #[arg(long)]
     sp: bool,
     /// Pipeline ranks per replica: the blocks are cut into stages (see --balance); the run uses
-    /// dp x pp threads.
+    /// dp x pp x tp threads.
     #[arg(long, default_value_t = 1)]
     pp: usize,
     /// Pipeline schedule.

@@ -50,21 +50,10 @@ impl<B: AutodiffBackend> PipelineStage<B> for LlamaStage<B> {
         input: Option<Tensor<B, 3>>,
         (inputs, targets): &MicroBatch<B>,
     ) -> Result<StageOutput<B>, TrainError> {
-        let mut x = match (&self.embed_tokens, input) {
-            (Some(table), None) => embed(table, inputs.clone()),
-            (None, Some(x)) => x,
-            _ => {
-                return Err(TrainError::Config(
-                    "a pipeline stage got an input it does not take: only the first stage reads tokens".into(),
-                ));
-            }
-        };
-        let positions = Positions::new(
-            x.dims()[1],
-            self.config.head_dim(),
-            self.config.rope_theta,
-            &x.device(),
-        );
+        let mut x = stage_input(self.embed_tokens.as_ref(), input, |table| {
+            Ok(embed(table, inputs.clone()))
+        })?;
+        let positions = stage_positions(&self.config, targets, &x.device());
         for layer in &self.layers {
             x = layer.forward(x, &positions);
         }
@@ -75,6 +64,38 @@ impl<B: AutodiffBackend> PipelineStage<B> for LlamaStage<B> {
             _ => StageOutput::Activation(x),
         })
     }
+}
+
+/// A stage's input: the embedded tokens on the first stage (the one holding `embedding`), the
+/// previous stage's activations on every other.
+pub(crate) fn stage_input<E, B: Backend>(
+    embedding: Option<&E>,
+    input: Option<Tensor<B, 3>>,
+    embed: impl FnOnce(&E) -> Result<Tensor<B, 3>, TrainError>,
+) -> Result<Tensor<B, 3>, TrainError> {
+    match (embedding, input) {
+        (Some(embedding), None) => embed(embedding),
+        (None, Some(x)) => Ok(x),
+        _ => Err(TrainError::Config(
+            "a pipeline stage got an input it does not take: only the first stage reads tokens"
+                .into(),
+        )),
+    }
+}
+
+/// Rotary tables and mask for the whole sequence of `targets` (under sequence parallelism a
+/// stage's input holds only part of it).
+pub(crate) fn stage_positions<B: Backend>(
+    config: &LlamaConfig,
+    targets: &Tensor<B, 2, Int>,
+    device: &B::Device,
+) -> Positions<B> {
+    Positions::new(
+        targets.dims()[1],
+        config.head_dim(),
+        config.rope_theta,
+        device,
+    )
 }
 
 /// How the blocks are shared out among the pipeline stages.
@@ -149,7 +170,7 @@ impl StageCosts {
         };
         // Every block and the head take the embedding's output, as in training.
         let x = embed(&model.embed_tokens, inputs.clone()).detach();
-        let positions = Positions::new(x.dims()[1], config.head_dim(), config.rope_theta, &device);
+        let positions = stage_positions(config, targets, &device);
         let embedding = time(&|| {
             embed(&model.embed_tokens, inputs.clone()).sum().backward();
         })?;

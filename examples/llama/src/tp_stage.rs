@@ -12,8 +12,8 @@ use burn_pipeline::{PipelineStage, StageOutput};
 use burn_tensor_parallel::{ColumnParallelLinear, TensorParallel, TpError, VocabParallelEmbedding};
 
 use crate::config::LlamaConfig;
-use crate::model::{Positions, RmsNorm};
-use crate::pipeline::{LlamaStage, MicroBatch};
+use crate::model::RmsNorm;
+use crate::pipeline::{LlamaStage, MicroBatch, stage_input, stage_positions};
 use crate::tensor_parallel::{TpBlock, head_loss};
 use crate::train::TrainError;
 
@@ -89,22 +89,10 @@ impl<B: AutodiffBackend + CommBackend> PipelineStage<B> for TpLlamaStage<B> {
         input: Option<Tensor<B, 3>>,
         (inputs, targets): &MicroBatch<B>,
     ) -> Result<StageOutput<B>, TrainError> {
-        let mut x = match (&self.embed_tokens, input) {
-            (Some(embedding), None) => embedding.forward(inputs.clone())?,
-            (None, Some(x)) => x,
-            _ => {
-                return Err(TrainError::Config(
-                    "a pipeline stage got an input it does not take: only the first stage reads tokens".into(),
-                ));
-            }
-        };
-        // Under SP `x` holds part of the sequence; positions span the whole of it.
-        let positions = Positions::new(
-            targets.dims()[1],
-            self.config.head_dim(),
-            self.config.rope_theta,
-            &x.device(),
-        );
+        let mut x = stage_input(self.embed_tokens.as_ref(), input, |embedding| {
+            Ok(embedding.forward(inputs.clone())?)
+        })?;
+        let positions = stage_positions(&self.config, targets, &x.device());
         for layer in &self.layers {
             x = layer.forward(x, &positions)?;
         }

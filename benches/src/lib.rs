@@ -1,6 +1,52 @@
-//! What the benches share: a heap counter for memory figures, and the median.
+//! What the benches share: a heap counter for memory figures, the median, the model preset
+//! of `--model`, token batches, and the JSON file of results.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use llama::LlamaConfig;
+use llama::data::{Dataset, MarkovSource};
+use serde::Serialize;
 
 pub mod memory;
+
+/// The preset named by `--model`; a bad name stops the bench with the choices.
+pub fn preset(name: &str) -> LlamaConfig {
+    LlamaConfig::preset(name).unwrap_or_else(|| {
+        panic!(
+            "unknown --model {name}; choose one of {:?}",
+            llama::config::PRESETS
+        )
+    })
+}
+
+/// Samples `first..first + size` of `data` (wrapping around) as `[size, seq]` inputs and the
+/// next tokens they predict.
+pub fn token_batch<B: Backend>(
+    data: &MarkovSource,
+    first: usize,
+    size: usize,
+    seq: usize,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+    let tokens: Vec<i64> = (first..first + size)
+        .flat_map(|i| data.sample(i % data.len()))
+        .map(i64::from)
+        .collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(tokens, [size, seq + 1]),
+        &Default::default(),
+    );
+    (tokens.clone().narrow(1, 0, seq), tokens.narrow(1, 1, seq))
+}
+
+/// Writes `rows` to `path` as JSON, creating its directory, and says so.
+pub fn write_json(path: &str, rows: &impl Serialize) {
+    if let Some(dir) = std::path::Path::new(path).parent() {
+        std::fs::create_dir_all(dir).expect("the JSON directory can be created");
+    }
+    std::fs::write(path, serde_json::to_string_pretty(rows).unwrap())
+        .expect("the JSON file can be written");
+    println!("wrote {path}");
+}
 
 /// The median of `values` (the mean of the middle two for an even count); NaN when empty.
 pub fn median(values: impl Iterator<Item = f64>) -> f64 {

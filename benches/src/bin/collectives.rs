@@ -239,10 +239,6 @@ fn main() {
             }
         }
     }
-    if let Some(dir) = std::path::Path::new(&args.json).parent() {
-        std::fs::create_dir_all(dir).expect("cannot create the JSON directory");
-    }
-    std::fs::write(&args.json, serde_json::to_string_pretty(&rows).unwrap())
-        .expect("cannot write the JSON");
-    println!("\nwrote {}", args.json);
+    println!();
+    benches::write_json(&args.json, &rows);
 }

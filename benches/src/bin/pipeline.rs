@@ -18,19 +18,18 @@
 
 use std::time::Instant;
 
-use benches::median;
 use benches::memory::{
     CountingAllocator, reset_slot_peak, set_slot, slot_live_bytes, slot_peak_bytes,
 };
+use benches::{median, token_batch};
 use burn::backend::{Autodiff, Flex};
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::{Int, Tensor, TensorData};
 use burn_comm::{Communicator, launch};
 use burn_pipeline::{
     Costs, Kind, PipelineExecutor, Schedule, ScheduleKind, Span, Timeline, simulate,
 };
 use clap::Parser;
-use llama::data::{Dataset, MarkovSource};
+use llama::data::MarkovSource;
 use llama::pipeline::{LlamaStage, MicroBatch, split};
 use llama::train::TrainError;
 use llama::{Llama, LlamaConfig};
@@ -138,13 +137,7 @@ fn main() {
         args.batch_size,
         args.micro_batches
     );
-    let config = LlamaConfig::preset(&args.model).unwrap_or_else(|| {
-        panic!(
-            "unknown --model {}; choose one of {:?}",
-            args.model,
-            llama::config::PRESETS
-        )
-    });
+    let config = benches::preset(&args.model);
     let data = MarkovSource::new(16, 3, args.seq_len, 4096, 1);
     println!(
         "{} ({:.1}M parameters, {} layers), batch {} x {} tokens in {} micro-batches, {} steps per run (1 not counted), {} rounds",
@@ -269,12 +262,7 @@ fn main() {
         });
     }
     print_tables(&rows);
-    if let Some(dir) = std::path::Path::new(&args.json).parent() {
-        std::fs::create_dir_all(dir).expect("the JSON directory can be created");
-    }
-    std::fs::write(&args.json, serde_json::to_string_pretty(&rows).unwrap())
-        .expect("the JSON file can be written");
-    println!("wrote {}", args.json);
+    benches::write_json(&args.json, &rows);
 }
 
 fn print_tables(rows: &[Row]) {
@@ -357,18 +345,11 @@ fn calibrate(timelines: &[Timeline], virtual_stages: usize) -> Costs {
 /// Micro-batch `mb` of step `step`: `[micro, seq]` inputs and their next tokens.
 fn micro_batch(data: &MarkovSource, args: &Args, step: usize, mb: usize) -> MicroBatch<B> {
     let micro = args.batch_size / args.micro_batches;
-    let first = step * args.batch_size + mb * micro;
-    let tokens: Vec<i64> = (first..first + micro)
-        .flat_map(|i| data.sample(i % data.len()))
-        .map(i64::from)
-        .collect();
-    let tokens = Tensor::<B, 2, Int>::from_data(
-        TensorData::new(tokens, [micro, args.seq_len + 1]),
-        &Default::default(),
-    );
-    (
-        tokens.clone().narrow(1, 0, args.seq_len),
-        tokens.narrow(1, 1, args.seq_len),
+    token_batch(
+        data,
+        step * args.batch_size + mb * micro,
+        micro,
+        args.seq_len,
     )
 }
 

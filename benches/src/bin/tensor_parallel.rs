@@ -16,15 +16,14 @@
 
 use std::time::Instant;
 
-use benches::median;
 use benches::memory::{CountingAllocator, live_bytes};
+use benches::{median, token_batch};
 use burn::backend::{Autodiff, Flex};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
-use burn::tensor::{Int, Tensor, TensorData};
 use burn_comm::{CommError, CommStats, Communicator, launch};
 use burn_tensor_parallel::TensorParallel;
 use clap::Parser;
-use llama::data::{Dataset, MarkovSource};
+use llama::data::MarkovSource;
 use llama::tensor_parallel::TpLlama;
 use llama::train::{TrainError, Trainable};
 use llama::{Llama, LlamaConfig};
@@ -105,13 +104,7 @@ fn main() {
         args.steps >= 2,
         "--steps must be at least 2: the first is not timed"
     );
-    let config = LlamaConfig::preset(&args.model).unwrap_or_else(|| {
-        panic!(
-            "unknown --model {}; choose one of {:?}",
-            args.model,
-            llama::config::PRESETS
-        )
-    });
+    let config = benches::preset(&args.model);
     let data = MarkovSource::new(16, 3, args.seq_len, 4096, 1);
     println!(
         "{} ({:.1}M parameters, {} layers), batch {} x {} tokens, {} steps per run (1 not timed), {} rounds",
@@ -234,12 +227,7 @@ fn main() {
         message / 1e6,
         message / 1e6
     );
-    if let Some(dir) = std::path::Path::new(&args.json).parent() {
-        std::fs::create_dir_all(dir).expect("the JSON directory can be created");
-    }
-    std::fs::write(&args.json, serde_json::to_string_pretty(&rows).unwrap())
-        .expect("the JSON file can be written");
-    println!("wrote {}", args.json);
+    benches::write_json(&args.json, &rows);
 }
 
 fn calls(stats: &CommStats) -> u64 {
@@ -276,23 +264,6 @@ fn theory_payload(config: &LlamaConfig, sp: bool, tp: usize, tokens: usize) -> f
     layers * per_layer_theory(sp, tp, message) + ends + cross_entropy + norms
 }
 
-fn batch(
-    data: &MarkovSource,
-    step: usize,
-    size: usize,
-    seq: usize,
-) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
-    let tokens: Vec<i64> = (0..size)
-        .flat_map(|i| data.sample((step * size + i) % data.len()))
-        .map(i64::from)
-        .collect();
-    let tokens = Tensor::<B, 2, Int>::from_data(
-        TensorData::new(tokens, [size, seq + 1]),
-        &Default::default(),
-    );
-    (tokens.clone().narrow(1, 0, seq), tokens.narrow(1, 1, seq))
-}
-
 /// Trains `model` for `--steps` steps; `sync` lines the ranks up (a barrier, or nothing).
 fn steps<M: Trainable<B>>(
     args: &Args,
@@ -308,7 +279,8 @@ fn steps<M: Trainable<B>>(
     let mut activation_bytes = 0.0;
     let mut stats = CommStats::default();
     for step in 0..args.steps {
-        let (inputs, targets) = batch(data, step, args.batch_size, args.seq_len);
+        let (inputs, targets) =
+            token_batch(data, step * args.batch_size, args.batch_size, args.seq_len);
         sync()?;
         if let Some(comm) = comm {
             comm.reset_stats();

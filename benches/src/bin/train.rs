@@ -15,7 +15,6 @@ use benches::median;
 use burn::backend::{Autodiff, Flex};
 use burn_ddp::DdpConfig;
 use clap::Parser;
-use llama::LlamaConfig;
 use llama::data::MarkovSource;
 use llama::train::{StepMetrics, Strategy, TrainConfig, train};
 use serde::Serialize;
@@ -66,13 +65,7 @@ struct Row {
 fn main() {
     let args = Args::parse();
     assert!(args.steps > args.warmup, "--steps must exceed --warmup");
-    let model = LlamaConfig::preset(&args.model).unwrap_or_else(|| {
-        panic!(
-            "unknown --model {}; choose one of {:?}",
-            args.model,
-            llama::config::PRESETS
-        )
-    });
+    let model = benches::preset(&args.model);
     let data = MarkovSource::new(16, 3, args.seq_len, 1 << 16, 1);
     println!(
         "{} ({:.1}M parameters), {} tokens per sample, {} steps per run ({} not counted)",
@@ -206,12 +199,7 @@ fn main() {
     let overhead = 100.0 * (1.0 / rows[1].speedup - 1.0);
     println!("DDP on 1 rank costs {overhead:+.1}% step time against the plain loop");
 
-    if let Some(dir) = std::path::Path::new(&args.json).parent() {
-        std::fs::create_dir_all(dir).expect("the JSON directory can be created");
-    }
-    std::fs::write(&args.json, serde_json::to_string_pretty(&rows).unwrap())
-        .expect("the JSON file can be written");
-    println!("wrote {}", args.json);
+    benches::write_json(&args.json, &rows);
 }
 
 /// Trains `config`, or `copies` independent single-device copies of it at once; returns every

@@ -457,14 +457,13 @@ impl<B: AutodiffBackend> Run<'_, B> {
             device,
         } = *self;
         let (pp, dp) = (groups.pp, groups.dp);
-        let layout = config.layout()?;
         let mut optimizer = config.optimizer().init::<B, Vec<S>>();
         let schedule = config.schedule();
         let tokens = config.batch_size * config.seq_len;
         let started = Instant::now();
         let mut spans = Vec::new();
         for step in 0..config.steps {
-            let micro_batches: Vec<MicroBatch<B>> = (0..layout.accum)
+            let micro_batches: Vec<MicroBatch<B>> = (0..executor.schedule().micro_batches)
                 .map(|mb| batches.micro(step, mb, device))
                 .collect();
             pp.barrier()?;

@@ -14,7 +14,7 @@ mod ddp;
 mod error;
 mod hooks;
 mod lr;
-mod params;
+pub mod params;
 mod replica;
 mod sampler;
 

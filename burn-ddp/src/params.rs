@@ -1,5 +1,6 @@
 //! A module's float parameters as a flat list: names, shapes, and the closures that read their
-//! gradients out of burn's containers and put averaged ones back.
+//! gradients out of burn's containers and put averaged ones back. Public for the strategies
+//! built on data parallelism (burn-zero shards the same list).
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -8,18 +9,24 @@ use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_comm::{CommError, Communicator};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
-type Take<B> = Box<
+/// Takes a parameter's gradient out of a backward result, flattened.
+pub type Take<B> = Box<
     dyn Fn(&mut <B as AutodiffBackend>::Gradients) -> Option<Tensor<Inner<B>, 1>> + Send + Sync,
 >;
-type Put<B> = Box<dyn Fn(&mut GradientsParams, Tensor<Inner<B>, 1>) + Send + Sync>;
+/// Registers a flat gradient for a parameter, in the parameter's own shape.
+pub type Put<B> = Box<dyn Fn(&mut GradientsParams, Tensor<Inner<B>, 1>) + Send + Sync>;
 
 /// One float parameter of a module, in the module's visiting order.
-pub(crate) struct ParamSlot<B: AutodiffBackend> {
+pub struct ParamSlot<B: AutodiffBackend> {
+    /// The parameter's path in the module, such as `layers.0.mlp.up_proj.weight`.
     pub name: String,
     /// Frozen parameters (`require_grad` off) are kept equal but get no gradient.
     pub require_grad: bool,
+    /// Number of elements.
     pub numel: usize,
+    /// Element type.
     pub dtype: DType,
+    /// Where the parameter lives.
     pub device: burn::tensor::Device<Inner<B>>,
     /// The parameter's value, flattened.
     pub value: Tensor<Inner<B>, 1>,
@@ -30,13 +37,14 @@ pub(crate) struct ParamSlot<B: AutodiffBackend> {
 }
 
 impl<B: AutodiffBackend> ParamSlot<B> {
+    /// Size of the parameter's value.
     pub fn bytes(&self) -> usize {
         self.numel * self.dtype.size()
     }
 }
 
 /// The float parameters of `module`, in visiting order.
-pub(crate) fn slots<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamSlot<B>> {
+pub fn slots<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamSlot<B>> {
     let mut collector = Collector {
         path: Vec::new(),
         slots: Vec::new(),
@@ -46,7 +54,7 @@ pub(crate) fn slots<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec
 }
 
 /// The float parameters of `module` that are trained, in visiting order.
-pub(crate) fn trainable<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamSlot<B>> {
+pub fn trainable<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamSlot<B>> {
     slots(module)
         .into_iter()
         .filter(|s| s.require_grad)
@@ -55,7 +63,7 @@ pub(crate) fn trainable<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) ->
 
 /// Every rank's `codes` (one per parameter): `result[i][r]` is rank `r`'s code for parameter
 /// `i`. One all-gather, so every rank decides the same thing from the same numbers.
-pub(crate) fn gather_codes<B: Backend>(
+pub fn gather_codes<B: Backend>(
     comm: &Communicator,
     codes: &[i32],
     device: &burn::tensor::Device<B>,
@@ -69,15 +77,12 @@ pub(crate) fn gather_codes<B: Backend>(
 }
 
 /// Small integers (shapes, orders, flags) as a tensor, to pass them through a collective.
-pub(crate) fn to_ints<B: Backend>(
-    values: &[i64],
-    device: &burn::tensor::Device<B>,
-) -> Tensor<B, 1, Int> {
+pub fn to_ints<B: Backend>(values: &[i64], device: &burn::tensor::Device<B>) -> Tensor<B, 1, Int> {
     Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
 }
 
 /// The values of a tensor made by [`to_ints`], after its trip.
-pub(crate) fn from_ints<B: Backend>(tensor: Tensor<B, 1, Int>) -> Vec<i64> {
+pub fn from_ints<B: Backend>(tensor: Tensor<B, 1, Int>) -> Vec<i64> {
     tensor
         .into_data()
         .convert::<i64>()
@@ -86,9 +91,7 @@ pub(crate) fn from_ints<B: Backend>(tensor: Tensor<B, 1, Int>) -> Vec<i64> {
 }
 
 /// Indices of consecutive runs of one dtype in `slots`.
-pub(crate) fn dtype_runs<B: AutodiffBackend>(
-    slots: &[&ParamSlot<B>],
-) -> Vec<std::ops::Range<usize>> {
+pub fn dtype_runs<B: AutodiffBackend>(slots: &[&ParamSlot<B>]) -> Vec<std::ops::Range<usize>> {
     let mut runs = Vec::new();
     let mut start = 0;
     for i in 1..=slots.len() {
@@ -135,7 +138,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Collector<B> {
 
 /// Replaces every float parameter of `module`, in visiting order, by the next of `values`
 /// (flat), keeping its id and whether it requires a gradient.
-pub(crate) fn load<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn load<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: M,
     values: Vec<Tensor<Inner<B>, 1>>,
 ) -> M {
@@ -168,7 +171,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Loader<B> {
 }
 
 /// Joins flat tensors end to end.
-pub(crate) fn concat<B: Backend>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
+pub fn concat<B: Backend>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
     if parts.len() == 1 {
         parts.into_iter().next().unwrap()
     } else {
@@ -177,7 +180,7 @@ pub(crate) fn concat<B: Backend>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
 }
 
 /// Cuts `flat` into consecutive pieces of the given lengths.
-pub(crate) fn split<B: Backend>(flat: Tensor<B, 1>, lengths: &[usize]) -> Vec<Tensor<B, 1>> {
+pub fn split<B: Backend>(flat: Tensor<B, 1>, lengths: &[usize]) -> Vec<Tensor<B, 1>> {
     let mut start = 0;
     lengths
         .iter()

@@ -15,6 +15,7 @@ pub mod schedule;
 pub mod tensor_parallel;
 pub mod tp_stage;
 pub mod train;
+pub mod zero;
 
 pub use config::LlamaConfig;
 pub use model::Llama;

@@ -10,6 +10,7 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn_comm::parallel::CommBackend;
 use burn_ddp::{BackwardHooks, DdpConfig};
 use burn_pipeline::ScheduleKind;
+use burn_zero::{ZeroConfig, ZeroStage};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use llama::data::{ByteCorpus, Dataset, MarkovSource};
@@ -119,6 +120,10 @@ struct TrainArgs {
     /// Start DDP's all-reduces after backward instead of during it.
     #[arg(long)]
     no_overlap: bool,
+    /// ZeRO stage over the data-parallel ranks: 0 plain DDP, 1 shards the optimizer state,
+    /// 2 also the gradients, 3 also the parameters (one block per unit).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
+    zero: u8,
     /// Train on this file's bytes instead of the synthetic source.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -182,7 +187,7 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         model = stored;
     }
     let strategy = match args.strategy {
-        StrategyArg::Auto if args.dp == 1 => Strategy::Single,
+        StrategyArg::Auto if args.dp == 1 && args.zero == 0 => Strategy::Single,
         StrategyArg::Auto | StrategyArg::Ddp => Strategy::Ddp,
         StrategyArg::Single => Strategy::Single,
         StrategyArg::ParameterServer => Strategy::ParameterServer,
@@ -206,6 +211,10 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     config.schedule_svg = args.schedule_svg.clone();
     config.strategy = strategy;
     config.ddp = DdpConfig::new()
+        .with_bucket_cap_bytes((args.bucket_mb * 1024.0 * 1024.0) as usize)
+        .with_overlap(!args.no_overlap);
+    config.zero = ZeroStage::from_number(args.zero.into()).expect("clap checks the range");
+    config.zero_config = ZeroConfig::new()
         .with_bucket_cap_bytes((args.bucket_mb * 1024.0 * 1024.0) as usize)
         .with_overlap(!args.no_overlap);
     config.init_from = args.init_from.clone();

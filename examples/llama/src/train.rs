@@ -21,6 +21,7 @@ use burn_ddp::{
 };
 use burn_pipeline::{PipelineError, ScheduleKind};
 use burn_tensor_parallel::{TensorParallel, TpError};
+use burn_zero::{ZeroConfig, ZeroError, ZeroStage};
 use serde::Serialize;
 
 use crate::config::LlamaConfig;
@@ -87,6 +88,11 @@ pub struct TrainConfig {
     pub strategy: Strategy,
     /// DDP settings.
     pub ddp: DdpConfig,
+    /// ZeRO stage of the data-parallel group (0: plain DDP). Stages 1-3 need the DDP
+    /// strategy, whose gradient averaging they replace.
+    pub zero: ZeroStage,
+    /// ZeRO's settings (buckets, overlap, prefetch).
+    pub zero_config: ZeroConfig,
     /// Start from these weights (a directory written by `save`) instead of the seed.
     pub init_from: Option<std::path::PathBuf>,
 }
@@ -115,6 +121,8 @@ impl TrainConfig {
             schedule_svg: None,
             strategy: Strategy::Single,
             ddp: DdpConfig::new(),
+            zero: ZeroStage::Replicated,
+            zero_config: ZeroConfig::new(),
             init_from: None,
         }
     }
@@ -164,6 +172,19 @@ impl TrainConfig {
             return Err(TrainError::Config(
                 "the parameter-server baseline replicates whole models; use --strategy ddp with --tp".into(),
             ));
+        }
+        if self.zero != ZeroStage::Replicated {
+            if self.strategy != Strategy::Ddp {
+                return Err(TrainError::Config(format!(
+                    "--zero {} shards the data-parallel group's model state; use it with --strategy ddp (the default for --dp 2 or more)",
+                    self.zero.number()
+                )));
+            }
+            if self.pp > 1 {
+                return Err(TrainError::Config(
+                    "--zero does not compose with --pp yet; use --zero with --dp and --tp".into(),
+                ));
+            }
         }
         let per_rank = per_rank_batch(self.batch_size, self.dp)?;
         let (micro, accum) = match (self.micro_batch_size, self.grad_accum) {
@@ -251,6 +272,9 @@ pub enum TrainError {
     /// Pipeline parallelism failed.
     #[error(transparent)]
     Pipeline(#[from] PipelineError),
+    /// ZeRO failed.
+    #[error(transparent)]
+    Zero(#[from] ZeroError),
 }
 
 impl TrainError {
@@ -262,6 +286,7 @@ impl TrainError {
                 | TrainError::Ddp(DdpError::Comm(CommError::PeerFailed { .. }))
                 | TrainError::Tp(TpError::Comm(CommError::PeerFailed { .. }))
                 | TrainError::Pipeline(PipelineError::Comm(CommError::PeerFailed { .. }))
+                | TrainError::Zero(ZeroError::Comm(CommError::PeerFailed { .. }))
         )
     }
 }
@@ -319,6 +344,9 @@ pub struct StepMetrics {
     /// Time this rank waited for gradient communication after backward: 0 on one device,
     /// NaN (null in JSON) for the parameter server, whose communication is the step itself.
     pub comm_wait_s: f64,
+    /// Bytes of model state (parameters, gradients, optimizer state) rank 0 held in this step,
+    /// under ZeRO; absent otherwise.
+    pub model_state_bytes: Option<usize>,
 }
 
 impl StepMetrics {
@@ -342,6 +370,7 @@ impl StepMetrics {
             seconds,
             elapsed: started.elapsed().as_secs_f64(),
             comm_wait_s,
+            model_state_bytes: None,
         }
     }
 }
@@ -376,15 +405,17 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
     let schedule = config.schedule();
     let tokens = config.batch_size * config.seq_len;
     let started = Instant::now();
-    let mut report = |step: usize, loss: f64, begun: Instant, wait: f64| {
-        on_step(&StepMetrics::measure(
+    let mut report = |step: usize, loss: f64, begun: Instant, wait: f64, state: Option<usize>| {
+        let mut metrics = StepMetrics::measure(
             step,
             loss,
             schedule.lr(step),
             tokens,
             (begun, started),
             wait,
-        ));
+        );
+        metrics.model_state_bytes = state;
+        on_step(&metrics);
     };
 
     match config.strategy {
@@ -402,9 +433,13 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
                     accumulator.accumulate(&model, grads);
                 }
                 model = optimizer.step(schedule.lr(step), model, accumulator.grads());
-                report(step, loss_sum, begun, 0.0);
+                report(step, loss_sum, begun, 0.0, None);
             }
             Ok(model)
+        }
+        Strategy::Ddp if config.zero != ZeroStage::Replicated => {
+            let comm = comm.expect("a ZeRO run has a group");
+            crate::zero::train_sharded(config, &batches, comm, init, device, &mut report)
         }
         Strategy::Ddp => {
             let comm = comm.expect("a DDP run has a group");
@@ -426,7 +461,7 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
                 let grads = grads.expect("the last micro-batch synchronises");
                 ddp.step(&mut optimizer, schedule.lr(step), grads);
                 let loss = reduce_scalar::<B::InnerBackend>(comm, loss_sum, ReduceOp::Avg, device)?;
-                report(step, loss, begun, ddp.stats().comm_wait.as_secs_f64());
+                report(step, loss, begun, ddp.stats().comm_wait.as_secs_f64(), None);
             }
             Ok(ddp.into_module())
         }
@@ -446,7 +481,7 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
                 let loss =
                     reduce_scalar::<B::InnerBackend>(comm, loss_value, ReduceOp::Avg, device)?;
                 // Its communication is inside `step`, not separable from it.
-                report(step, loss, begun, f64::NAN);
+                report(step, loss, begun, f64::NAN, None);
             }
             Ok(dp.into_module())
         }
@@ -615,6 +650,9 @@ where
     if config.pp > 1 {
         return train_pipeline::<B>(config, data, device, &init, on_step);
     }
+    if config.zero == ZeroStage::Parameters {
+        return crate::zero::train_fully_sharded::<B>(config, data, device, &init, on_step);
+    }
     if config.strategy == Strategy::Single && config.tp == 1 {
         return Ok(train_rank(config, data, None, init()?, device, on_step)?.valid());
     }
@@ -647,7 +685,7 @@ where
 
 /// Every rank's result, or the error that caused the run to fail: a rank's own failure rather
 /// than its peers' "peer failed".
-fn first_cause<T>(
+pub(crate) fn first_cause<T>(
     results: Vec<Result<T, burn_comm::RankError<TrainError>>>,
 ) -> Result<Vec<T>, TrainError> {
     let cause = results.iter().position(|r| match r {

@@ -22,6 +22,8 @@ pub type B = Autodiff<Flex>;
 pub struct Run {
     pub losses: Vec<f64>,
     pub weights: Vec<(String, TensorData)>,
+    /// Model-state bytes rank 0 held in the last step, where the run reports them (ZeRO).
+    pub model_state_bytes: Option<usize>,
 }
 
 pub fn config(strategy: Strategy, dp: usize) -> TrainConfig {
@@ -41,13 +43,16 @@ pub fn run(config: &TrainConfig) -> Run {
 pub fn run_on(config: &TrainConfig, samples: usize) -> Run {
     let data = MarkovSource::new(16, 3, config.seq_len, samples, 1);
     let mut losses = Vec::new();
+    let mut model_state_bytes = None;
     let model: Llama<Flex> = train::<B>(config, &data, &Default::default(), &mut |m| {
-        losses.push(m.loss)
+        losses.push(m.loss);
+        model_state_bytes = m.model_state_bytes;
     })
     .unwrap();
     Run {
         losses,
         weights: export(&model),
+        model_state_bytes,
     }
 }
 

@@ -1,0 +1,397 @@
+//! ZeRO stage 3 (the paper's P_os+g+p; PyTorch's FSDP): parameters are sharded too. The model
+//! is a chain of units (burn-pipeline's `PipelineStage`: the first reads the batch, the last
+//! returns the loss); each rank keeps only its part of every unit. A unit is all-gathered just
+//! before its forward and again before its backward, let go after each, and its gradients are
+//! reduce-scattered; the next unit's gather runs while the current one computes.
+//!
+//! burn's tape keeps every tensor a forward used until backward, gathered weights included. So
+//! a unit's forward runs untracked, keeping only its input, and its backward runs the forward
+//! again with the re-gathered weights (per-unit activation checkpointing, as FSDP is usually
+//! run): the price of holding one or two units whole instead of the model.
+
+use burn::module::{AutodiffModule, ModuleMapper, Param};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Shape, Tensor};
+use burn_comm::{Communicator, ReduceOp, Work};
+use burn_ddp::MissingGradient;
+use burn_ddp::params;
+use burn_pipeline::{PipelineError, PipelineStage, StageOutput};
+
+use crate::ZeroError;
+use crate::flat::FlatLayout;
+use crate::memory::ModelStateBytes;
+use crate::optimizer::{ShardedAdamW, bytes, to_f32};
+use crate::sharded::ZeroConfig;
+use burn::optim::AdamWConfig;
+
+type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+
+/// A chain of units whose parameters, gradients and optimizer state are all sharded over a
+/// data-parallel group.
+///
+/// ```ignore
+/// let mut fsdp = FullyShardedDataParallel::new(units, comm, &adamw, ZeroConfig::new())?;
+/// for micro_batch in &batches {
+///     let loss = fsdp.forward_backward(micro_batch, 1.0 / batches.len() as f64)?;
+/// }
+/// fsdp.step(lr)?;
+/// let whole = fsdp.full()?; // every unit gathered, for export
+/// ```
+pub struct FullyShardedDataParallel<B: AutodiffBackend, S: PipelineStage<B>> {
+    /// The units with every parameter emptied: ids and structure only.
+    skeletons: Vec<S>,
+    /// Shape of every parameter, by index.
+    shapes: Vec<Vec<usize>>,
+    names: Vec<String>,
+    layout: FlatLayout,
+    comm: Communicator,
+    config: ZeroConfig,
+    backward_group: Option<Communicator>,
+    /// This rank's part of each unit, in the parameters' dtype: for fp32 parameters also the
+    /// master weights.
+    shard: Vec<Tensor<Inner<B>, 1>>,
+    optimizer: ShardedAdamW<Inner<B>>,
+    /// This rank's part of each unit's gradient, summed over the step's micro-batches.
+    grads: Option<Vec<Tensor<Inner<B>, 1>>>,
+    memory: ModelStateBytes,
+}
+
+impl<B: AutodiffBackend, S: PipelineStage<B>> FullyShardedDataParallel<B, S>
+where
+    S::Error: From<ZeroError>,
+{
+    /// Shards `units` (whole on every rank; rank 0's values are used) over `comm`, one flat
+    /// buffer per unit; `optimizer` is the AdamW each rank applies to its shard.
+    pub fn new(
+        units: Vec<S>,
+        comm: Communicator,
+        optimizer: &AdamWConfig,
+        config: ZeroConfig,
+    ) -> Result<Self, ZeroError> {
+        if units.is_empty() {
+            return Err(ZeroError::Config("the model has no units to shard".into()));
+        }
+        let (rank, mut names, mut shapes, mut values, mut members) =
+            (comm.rank(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut dtypes = Vec::new();
+        for unit in &units {
+            let mut member = Vec::new();
+            for slot in params::slots::<B, S>(unit) {
+                if !slot.require_grad {
+                    return Err(ZeroError::Config(format!(
+                        "`{}` is frozen; ZeRO-3 shards trainable parameters only, so keep frozen ones out of its units",
+                        slot.name
+                    )));
+                }
+                member.push(values.len());
+                names.push(slot.name.clone());
+                dtypes.push(slot.dtype);
+                values.push(comm.broadcast(slot.value.clone(), 0)?);
+            }
+            if member.is_empty() {
+                return Err(ZeroError::Config(format!(
+                    "unit {} has no float parameters; merge it into a neighbour",
+                    members.len()
+                )));
+            }
+            members.push(member);
+            shapes.extend(shape_list::<B, S>(unit));
+        }
+        let numels: Vec<usize> = values.iter().map(|v| v.dims()[0]).collect();
+        let layout = FlatLayout::new(&numels, &dtypes, members, comm.size())?;
+        let shard = (0..layout.units.len())
+            .map(|u| layout.shard_of(u, rank, &values))
+            .collect();
+        drop(values);
+        Ok(Self {
+            skeletons: units.into_iter().map(empty).collect(),
+            shapes,
+            names,
+            layout,
+            comm,
+            config,
+            backward_group: None,
+            shard,
+            optimizer: ShardedAdamW::new(optimizer),
+            grads: None,
+            memory: ModelStateBytes::default(),
+        })
+    }
+
+    /// Makes the ranks of `group` start every unit's backward together: needed when a unit's
+    /// backward runs collectives over `group` (tensor parallelism), for the reason given at
+    /// burn-pipeline's `PipelineExecutor::with_backward_group`.
+    pub fn with_backward_group(mut self, group: Communicator) -> Self {
+        self.backward_group = Some(group);
+        self
+    }
+
+    /// How the parameters are packed and sharded.
+    pub fn layout(&self) -> &FlatLayout {
+        &self.layout
+    }
+
+    /// Model-state bytes this rank held in its last step: its parameter shard, the gradient
+    /// shard going into the step, and the optimizer state after it.
+    pub fn memory(&self) -> ModelStateBytes {
+        self.memory
+    }
+
+    /// Forward and backward of one micro-batch through every unit; the loss is multiplied by
+    /// `scale` before backward (`1 / micro-batches` for gradient accumulation). The gradients
+    /// are reduce-scattered unit by unit and added to this step's. Returns the loss, unscaled.
+    pub fn forward_backward(&mut self, batch: &S::Batch, scale: f64) -> Result<f64, S::Error> {
+        let last = self.skeletons.len() - 1;
+        let mut gathers = Gathers::new(self, 0);
+        // Forward, untracked, keeping each unit's input.
+        let mut inputs: Vec<Option<Tensor<Inner<B>, 3>>> = Vec::with_capacity(last);
+        let mut x: Option<Tensor<B, 3>> = None;
+        for u in 0..last {
+            let module = self.fill(u, gathers.take(self, u, Some(u + 1))?, false);
+            inputs.push(x.as_ref().map(|t| t.clone().inner()));
+            x = Some(activation(module.forward(x, batch)?, u, last)?);
+        }
+        // The last unit stays gathered from its forward to its backward.
+        let module = self.fill(last, gathers.take(self, last, last.checked_sub(1))?, true);
+        let leaf = x.map(|t| Tensor::from_inner(t.inner()).require_grad());
+        let loss = match module.forward(leaf.clone(), batch)? {
+            StageOutput::Loss(loss) => loss,
+            StageOutput::Activation(_) => return Err(order_error(last, last).into()),
+        };
+        let value = loss.clone().into_scalar().elem::<f64>();
+        let mut pending = Vec::with_capacity(last + 1);
+        let mut grad = self.backward(last, module, leaf, loss * scale, &mut pending)?;
+        for u in (0..last).rev() {
+            let full = gathers.take(self, u, u.checked_sub(1))?;
+            let module = self.fill(u, full, true);
+            let leaf = inputs[u]
+                .take()
+                .map(|t| Tensor::from_inner(t).require_grad());
+            let y = activation(module.forward(leaf.clone(), batch)?, u, last)?;
+            let output_grad = grad
+                .take()
+                .expect("every unit after the first has an input");
+            let target = (y * Tensor::from_inner(output_grad)).sum();
+            grad = self.backward(u, module, leaf, target, &mut pending)?;
+        }
+        let mut sums = self.grads.take().unwrap_or_default();
+        let first = sums.is_empty();
+        for (u, work) in pending {
+            let part = work.wait().map_err(ZeroError::from)?;
+            if first {
+                sums.push(part);
+            } else {
+                sums[u] = sums[u].clone() + part;
+            }
+        }
+        if first {
+            sums.reverse();
+        }
+        self.grads = Some(sums);
+        Ok(value)
+    }
+
+    /// Backward of `target` through unit `u`'s `module`; starts the reduce-scatter of its
+    /// gradients and returns the gradient of its input.
+    fn backward(
+        &self,
+        u: usize,
+        module: S,
+        input: Option<Tensor<B, 3>>,
+        target: Tensor<B, 1>,
+        pending: &mut Vec<(usize, Work<Tensor<Inner<B>, 1>>)>,
+    ) -> Result<Option<Tensor<Inner<B>, 3>>, ZeroError> {
+        if let Some(group) = &self.backward_group {
+            group.barrier()?;
+        }
+        let mut grads = target.backward();
+        let unit = &self.layout.units[u];
+        let mut parts = Vec::with_capacity(unit.params.len());
+        for (slot, &p) in params::slots::<B, S>(&module).iter().zip(&unit.params) {
+            let grad = (slot.take)(&mut grads).ok_or_else(|| {
+                ZeroError::MissingGradients(vec![MissingGradient {
+                    name: self.names[p].clone(),
+                    ranks: vec![self.comm.rank()],
+                }])
+            })?;
+            parts.push(grad);
+        }
+        let flat = self.layout.flatten(u, parts);
+        pending.push((u, self.comm.reduce_scatter_async(flat, ReduceOp::Avg, 0)));
+        Ok(input.map(|x| {
+            x.grad_remove(&mut grads)
+                .expect("a unit's input that requires a gradient gets one")
+        }))
+    }
+
+    /// Steps this rank's shard with the gradients of the micro-batches since the last step.
+    pub fn step(&mut self, lr: f64) -> Result<(), ZeroError> {
+        let grads = self.grads.take().ok_or_else(|| {
+            ZeroError::Config(
+                "step without a forward_backward since the last one; run one first".into(),
+            )
+        })?;
+        let grad_bytes = grads.iter().map(bytes).sum();
+        let master = params::concat(self.shard.drain(..).map(to_f32).collect());
+        let grad = params::concat(grads.into_iter().map(to_f32).collect());
+        let updated = self.optimizer.step(lr, master, grad);
+        self.shard = self
+            .layout
+            .split_shard(updated)
+            .into_iter()
+            .zip(&self.layout.units)
+            .map(|(part, unit)| part.cast(unit.dtype))
+            .collect();
+        self.memory = ModelStateBytes {
+            params: self.shard.iter().map(bytes).sum(),
+            grads: grad_bytes,
+            optimizer: self.optimizer.state_bytes(),
+        };
+        Ok(())
+    }
+
+    /// Every unit gathered whole, its parameters trainable: for evaluation and export.
+    pub fn full(&self) -> Result<Vec<S>, ZeroError> {
+        (0..self.skeletons.len())
+            .map(|u| {
+                let full = self.comm.all_gather(self.shard[u].clone(), 0)?;
+                Ok(self.fill(u, full, true))
+            })
+            .collect()
+    }
+
+    /// Unit `u` with its parameters from `full`, its gathered buffer; `tracked` makes them
+    /// leaves that get gradients.
+    fn fill(&self, u: usize, full: Tensor<Inner<B>, 1>, tracked: bool) -> S {
+        let unit = &self.layout.units[u];
+        let values = self.layout.unflatten(u, full);
+        let shapes: Vec<Vec<usize>> = unit
+            .params
+            .iter()
+            .map(|&p| self.shapes[p].clone())
+            .collect();
+        self.skeletons[u].clone().map(&mut Filler::<B> {
+            values: values.into_iter(),
+            shapes: shapes.into_iter(),
+            tracked,
+        })
+    }
+}
+
+/// The all-gathers of a micro-batch: the one the next unit needs is started before the current
+/// one computes (with prefetch on).
+struct Gathers<B: burn::tensor::backend::Backend> {
+    next: Option<(usize, Work<Tensor<B, 1>>)>,
+}
+
+impl<B: burn::tensor::backend::Backend> Gathers<B> {
+    fn new<A: AutodiffBackend<InnerBackend = B>, S: PipelineStage<A>>(
+        fsdp: &FullyShardedDataParallel<A, S>,
+        first: usize,
+    ) -> Self
+    where
+        S::Error: From<ZeroError>,
+    {
+        Self {
+            next: Some((
+                first,
+                fsdp.comm.all_gather_async(fsdp.shard[first].clone(), 0),
+            )),
+        }
+    }
+
+    /// Unit `u` whole; starts the gather of `then` first when prefetching.
+    fn take<A: AutodiffBackend<InnerBackend = B>, S: PipelineStage<A>>(
+        &mut self,
+        fsdp: &FullyShardedDataParallel<A, S>,
+        u: usize,
+        then: Option<usize>,
+    ) -> Result<Tensor<B, 1>, ZeroError>
+    where
+        S::Error: From<ZeroError>,
+    {
+        let start = |v: usize| (v, fsdp.comm.all_gather_async(fsdp.shard[v].clone(), 0));
+        let current = match self.next.take() {
+            Some((v, work)) if v == u => work,
+            _ => start(u).1,
+        };
+        if fsdp.config.prefetch {
+            self.next = then.map(start);
+            Ok(current.wait()?)
+        } else {
+            let full = current.wait()?;
+            self.next = then.map(start);
+            Ok(full)
+        }
+    }
+}
+
+/// The activations of unit `u`, which is not the last.
+fn activation<B: AutodiffBackend>(
+    output: StageOutput<B>,
+    u: usize,
+    last: usize,
+) -> Result<Tensor<B, 3>, ZeroError> {
+    match output {
+        StageOutput::Activation(y) => Ok(y),
+        StageOutput::Loss(_) => Err(order_error(u, last)),
+    }
+}
+
+fn order_error(u: usize, last: usize) -> ZeroError {
+    ZeroError::Stage(PipelineError::Config(format!(
+        "unit {u} of {} returned {}; only the last unit returns the loss",
+        last + 1,
+        if u == last { "activations" } else { "a loss" }
+    )))
+}
+
+/// The shapes of `module`'s float parameters, in visiting order.
+fn shape_list<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<Vec<usize>> {
+    struct Shapes(Vec<Vec<usize>>);
+    impl<B: AutodiffBackend> burn::module::ModuleVisitor<B> for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.val().dims().to_vec());
+        }
+    }
+    let mut shapes = Shapes(Vec::new());
+    module.visit(&mut shapes);
+    shapes.0
+}
+
+/// `module` with every float parameter replaced by an empty tensor (same id): its structure
+/// without its weights.
+fn empty<B: AutodiffBackend, M: AutodiffModule<B>>(module: M) -> M {
+    struct Empty;
+    impl<B: AutodiffBackend> ModuleMapper<B> for Empty {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            param
+                .map(|tensor| Tensor::empty(Shape::new([0; D]), (&tensor.device(), tensor.dtype())))
+        }
+    }
+    module.map(&mut Empty)
+}
+
+/// Fills an emptied module's float parameters, in visiting order.
+struct Filler<B: AutodiffBackend> {
+    values: std::vec::IntoIter<Tensor<Inner<B>, 1>>,
+    shapes: std::vec::IntoIter<Vec<usize>>,
+    tracked: bool,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Filler<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let flat = self.values.next().expect("a value per parameter");
+        let shape: [usize; D] = self
+            .shapes
+            .next()
+            .expect("a shape per parameter")
+            .try_into()
+            .expect("the shape has the parameter's rank");
+        let tracked = self.tracked;
+        param.map(|_| {
+            let value = Tensor::from_inner(flat.reshape(shape));
+            if tracked { value.require_grad() } else { value }
+        })
+    }
+}

@@ -1,0 +1,342 @@
+//! ZeRO stages 1 and 2 (Rajbhandari et al., 2020): every rank holds the whole model for its
+//! forward and backward, but only its shard of the optimizer state. Stage 1 averages whole
+//! gradients and each rank uses its part; stage 2 reduce-scatters them so each rank keeps only
+//! its part. Each rank steps its shard and the updated shards are all-gathered into every
+//! replica.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use burn::config::Config;
+use burn::module::AutodiffModule;
+use burn::optim::AdamWConfig;
+use burn::tensor::Tensor;
+use burn::tensor::backend::AutodiffBackend;
+use burn_comm::Communicator;
+use burn_ddp::BackwardHooks;
+use burn_ddp::params::{self, ParamSlot};
+
+use crate::ZeroError;
+use crate::flat::FlatLayout;
+use crate::memory::{ModelStateBytes, ZeroStage};
+use crate::optimizer::{ShardedAdamW, bytes, to_f32};
+use crate::reducer::{Reducer, Reduction};
+
+type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+/// One reduced gradient per unit: the whole buffer or this rank's part.
+type UnitGrads<B> = Vec<Tensor<Inner<B>, 1>>;
+
+/// Settings shared by the ZeRO engines.
+#[derive(Config, Debug)]
+pub struct ZeroConfig {
+    /// Gradients per reduction under stages 1 and 2, in bytes: each such bucket is one flat
+    /// unit, sharded over the group.
+    #[config(default = 26214400)]
+    pub bucket_cap_bytes: usize,
+    /// Start each unit's reduction during backward (stages 1 and 2). Off: all after backward.
+    #[config(default = true)]
+    pub overlap: bool,
+    /// Gather the next unit's parameters while the current one computes (stage 3).
+    #[config(default = true)]
+    pub prefetch: bool,
+}
+
+/// Where the last step's time went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ZeroStepStats {
+    /// Waiting for gradient reductions after backward: the part not overlapped.
+    pub comm_wait: Duration,
+    /// Units whose reduction started while backward was still running.
+    pub overlapped_units: usize,
+}
+
+/// A model replica whose optimizer state (stage 1), and gradients (stage 2), are sharded over a
+/// data-parallel group.
+///
+/// ```ignore
+/// let mut zero = ShardedDataParallel::new(model, comm, ZeroStage::Gradients, &adamw, ZeroConfig::new())?;
+/// for micro_batch in batches {
+///     let loss = zero.module().loss(micro_batch);
+///     zero.backward(loss)?; // reduced at once, accumulated over micro-batches
+/// }
+/// zero.step(lr)?;
+/// ```
+pub struct ShardedDataParallel<B: BackwardHooks, M: AutodiffModule<B>> {
+    module: Option<M>,
+    comm: Communicator,
+    stage: ZeroStage,
+    config: ZeroConfig,
+    names: Vec<String>,
+    layout: Arc<FlatLayout>,
+    optimizer: ShardedAdamW<Inner<B>>,
+    /// Reduced gradients summed over this step's backwards, per unit: the whole buffer (stage
+    /// 1) or this rank's part (stage 2).
+    grads: Option<UnitGrads<B>>,
+    memory: ModelStateBytes,
+    stats: ZeroStepStats,
+}
+
+impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
+    /// Wraps `module` at `stage` (1 or 2), replacing its parameters by rank 0's so every
+    /// replica starts equal; `optimizer` is the AdamW every rank applies to its shard.
+    pub fn new(
+        module: M,
+        comm: Communicator,
+        stage: ZeroStage,
+        optimizer: &AdamWConfig,
+        config: ZeroConfig,
+    ) -> Result<Self, ZeroError> {
+        if !matches!(stage, ZeroStage::OptimizerState | ZeroStage::Gradients) {
+            return Err(ZeroError::Config(format!(
+                "ShardedDataParallel runs ZeRO stages 1 and 2, not {stage}; use FullyShardedDataParallel for stage 3 and burn-ddp for stage 0"
+            )));
+        }
+        if config.bucket_cap_bytes == 0 {
+            return Err(ZeroError::Config(
+                "bucket_cap_bytes is 0; give buckets at least one byte (25 MiB is usual)".into(),
+            ));
+        }
+        let all = params::slots::<B, M>(&module);
+        let mut values = Vec::with_capacity(all.len());
+        for slot in &all {
+            values.push(comm.broadcast(slot.value.clone(), 0)?);
+        }
+        let module = params::load::<B, M>(module, values);
+        let slots = params::trainable::<B, M>(&module);
+        if slots.is_empty() {
+            return Err(ZeroError::Config(
+                "the module has no trainable float parameters; there is nothing to shard".into(),
+            ));
+        }
+        // Backward reaches the last parameters first.
+        let order: Vec<usize> = (0..slots.len()).rev().collect();
+        let numels: Vec<usize> = slots.iter().map(|s| s.numel).collect();
+        let dtypes: Vec<_> = slots.iter().map(|s| s.dtype).collect();
+        let layout = FlatLayout::bucketed(
+            &numels,
+            &dtypes,
+            &order,
+            config.bucket_cap_bytes,
+            comm.size(),
+        )?;
+        Ok(Self {
+            module: Some(module),
+            names: slots.iter().map(|s| s.name.clone()).collect(),
+            comm,
+            stage,
+            config,
+            layout: Arc::new(layout),
+            optimizer: ShardedAdamW::new(optimizer),
+            grads: None,
+            memory: ModelStateBytes::default(),
+            stats: ZeroStepStats::default(),
+        })
+    }
+
+    /// The local replica, for the forward pass.
+    pub fn module(&self) -> &M {
+        self.module
+            .as_ref()
+            .expect("the module is back after every step")
+    }
+
+    /// Unwraps the replica.
+    pub fn into_module(self) -> M {
+        self.module.expect("the module is back after every step")
+    }
+
+    /// The data-parallel group.
+    pub fn comm(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// How the parameters are packed and sharded.
+    pub fn layout(&self) -> &FlatLayout {
+        &self.layout
+    }
+
+    /// Model-state bytes this rank held in its last step: parameters, the gradients going into
+    /// the step, and the optimizer state after it.
+    pub fn memory(&self) -> ModelStateBytes {
+        self.memory
+    }
+
+    /// Timings of the last backward.
+    pub fn stats(&self) -> ZeroStepStats {
+        self.stats
+    }
+
+    /// Backward of `loss`, its gradients reduced over the group at once (overlapping backward
+    /// when [`ZeroConfig::overlap`] is on) and added to this step's.
+    pub fn backward(&mut self, loss: Tensor<B, 1>) -> Result<(), ZeroError> {
+        let slots = params::trainable::<B, M>(self.module());
+        if slots.len() != self.names.len() {
+            return Err(ZeroError::Config(format!(
+                "the module had {} trainable parameters when wrapped and has {} now; wrap the new module in a new engine",
+                self.names.len(),
+                slots.len()
+            )));
+        }
+        if !B::is_tracked(&loss) {
+            return Err(ZeroError::Config(
+                "the loss does not depend on any parameter that requires a gradient; compute it from the module's forward".into(),
+            ));
+        }
+        let reduction = match self.stage {
+            ZeroStage::OptimizerState => Reduction::Whole,
+            _ => Reduction::Part,
+        };
+        let reduced = reduce(
+            loss,
+            slots,
+            &self.layout,
+            reduction,
+            &self.comm,
+            self.config.overlap,
+        )?;
+        self.stats = reduced.1;
+        self.grads = Some(match self.grads.take() {
+            None => reduced.0,
+            Some(sum) => sum.into_iter().zip(reduced.0).map(|(a, b)| a + b).collect(),
+        });
+        Ok(())
+    }
+
+    /// Steps this rank's shard with the gradients of the backwards since the last step, then
+    /// all-gathers every shard into the replica.
+    pub fn step(&mut self, lr: f64) -> Result<(), ZeroError> {
+        let grads = self.grads.take().ok_or_else(|| {
+            ZeroError::Config(
+                "step without a backward since the last one; call backward first".into(),
+            )
+        })?;
+        let rank = self.comm.rank();
+        let grad_bytes = grads.iter().map(bytes).sum();
+        let slots = params::trainable::<B, M>(self.module());
+        let values: Vec<Tensor<Inner<B>, 1>> = slots.iter().map(|s| s.value.clone()).collect();
+        let units = 0..self.layout.units.len();
+        let master: Vec<_> = units
+            .clone()
+            .map(|u| to_f32(self.layout.shard_of(u, rank, &values)))
+            .collect();
+        drop(values);
+        let grad: Vec<_> = grads
+            .into_iter()
+            .enumerate()
+            .map(|(u, g)| match self.stage {
+                ZeroStage::OptimizerState => {
+                    let range = self.layout.shard_range(u, rank);
+                    to_f32(g.narrow(0, range.start, range.len()))
+                }
+                _ => to_f32(g),
+            })
+            .collect();
+        let updated = self
+            .optimizer
+            .step(lr, params::concat(master), params::concat(grad));
+
+        let gathers: Vec<_> = self
+            .layout
+            .split_shard(updated)
+            .into_iter()
+            .zip(&self.layout.units)
+            .map(|(part, unit)| self.comm.all_gather_async(part.cast(unit.dtype), 0))
+            .collect();
+        let mut new_values: Vec<Option<Tensor<Inner<B>, 1>>> = vec![None; slots.len()];
+        for (u, work) in gathers.into_iter().enumerate() {
+            let unit = &self.layout.units[u];
+            for (&p, value) in unit
+                .params
+                .iter()
+                .zip(self.layout.unflatten(u, work.wait()?))
+            {
+                new_values[p] = Some(value);
+            }
+        }
+        self.load(slots, new_values);
+        let params_bytes = params::slots::<B, M>(self.module())
+            .iter()
+            .map(ParamSlot::bytes)
+            .sum();
+        self.memory = ModelStateBytes {
+            params: params_bytes,
+            grads: grad_bytes,
+            optimizer: self.optimizer.state_bytes(),
+        };
+        Ok(())
+    }
+
+    /// Puts the trainable parameters' new values into the replica; frozen ones stay.
+    fn load(&mut self, trainable: Vec<ParamSlot<B>>, values: Vec<Option<Tensor<Inner<B>, 1>>>) {
+        drop(trainable);
+        let module = self
+            .module
+            .take()
+            .expect("the module is back after every step");
+        let mut values = values.into_iter();
+        let all: Vec<_> = params::slots::<B, M>(&module)
+            .into_iter()
+            .map(|slot| {
+                if slot.require_grad {
+                    values
+                        .next()
+                        .flatten()
+                        .expect("a value per trainable parameter")
+                } else {
+                    slot.value
+                }
+            })
+            .collect();
+        self.module = Some(params::load::<B, M>(module, all));
+    }
+}
+
+/// Backward of `loss` with each unit's gradients reduced as they complete; returns each unit's
+/// reduced gradient and where the time went.
+fn reduce<B: BackwardHooks>(
+    loss: Tensor<B, 1>,
+    slots: Vec<ParamSlot<B>>,
+    layout: &Arc<FlatLayout>,
+    reduction: Reduction,
+    comm: &Communicator,
+    overlap: bool,
+) -> Result<(UnitGrads<B>, ZeroStepStats), ZeroError> {
+    let reducer = Arc::new(Mutex::new(Some(Reducer::new(
+        slots,
+        layout.clone(),
+        reduction,
+        comm.clone(),
+    ))));
+    let loss = if overlap {
+        let hook = reducer.clone();
+        B::with_depth_hooks(
+            loss,
+            Arc::new(move |grads| {
+                if let Some(reducer) = lock(&hook).as_mut() {
+                    reducer.take_ready(grads);
+                }
+            }),
+        )
+    } else {
+        loss
+    };
+    let mut grads = loss.backward();
+    let mut reducer = lock(&reducer)
+        .take()
+        .expect("only backward borrows the reducer");
+    reducer.take_remaining(&mut grads);
+    let overlapped_units = reducer.overlapped;
+    let waited = Instant::now();
+    let reduced = reducer.finish()?;
+    Ok((
+        reduced,
+        ZeroStepStats {
+            comm_wait: waited.elapsed(),
+            overlapped_units,
+        },
+    ))
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -1,0 +1,170 @@
+//! ZeRO in the training loop. Stages 1 and 2 wrap the replica (whole, or this rank's
+//! tensor-parallel part) as DDP does; stage 3 runs the model as a chain of units, one block
+//! each (the embedding with the first, the final norm and head with the last), gathered unit
+//! by unit.
+
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn::tensor::ElementConversion;
+use burn::tensor::backend::AutodiffBackend;
+use burn_comm::parallel::CommBackend;
+use burn_comm::{Communicator, DeviceMesh, ReduceOp};
+use burn_ddp::BackwardHooks;
+use burn_pipeline::PipelineStage;
+use burn_tensor_parallel::TensorParallel;
+use burn_zero::{FullyShardedDataParallel, ShardedDataParallel};
+
+use crate::model::Llama;
+use crate::pipeline::{LlamaStage, MicroBatch};
+use crate::tp_stage::TpLlamaStage;
+use crate::train::{
+    Batches, StepMetrics, TrainConfig, TrainError, Trainable, first_cause, reduce_scalar,
+};
+
+/// Reports a step: its number, mean loss, start, communication wait and model-state bytes.
+pub(crate) type Report<'a> = dyn FnMut(usize, f64, Instant, f64, Option<usize>) + 'a;
+
+/// ZeRO-1 or ZeRO-2 over the data-parallel group `comm`: micro-batches' gradients are reduced
+/// as each backward runs and summed; each rank steps its shard and gathers the rest.
+pub(crate) fn train_sharded<B: BackwardHooks, M: Trainable<B>>(
+    config: &TrainConfig,
+    batches: &Batches<'_>,
+    comm: &Communicator,
+    init: M,
+    device: &B::Device,
+    report: &mut Report<'_>,
+) -> Result<M, TrainError> {
+    let layout = config.layout()?;
+    let schedule = config.schedule();
+    let mut zero = ShardedDataParallel::new(
+        init,
+        comm.clone(),
+        config.zero,
+        &config.optimizer(),
+        config.zero_config.clone(),
+    )?;
+    for step in 0..config.steps {
+        let begun = Instant::now();
+        let mut loss_sum = 0.0;
+        let mut wait = 0.0;
+        for micro in 0..layout.accum {
+            let (inputs, targets) = batches.micro(step, micro, device);
+            let loss = zero.module().loss(inputs, targets)? / layout.accum as f64;
+            loss_sum += loss.clone().into_scalar().elem::<f64>();
+            zero.backward(loss)?;
+            wait += zero.stats().comm_wait.as_secs_f64();
+        }
+        zero.step(schedule.lr(step))?;
+        let loss = reduce_scalar::<B::InnerBackend>(comm, loss_sum, ReduceOp::Avg, device)?;
+        report(step, loss, begun, wait, Some(zero.memory().total()));
+    }
+    Ok(zero.into_module())
+}
+
+/// Runs ZeRO-3 on `config.dp * config.tp` ranks (threads) and returns the final weights, whole.
+pub(crate) fn train_fully_sharded<B: BackwardHooks + CommBackend>(
+    config: &TrainConfig,
+    data: &dyn crate::data::Dataset,
+    device: &B::Device,
+    init: &(dyn Fn() -> Result<Llama<B>, TrainError> + Sync),
+    on_step: &mut (dyn FnMut(&StepMetrics) + Send),
+) -> Result<Llama<B::InnerBackend>, TrainError>
+where
+    B::InnerBackend: CommBackend,
+{
+    let on_step = std::sync::Mutex::new(on_step);
+    let results = burn_comm::launch(config.dp * config.tp, |ctx| {
+        let mut forward = |m: &StepMetrics| {
+            if ctx.rank() == 0 {
+                (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
+            }
+        };
+        let mesh = DeviceMesh::new(ctx.world(), &[("dp", config.dp), ("tp", config.tp)])?;
+        let dp = mesh.group("dp")?;
+        let units = units(init()?, config);
+        if config.tp == 1 {
+            let units = run_units(config, data, dp, None, units, device, &mut forward)?;
+            return Ok(LlamaStage::join(
+                units.into_iter().map(|u| u.valid()).collect(),
+            ));
+        }
+        let tp = TensorParallel::new(mesh.group("tp")?.clone())
+            .with_sequence_parallel(config.sequence_parallel);
+        let units = units
+            .into_iter()
+            .map(|unit| TpLlamaStage::from_stage(unit, &tp))
+            .collect::<Result<Vec<_>, _>>()?;
+        let units = run_units(
+            config,
+            data,
+            dp,
+            Some(tp.comm()),
+            units,
+            device,
+            &mut forward,
+        )?;
+        let whole = units
+            .into_iter()
+            .map(|unit| unit.valid().full())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(LlamaStage::join(whole))
+    });
+    Ok(first_cause(results)?.remove(0))
+}
+
+/// ZeRO-3's units of `model`: one block each, the embedding with the first and the final norm
+/// and head with the last.
+pub fn units<B: AutodiffBackend>(model: Llama<B>, config: &TrainConfig) -> Vec<LlamaStage<B>> {
+    let ranges: Vec<_> = (0..config.model.num_hidden_layers)
+        .map(|i| i..i + 1)
+        .collect();
+    LlamaStage::cut(model, &config.model, &ranges)
+}
+
+/// One rank's ZeRO-3 loop over `units`, sharded over `dp`; `tp` is the tensor-parallel group
+/// whose collectives run inside each unit's backward, if any. Returns the units, gathered.
+fn run_units<B, S>(
+    config: &TrainConfig,
+    data: &dyn crate::data::Dataset,
+    dp: &Communicator,
+    tp: Option<&Communicator>,
+    units: Vec<S>,
+    device: &B::Device,
+    on_step: &mut dyn FnMut(&StepMetrics),
+) -> Result<Vec<S>, TrainError>
+where
+    B: AutodiffBackend,
+    S: PipelineStage<B, Batch = MicroBatch<B>, Error = TrainError>,
+{
+    let layout = config.layout()?;
+    let batches = Batches::new(config, data, dp.size(), dp.rank(), layout)?;
+    let schedule = config.schedule();
+    let mut fsdp = FullyShardedDataParallel::new(
+        units,
+        dp.clone(),
+        &config.optimizer(),
+        config.zero_config.clone(),
+    )?;
+    if let Some(tp) = tp {
+        fsdp = fsdp.with_backward_group(tp.clone());
+    }
+    let started = Instant::now();
+    for step in 0..config.steps {
+        let begun = Instant::now();
+        let mut loss_sum = 0.0;
+        for micro in 0..layout.accum {
+            let batch = batches.micro(step, micro, device);
+            loss_sum += fsdp.forward_backward(&batch, 1.0 / layout.accum as f64)?;
+        }
+        fsdp.step(schedule.lr(step))?;
+        let loss = loss_sum / layout.accum as f64;
+        let loss = reduce_scalar::<B::InnerBackend>(dp, loss, ReduceOp::Avg, device)?;
+        let tokens = config.batch_size * config.seq_len;
+        let mut metrics =
+            StepMetrics::measure(step, loss, schedule.lr(step), tokens, (begun, started), 0.0);
+        metrics.model_state_bytes = Some(fsdp.memory().total());
+        on_step(&metrics);
+    }
+    Ok(fsdp.full()?)
+}

@@ -10,6 +10,7 @@ pub mod data;
 pub mod hf;
 pub mod model;
 pub mod pipeline;
+pub mod plan;
 pub mod rope;
 pub mod schedule;
 pub mod tensor_parallel;

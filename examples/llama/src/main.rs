@@ -10,11 +10,12 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn_comm::parallel::CommBackend;
 use burn_ddp::{BackwardHooks, DdpConfig};
 use burn_pipeline::ScheduleKind;
-use burn_zero::{ZeroConfig, ZeroStage};
+use burn_zero::{Precision, ZeroConfig, ZeroStage};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use llama::data::{ByteCorpus, Dataset, MarkovSource};
 use llama::pipeline::Balance;
+use llama::plan::Plan;
 use llama::train::{StepMetrics, Strategy, TrainConfig, train};
 use llama::{Llama, LlamaConfig, hf};
 
@@ -31,6 +32,44 @@ enum Command {
     Train(Box<TrainArgs>),
     /// Mean next-token cross-entropy of a checkpoint on token sequences, as JSON.
     Eval(EvalArgs),
+    /// Model-state bytes per rank at every ZeRO stage (the ZeRO paper's formulas) and the
+    /// activations of a micro-batch, in GB (10^9 bytes).
+    Plan(PlanArgs),
+}
+
+#[derive(clap::Args)]
+struct PlanArgs {
+    /// Model preset (tiny, small, llama-1b, llama-7b); its shape also sizes the activations.
+    #[arg(long, conflicts_with = "params")]
+    model: Option<String>,
+    /// Any parameter count instead of a preset, such as 7.5e9.
+    #[arg(long)]
+    params: Option<f64>,
+    /// Data-parallel ranks, over which ZeRO shards.
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    /// Tensor-parallel ranks.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Pipeline ranks.
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    /// Parameter and gradient type: f32, or bf16/f16 with fp32 master weights.
+    #[arg(long, value_enum, default_value_t = DTypeArg::Bf16)]
+    dtype: DTypeArg,
+    /// Samples per micro-batch (activations).
+    #[arg(long, default_value_t = 1)]
+    micro_batch_size: usize,
+    /// Tokens per sample (activations).
+    #[arg(long, default_value_t = 2048)]
+    seq_len: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DTypeArg {
+    F32,
+    Bf16,
+    F16,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -161,11 +200,57 @@ fn main() {
     let result = match Cli::parse().command {
         Command::Train(args) => run_train(*args),
         Command::Eval(args) => run_eval(args),
+        Command::Plan(args) => run_plan(args),
     };
     if let Err(message) = result {
         eprintln!("error: {message}");
         std::process::exit(1);
     }
+}
+
+fn run_plan(args: PlanArgs) -> Result<(), String> {
+    let model = match (&args.model, args.params) {
+        (Some(name), _) => Some(LlamaConfig::preset(name).ok_or_else(|| {
+            format!(
+                "unknown --model {name}; choose one of {}",
+                llama::config::PRESETS.join(", ")
+            )
+        })?),
+        (None, Some(_)) => None,
+        (None, None) => return Err("give --model PRESET or --params COUNT (such as 7.5e9)".into()),
+    };
+    let params = match (&model, args.params) {
+        (Some(model), _) => model.num_params() as u64,
+        (None, Some(count)) if count >= 1.0 && count.is_finite() => count.round() as u64,
+        (None, Some(count)) => return Err(format!("--params {count} is not a parameter count")),
+        (None, None) => unreachable!("checked above"),
+    };
+    if args.dp == 0
+        || args.tp == 0
+        || args.pp == 0
+        || args.micro_batch_size == 0
+        || args.seq_len == 0
+    {
+        return Err("--dp, --tp, --pp, --micro-batch-size and --seq-len must be at least 1".into());
+    }
+    let plan = Plan {
+        params,
+        model,
+        dp: args.dp,
+        tp: args.tp,
+        pp: args.pp,
+        precision: match args.dtype {
+            DTypeArg::F32 => Precision::F32,
+            DTypeArg::Bf16 | DTypeArg::F16 => Precision::HALF,
+        },
+        micro_batch: args.micro_batch_size,
+        seq_len: args.seq_len,
+    };
+    if let Some(name) = &args.model {
+        print!("model {name}: ");
+    }
+    print!("{}", plan.table());
+    Ok(())
 }
 
 fn run_train(args: TrainArgs) -> Result<(), String> {

@@ -1,0 +1,179 @@
+//! `llama plan`: model-state bytes per rank at every ZeRO stage (the paper's formulas, from
+//! burn-zero), and the activations a micro-batch of the Llama shapes keeps for its backward.
+
+use burn_zero::{ModelStateBytes, Precision, ZeroStage, estimate};
+
+use crate::config::LlamaConfig;
+
+/// A layout to size.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Parameters of the whole model.
+    pub params: u64,
+    /// The model's shape, when it is a preset (for the activations).
+    pub model: Option<LlamaConfig>,
+    /// Data-parallel ranks (ZeRO shards over them).
+    pub dp: usize,
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// Pipeline ranks.
+    pub pp: usize,
+    /// Element sizes.
+    pub precision: Precision,
+    /// Samples per micro-batch.
+    pub micro_batch: usize,
+    /// Tokens per sample.
+    pub seq_len: usize,
+}
+
+impl Plan {
+    /// Parameters each rank holds before ZeRO: an even share of the model over `tp x pp`.
+    pub fn params_per_rank(&self) -> u64 {
+        self.params.div_ceil((self.tp * self.pp) as u64)
+    }
+
+    /// Model-state bytes per rank at `stage`.
+    pub fn model_state(&self, stage: ZeroStage) -> ModelStateBytes {
+        estimate(self.params_per_rank(), self.dp, stage, self.precision)
+    }
+
+    /// Bytes of activations one micro-batch keeps for its backward on the rank with the most
+    /// layers, when the model's shape is known (see [`activation_elements`]).
+    pub fn activations(&self) -> Option<u64> {
+        let model = self.model.as_ref()?;
+        let layers = model.num_hidden_layers.div_ceil(self.pp);
+        let elements = activation_elements(model, self.micro_batch, self.seq_len, layers, self.tp);
+        Some(elements * self.precision.param as u64)
+    }
+
+    /// The table `llama plan` prints, in GB (10^9 bytes) per rank.
+    pub fn table(&self) -> String {
+        let gb = |bytes: usize| bytes as f64 / 1e9;
+        let mut out = format!(
+            "{:.3e} parameters, {:.3e} per rank (dp {} x tp {} x pp {}); {}-byte parameters and gradients, fp32 Adam moments{}\n\n",
+            self.params as f64,
+            self.params_per_rank() as f64,
+            self.dp,
+            self.tp,
+            self.pp,
+            self.precision.param,
+            if self.precision.param < 4 {
+                " and master weights"
+            } else {
+                ""
+            },
+        );
+        out += "ZeRO stage   parameters   gradients   optimizer      total   (GB per rank)\n";
+        for stage in ZeroStage::ALL {
+            let m = self.model_state(stage);
+            out += &format!(
+                "{:<10} {:>12.3} {:>11.3} {:>11.3} {:>10.3}\n",
+                stage.to_string(),
+                gb(m.params),
+                gb(m.grads),
+                gb(m.optimizer),
+                gb(m.total()),
+            );
+        }
+        match self.activations() {
+            Some(bytes) => {
+                out += &format!(
+                    "\nactivations kept for backward: {:.3} GB per micro-batch of {} x {} tokens (the first pipeline rank, {} layer(s))\n",
+                    gb(bytes as usize),
+                    self.micro_batch,
+                    self.seq_len,
+                    self.model
+                        .as_ref()
+                        .map_or(0, |m| m.num_hidden_layers.div_ceil(self.pp))
+                );
+            }
+            None => out += "\nactivations: give --model for the shapes\n",
+        }
+        out
+    }
+}
+
+/// Elements the backward of `layers` blocks (plus the head) keeps for `micro_batch x seq_len`
+/// tokens, split over `tp` ranks. Per token and block: the two norms' inputs and outputs (4h),
+/// the rotated queries and keys before and after rotation (2h + 2 kv d) and the values and
+/// keys repeated for every query head (2h), the attention output (h), the softmax's scores
+/// and probabilities (2 a s), and the MLP's gate, its SiLU, up and their product (4f). The
+/// head keeps its input, normed input and logits with their softmax (2h + 2V).
+pub fn activation_elements(
+    model: &LlamaConfig,
+    micro_batch: usize,
+    seq_len: usize,
+    layers: usize,
+    tp: usize,
+) -> u64 {
+    let (h, f, v) = (
+        model.hidden_size as u64,
+        model.intermediate_size as u64,
+        model.vocab_size as u64,
+    );
+    let (a, kv, d) = (
+        model.num_attention_heads as u64,
+        model.num_key_value_heads as u64,
+        model.head_dim() as u64,
+    );
+    let (s, tp) = (seq_len as u64, tp as u64);
+    let per_block = 4 * h + (9 * h + 2 * kv * d + 2 * a * s + 4 * f) / tp;
+    let head = 2 * h + 2 * v / tp;
+    micro_batch as u64 * s * (layers as u64 * per_block + head)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_7b_model_on_64_ranks_is_the_papers_table() {
+        let plan = Plan {
+            params: 7_500_000_000,
+            model: None,
+            dp: 64,
+            tp: 1,
+            pp: 1,
+            precision: Precision::HALF,
+            micro_batch: 1,
+            seq_len: 2048,
+        };
+        let totals: Vec<f64> = ZeroStage::ALL
+            .iter()
+            .map(|&s| plan.model_state(s).total() as f64 / 1e9)
+            .collect();
+        for (got, paper) in totals.iter().zip([120.0, 31.4, 16.6, 1.88]) {
+            assert!((got - paper).abs() / paper < 0.01, "{totals:?}");
+        }
+        let table = plan.table();
+        assert!(
+            table.contains("0 (DDP)") && table.contains("120.000"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn tensor_and_pipeline_ranks_divide_what_each_rank_holds() {
+        let mut plan = Plan {
+            params: 1000,
+            model: Some(LlamaConfig::preset("tiny").unwrap()),
+            dp: 2,
+            tp: 1,
+            pp: 1,
+            precision: Precision::F32,
+            micro_batch: 2,
+            seq_len: 32,
+        };
+        let whole = (
+            plan.model_state(ZeroStage::Replicated),
+            plan.activations().unwrap(),
+        );
+        plan.tp = 2;
+        plan.pp = 2;
+        assert_eq!(
+            plan.model_state(ZeroStage::Replicated).total(),
+            whole.0.total() / 4
+        );
+        assert!(plan.activations().unwrap() < whole.1);
+    }
+}

@@ -20,7 +20,7 @@ use burn_pipeline::{PipelineError, PipelineStage, StageOutput};
 use crate::ZeroError;
 use crate::flat::FlatLayout;
 use crate::memory::ModelStateBytes;
-use crate::optimizer::{ShardedAdamW, bytes, to_f32};
+use crate::optimizer::{PlacedAdamW, bytes, to_f32};
 use crate::sharded::ZeroConfig;
 use burn::optim::AdamWConfig;
 
@@ -50,7 +50,7 @@ pub struct FullyShardedDataParallel<B: AutodiffBackend, S: PipelineStage<B>> {
     /// This rank's part of each unit, in the parameters' dtype: for fp32 parameters also the
     /// master weights.
     shard: Vec<Tensor<Inner<B>, 1>>,
-    optimizer: ShardedAdamW<Inner<B>>,
+    optimizer: PlacedAdamW<Inner<B>>,
     /// This rank's part of each unit's gradient, summed over the step's micro-batches.
     grads: Option<Vec<Tensor<Inner<B>, 1>>>,
     memory: ModelStateBytes,
@@ -103,6 +103,7 @@ where
             .map(|u| layout.shard_of(u, rank, &values))
             .collect();
         drop(values);
+        let optimizer = PlacedAdamW::new(optimizer, config.offload);
         Ok(Self {
             skeletons: units.into_iter().map(empty).collect(),
             shapes,
@@ -112,7 +113,7 @@ where
             config,
             backward_group: None,
             shard,
-            optimizer: ShardedAdamW::new(optimizer),
+            optimizer,
             grads: None,
             memory: ModelStateBytes::default(),
         })
@@ -245,7 +246,8 @@ where
         self.memory = ModelStateBytes {
             params: self.shard.iter().map(bytes).sum(),
             grads: grad_bytes,
-            optimizer: self.optimizer.state_bytes(),
+            optimizer: self.optimizer.state_bytes().0,
+            host: self.optimizer.state_bytes().1,
         };
         Ok(())
     }

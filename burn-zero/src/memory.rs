@@ -58,10 +58,12 @@ pub struct ModelStateBytes {
     /// Optimizer state: Adam's moments, plus fp32 master weights when the parameters are not
     /// fp32 themselves.
     pub optimizer: usize,
+    /// Optimizer state offloaded to host memory (ZeRO-Offload), not counted in the others.
+    pub host: usize,
 }
 
 impl ModelStateBytes {
-    /// Their sum.
+    /// Their sum on the device (offloaded state left out).
     pub fn total(&self) -> usize {
         self.params + self.grads + self.optimizer
     }
@@ -75,6 +77,7 @@ impl Add for ModelStateBytes {
             params: self.params + other.params,
             grads: self.grads + other.grads,
             optimizer: self.optimizer + other.optimizer,
+            host: self.host + other.host,
         }
     }
 }
@@ -113,6 +116,7 @@ pub fn estimate(params: u64, dp: usize, stage: ZeroStage, precision: Precision) 
         params: part(precision.param, stage >= ZeroStage::Parameters),
         grads: part(precision.grad, stage >= ZeroStage::Gradients),
         optimizer: part(precision.optimizer(), stage >= ZeroStage::OptimizerState),
+        host: 0,
     }
 }
 

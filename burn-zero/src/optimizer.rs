@@ -2,6 +2,7 @@
 //! to each parameter. Its arithmetic is elementwise, so every element gets exactly the update
 //! a whole-model AdamW gives it.
 
+use burn::backend::Flex;
 use burn::optim::{AdamW, AdamWConfig, AdamWState, SimpleOptimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
@@ -63,5 +64,45 @@ pub fn to_f32<B: Backend>(tensor: Tensor<B, 1>) -> Tensor<B, 1> {
         tensor
     } else {
         tensor.cast(DType::F32)
+    }
+}
+
+/// A shard's AdamW where it runs: on the model's device, or offloaded (ZeRO-Offload) to host
+/// memory, where the state stays and the step runs on burn's CPU backend; the shard's
+/// weights and gradients cross once each way per step.
+pub(crate) enum PlacedAdamW<B: Backend> {
+    Device(ShardedAdamW<B>),
+    Host(Box<ShardedAdamW<Flex>>),
+}
+
+impl<B: Backend> PlacedAdamW<B> {
+    pub fn new(config: &AdamWConfig, offload: bool) -> Self {
+        if offload {
+            Self::Host(Box::new(ShardedAdamW::new(config)))
+        } else {
+            Self::Device(ShardedAdamW::new(config))
+        }
+    }
+
+    /// [`ShardedAdamW::step`], the result on `master`'s device.
+    pub fn step(&mut self, lr: f64, master: Tensor<B, 1>, grad: Tensor<B, 1>) -> Tensor<B, 1> {
+        match self {
+            Self::Device(adamw) => adamw.step(lr, master, grad),
+            Self::Host(adamw) => {
+                let device = master.device();
+                let host = Default::default();
+                let master = Tensor::from_data(master.into_data(), &host);
+                let grad = Tensor::from_data(grad.into_data(), &host);
+                Tensor::from_data(adamw.step(lr, master, grad).into_data(), &device)
+            }
+        }
+    }
+
+    /// Bytes of optimizer state on the device, and in host memory.
+    pub fn state_bytes(&self) -> (usize, usize) {
+        match self {
+            Self::Device(adamw) => (adamw.state_bytes(), 0),
+            Self::Host(adamw) => (0, adamw.state_bytes()),
+        }
     }
 }

@@ -15,6 +15,8 @@ use crate::ZeroError;
 use crate::flat::FlatLayout;
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+/// One reduced gradient per unit: the whole buffer or this rank's part.
+pub(crate) type UnitGrads<B> = Vec<Tensor<Inner<B>, 1>>;
 
 /// What each rank keeps of a unit's averaged gradient.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +51,8 @@ pub(crate) struct Reducer<B: AutodiffBackend> {
     taken: Vec<bool>,
     has_grad: Vec<bool>,
     late: Vec<Option<Tensor<Inner<B>, 1>>>,
+    /// Parameters known to get late parts: taken only after backward.
+    known_late: Vec<bool>,
     waiting: Vec<usize>,
     next_unit: usize,
     in_flight: Vec<Work<Tensor<Inner<B>, 1>>>,
@@ -57,12 +61,14 @@ pub(crate) struct Reducer<B: AutodiffBackend> {
 }
 
 impl<B: AutodiffBackend> Reducer<B> {
-    /// `slots` are the parameters `layout` indexes.
+    /// `slots` are the parameters `layout` indexes; those marked in `known_late` got parts
+    /// after being taken in an earlier backward, so they wait for the end of this one.
     pub fn new(
         slots: Vec<ParamSlot<B>>,
         layout: Arc<FlatLayout>,
         reduction: Reduction,
         comm: Communicator,
+        known_late: Vec<bool>,
     ) -> Self {
         let n = slots.len();
         let mut unit_of = vec![0; n];
@@ -82,6 +88,7 @@ impl<B: AutodiffBackend> Reducer<B> {
             taken: vec![false; n],
             has_grad: vec![false; n],
             late: vec![None; n],
+            known_late,
             waiting,
             next_unit: 0,
             in_flight: Vec::new(),
@@ -94,6 +101,7 @@ impl<B: AutodiffBackend> Reducer<B> {
         let started = self.next_unit;
         for i in 0..self.slots.len() {
             if !self.taken[i]
+                && !self.known_late[i]
                 && let Some(grad) = (self.slots[i].take)(grads)
             {
                 self.ready(i, Some(grad));
@@ -150,8 +158,9 @@ impl<B: AutodiffBackend> Reducer<B> {
 
     /// Waits for every unit, adds the late parts (reduced over the union of every rank's late
     /// units), and checks that every parameter had a gradient on every rank. Returns each
-    /// unit's reduced gradient: the whole buffer or this rank's part.
-    pub fn finish(mut self) -> Result<Vec<Tensor<Inner<B>, 1>>, ZeroError> {
+    /// unit's reduced gradient (the whole buffer or this rank's part) and which parameters got
+    /// late parts on some rank.
+    pub fn finish(mut self) -> Result<(UnitGrads<B>, Vec<bool>), ZeroError> {
         assert_eq!(
             self.next_unit,
             self.layout.units.len(),
@@ -180,11 +189,12 @@ impl<B: AutodiffBackend> Reducer<B> {
         if !missing.is_empty() {
             return Err(ZeroError::MissingGradients(missing));
         }
+        let late: Vec<bool> = codes
+            .iter()
+            .map(|c| c.iter().any(|&c| c & 2 != 0))
+            .collect();
         let late_units: Vec<usize> = (0..self.layout.units.len())
-            .filter(|&u| {
-                let params = &self.layout.units[u].params;
-                params.iter().any(|&p| codes[p].iter().any(|&c| c & 2 != 0))
-            })
+            .filter(|&u| self.layout.units[u].params.iter().any(|&p| late[p]))
             .collect();
         for unit in late_units {
             let parts = self.parts(unit, |me, p| me.late[p].take());
@@ -192,6 +202,6 @@ impl<B: AutodiffBackend> Reducer<B> {
             let extra = self.reduction.start(&self.comm, flat).wait()?;
             reduced[unit] = reduced[unit].clone() + extra;
         }
-        Ok(reduced)
+        Ok((reduced, late))
     }
 }

@@ -19,12 +19,10 @@ use burn_ddp::params::{self, ParamSlot};
 use crate::ZeroError;
 use crate::flat::FlatLayout;
 use crate::memory::{ModelStateBytes, ZeroStage};
-use crate::optimizer::{ShardedAdamW, bytes, to_f32};
-use crate::reducer::{Reducer, Reduction};
+use crate::optimizer::{PlacedAdamW, bytes, to_f32};
+use crate::reducer::{Reducer, Reduction, UnitGrads};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
-/// One reduced gradient per unit: the whole buffer or this rank's part.
-type UnitGrads<B> = Vec<Tensor<Inner<B>, 1>>;
 
 /// Settings shared by the ZeRO engines.
 #[derive(Config, Debug)]
@@ -39,6 +37,10 @@ pub struct ZeroConfig {
     /// Gather the next unit's parameters while the current one computes (stage 3).
     #[config(default = true)]
     pub prefetch: bool,
+    /// Keep the optimizer state in host memory and step it there (ZeRO-Offload): for models
+    /// on a GPU whose memory the state would not fit.
+    #[config(default = false)]
+    pub offload: bool,
 }
 
 /// Where the last step's time went.
@@ -68,7 +70,10 @@ pub struct ShardedDataParallel<B: BackwardHooks, M: AutodiffModule<B>> {
     config: ZeroConfig,
     names: Vec<String>,
     layout: Arc<FlatLayout>,
-    optimizer: ShardedAdamW<Inner<B>>,
+    optimizer: PlacedAdamW<Inner<B>>,
+    /// Parameters whose gradient got a part after it was taken: taken after backward from then
+    /// on, as DDP does.
+    late: Vec<bool>,
     /// Reduced gradients summed over this step's backwards, per unit: the whole buffer (stage
     /// 1) or this rank's part (stage 2).
     grads: Option<UnitGrads<B>>,
@@ -119,14 +124,16 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             config.bucket_cap_bytes,
             comm.size(),
         )?;
+        let optimizer = PlacedAdamW::new(optimizer, config.offload);
         Ok(Self {
             module: Some(module),
+            late: vec![false; slots.len()],
             names: slots.iter().map(|s| s.name.clone()).collect(),
             comm,
             stage,
             config,
             layout: Arc::new(layout),
-            optimizer: ShardedAdamW::new(optimizer),
+            optimizer,
             grads: None,
             memory: ModelStateBytes::default(),
             stats: ZeroStepStats::default(),
@@ -186,18 +193,21 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             ZeroStage::OptimizerState => Reduction::Whole,
             _ => Reduction::Part,
         };
-        let reduced = reduce(
-            loss,
+        let reducer = Reducer::new(
             slots,
-            &self.layout,
+            self.layout.clone(),
             reduction,
-            &self.comm,
-            self.config.overlap,
-        )?;
-        self.stats = reduced.1;
+            self.comm.clone(),
+            self.late.clone(),
+        );
+        let (reduced, late, stats) = reduce(loss, reducer, self.config.overlap)?;
+        for (known, now) in self.late.iter_mut().zip(late) {
+            *known |= now;
+        }
+        self.stats = stats;
         self.grads = Some(match self.grads.take() {
-            None => reduced.0,
-            Some(sum) => sum.into_iter().zip(reduced.0).map(|(a, b)| a + b).collect(),
+            None => reduced,
+            Some(sum) => sum.into_iter().zip(reduced).map(|(a, b)| a + b).collect(),
         });
         Ok(())
     }
@@ -261,7 +271,8 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         self.memory = ModelStateBytes {
             params: params_bytes,
             grads: grad_bytes,
-            optimizer: self.optimizer.state_bytes(),
+            optimizer: self.optimizer.state_bytes().0,
+            host: self.optimizer.state_bytes().1,
         };
         Ok(())
     }
@@ -291,22 +302,15 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
     }
 }
 
-/// Backward of `loss` with each unit's gradients reduced as they complete; returns each unit's
-/// reduced gradient and where the time went.
+/// Backward of `loss` with each unit's gradients reduced by `reducer` as they complete;
+/// returns each unit's reduced gradient, the parameters that got late parts, and where the
+/// time went.
 fn reduce<B: BackwardHooks>(
     loss: Tensor<B, 1>,
-    slots: Vec<ParamSlot<B>>,
-    layout: &Arc<FlatLayout>,
-    reduction: Reduction,
-    comm: &Communicator,
+    reducer: Reducer<B>,
     overlap: bool,
-) -> Result<(UnitGrads<B>, ZeroStepStats), ZeroError> {
-    let reducer = Arc::new(Mutex::new(Some(Reducer::new(
-        slots,
-        layout.clone(),
-        reduction,
-        comm.clone(),
-    ))));
+) -> Result<(UnitGrads<B>, Vec<bool>, ZeroStepStats), ZeroError> {
+    let reducer = Arc::new(Mutex::new(Some(reducer)));
     let loss = if overlap {
         let hook = reducer.clone();
         B::with_depth_hooks(
@@ -327,9 +331,10 @@ fn reduce<B: BackwardHooks>(
     reducer.take_remaining(&mut grads);
     let overlapped_units = reducer.overlapped;
     let waited = Instant::now();
-    let reduced = reducer.finish()?;
+    let (reduced, late) = reducer.finish()?;
     Ok((
         reduced,
+        late,
         ZeroStepStats {
             comm_wait: waited.elapsed(),
             overlapped_units,

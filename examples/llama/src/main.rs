@@ -163,6 +163,10 @@ struct TrainArgs {
     /// 2 also the gradients, 3 also the parameters (one block per unit).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     zero: u8,
+    /// With --zero and --device cuda: keep the optimizer state in host memory and step it
+    /// there (ZeRO-Offload).
+    #[arg(long)]
+    offload: bool,
     /// Train on this file's bytes instead of the synthetic source.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -301,7 +305,17 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     config.zero = ZeroStage::from_number(args.zero.into()).expect("clap checks the range");
     config.zero_config = ZeroConfig::new()
         .with_bucket_cap_bytes((args.bucket_mb * 1024.0 * 1024.0) as usize)
-        .with_overlap(!args.no_overlap);
+        .with_overlap(!args.no_overlap)
+        .with_offload(args.offload);
+    if args.offload && args.zero == 0 {
+        return Err(
+            "--offload moves ZeRO's sharded optimizer state to host memory; add --zero 1, 2 or 3"
+                .into(),
+        );
+    }
+    if args.offload && args.device == Device::Cpu {
+        return Err("--offload moves the optimizer state from GPU to host memory; with --device cpu it is in host memory already, so drop --offload (or train with --device cuda)".into());
+    }
     config.init_from = args.init_from.clone();
     let layout = config.layout().map_err(|e| e.to_string())?;
 

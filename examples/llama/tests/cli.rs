@@ -138,8 +138,19 @@ fn trains_on_a_text_file_read_as_bytes() {
 }
 
 #[test]
+fn plan_prints_every_stage_of_the_papers_example() {
+    let out = llama(&["plan", "--params", "7.5e9", "--dp", "64"]);
+    assert!(out.status.success(), "{out:?}");
+    let table = String::from_utf8_lossy(&out.stdout);
+    // ZeRO paper, section 5.1: 120, 31.4, 16.6 and 1.88 GB per device.
+    for figure in ["120.000", "31.406", "16.641", "1.875"] {
+        assert!(table.contains(figure), "{figure} missing from\n{table}");
+    }
+}
+
+#[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 11] = [
+    let cases: [(&[&str], &str); 17] = [
         (
             &[
                 "train",
@@ -195,6 +206,32 @@ fn bad_input_gets_a_sentence() {
             "multiple of 3",
         ),
         (&["train", "--model", "huge"], "choose one of tiny"),
+        (
+            &["train", "--dp", "2", "--zero", "2", "--offload"],
+            "in host memory already",
+        ),
+        (&["train", "--dp", "2", "--offload"], "add --zero 1, 2 or 3"),
+        (
+            &["train", "--dp", "2", "--zero", "1", "--pp", "2"],
+            "does not compose with --pp yet",
+        ),
+        (
+            &[
+                "train",
+                "--dp",
+                "2",
+                "--zero",
+                "3",
+                "--strategy",
+                "parameter-server",
+            ],
+            "use it with --strategy ddp",
+        ),
+        (
+            &["plan", "--dp", "8"],
+            "give --model PRESET or --params COUNT",
+        ),
+        (&["plan", "--params", "0.2"], "is not a parameter count"),
         (
             &["train", "--batch-size", "8", "--micro-batch-size", "3"],
             "divides 8",

@@ -1,0 +1,288 @@
+//! The ZeRO engines on a small network, against DDP: a weight used twice (its gradient gets a
+//! part after it was taken), offloaded optimizer state, tiny buckets that leave most units
+//! padded, and the errors: a parameter without a gradient named on every rank, a step before
+//! any backward, stage 3 asked of the replicated engine, a unit that returns the loss early.
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, Param};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
+use burn_comm::launch;
+use burn_ddp::{DdpConfig, DistributedDataParallel};
+use burn_pipeline::{PipelineStage, StageOutput};
+use burn_zero::{FullyShardedDataParallel, ShardedDataParallel, ZeroConfig, ZeroError, ZeroStage};
+
+type AD = Autodiff<Flex>;
+
+#[derive(Module, Debug)]
+struct Net<B: Backend> {
+    first: Param<Tensor<B, 2>>,
+    second: Param<Tensor<B, 2>>,
+    extra: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> Net<B> {
+    fn new() -> Self {
+        let w = |k| Param::from_tensor(values([5, 5], k, 0.5));
+        Self {
+            first: w(1),
+            second: w(2),
+            extra: w(3),
+        }
+    }
+
+    /// Uses `first` again at the end (a weight used twice); `extra` only if `use_extra`.
+    fn loss(&self, x: Tensor<B, 2>, use_extra: bool) -> Tensor<B, 1> {
+        let mut h = x.matmul(self.first.val()).tanh();
+        h = h.matmul(self.second.val()).tanh();
+        if use_extra {
+            h = h.matmul(self.extra.val()).tanh();
+        }
+        h.matmul(self.first.val()).powi_scalar(2).mean()
+    }
+}
+
+/// Reproducible values in `[-scale, scale)`.
+fn values<B: Backend, const D: usize>(shape: [usize; D], seed: u64, scale: f32) -> Tensor<B, D> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let n = shape.iter().product();
+    let data: Vec<f32> = (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(data, shape), &Default::default())
+}
+
+fn batch(rank: usize, step: usize) -> Tensor<AD, 2> {
+    values([3, 5], 100 + 10 * step as u64 + rank as u64, 1.0)
+}
+
+fn adamw() -> AdamWConfig {
+    AdamWConfig::new().with_weight_decay(0.1)
+}
+
+fn weights(net: &Net<AD>) -> Vec<Vec<f32>> {
+    [&net.first, &net.second, &net.extra]
+        .iter()
+        .map(|p| p.val().into_data().to_vec().unwrap())
+        .collect()
+}
+
+/// Every rank's weights after 3 steps of DDP with AdamW. A weight used twice is reduced in two
+/// parts in the first overlapped backward and whole after, so `overlap` changes the rounding.
+fn ddp(world: usize, overlap: bool) -> Vec<Vec<Vec<f32>>> {
+    let results = launch(world, |ctx| {
+        let config = DdpConfig::new().with_overlap(overlap);
+        let mut ddp = DistributedDataParallel::new(Net::new(), ctx.world().clone(), config)?;
+        let mut optimizer = adamw().init();
+        for step in 0..3 {
+            let loss = ddp.module().loss(batch(ctx.rank(), step), true);
+            let grads = ddp.backward(loss)?;
+            ddp.step(&mut optimizer, 0.01, grads);
+        }
+        Ok::<_, burn_ddp::DdpError>(weights(ddp.module()))
+    });
+    results.into_iter().map(|r| r.unwrap()).collect()
+}
+
+/// Every rank's weights after 3 steps of ZeRO stage 1 or 2.
+fn sharded(world: usize, stage: ZeroStage, config: ZeroConfig) -> Vec<Vec<Vec<f32>>> {
+    let results = launch(world, |ctx| {
+        let comm = ctx.world().clone();
+        let mut zero = ShardedDataParallel::new(Net::new(), comm, stage, &adamw(), config.clone())?;
+        for step in 0..3 {
+            let loss = zero.module().loss(batch(ctx.rank(), step), true);
+            zero.backward(loss)?;
+            zero.step(0.01)?;
+        }
+        Ok::<_, ZeroError>(weights(zero.module()))
+    });
+    results.into_iter().map(|r| r.unwrap()).collect()
+}
+
+#[test]
+fn a_weight_used_twice_small_buckets_and_offload_give_ddps_bits() {
+    for world in [2, 3] {
+        let reference = [ddp(world, false), ddp(world, true)];
+        for stage in [ZeroStage::OptimizerState, ZeroStage::Gradients] {
+            for (what, config) in [
+                ("default", ZeroConfig::new()),
+                ("no overlap", ZeroConfig::new().with_overlap(false)),
+                // One parameter per unit: 25 elements, padded to a multiple of the ranks.
+                (
+                    "one parameter per unit",
+                    ZeroConfig::new().with_bucket_cap_bytes(1),
+                ),
+                ("offload", ZeroConfig::new().with_offload(true)),
+            ] {
+                let reference = &reference[config.overlap as usize];
+                let got = sharded(world, stage, config);
+                assert_eq!(&got, reference, "stage {stage} at {world} ranks, {what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_parameter_without_gradient_is_named_on_every_rank() {
+    let results = launch(2, |ctx| {
+        let comm = ctx.world().clone();
+        let mut zero = ShardedDataParallel::new(
+            Net::<AD>::new(),
+            comm,
+            ZeroStage::Gradients,
+            &adamw(),
+            ZeroConfig::new(),
+        )?;
+        let loss = zero.module().loss(batch(ctx.rank(), 0), ctx.rank() == 0);
+        zero.backward(loss)
+    });
+    for result in results {
+        let message = format!("{:?}", result.unwrap_err());
+        assert!(
+            message.contains("extra") && message.contains("[1]"),
+            "{message}"
+        );
+    }
+}
+
+#[test]
+fn misuse_is_refused_with_a_sentence() {
+    let results = launch(1, |ctx| {
+        let comm = ctx.world().clone();
+        let refused = ShardedDataParallel::new(
+            Net::<AD>::new(),
+            comm.clone(),
+            ZeroStage::Parameters,
+            &adamw(),
+            ZeroConfig::new(),
+        )
+        .err()
+        .expect("stage 3 is the fully sharded engine's");
+        assert!(
+            refused.to_string().contains("FullyShardedDataParallel"),
+            "{refused}"
+        );
+        let mut zero = ShardedDataParallel::new(
+            Net::<AD>::new(),
+            comm,
+            ZeroStage::OptimizerState,
+            &adamw(),
+            ZeroConfig::new(),
+        )?;
+        let early = zero.step(0.01).unwrap_err();
+        assert!(early.to_string().contains("call backward first"), "{early}");
+        Ok::<_, ZeroError>(())
+    });
+    results.into_iter().for_each(|r| r.unwrap());
+}
+
+/// `tanh(x W)`, or its mean square when it is the last unit.
+#[derive(Module, Debug)]
+struct Layer<B: Backend> {
+    weight: Param<Tensor<B, 2>>,
+    last: bool,
+}
+
+impl<B: AutodiffBackend> PipelineStage<B> for Layer<B> {
+    type Batch = Tensor<B, 3>;
+    type Error = ZeroError;
+
+    fn forward(
+        &self,
+        input: Option<Tensor<B, 3>>,
+        batch: &Tensor<B, 3>,
+    ) -> Result<StageOutput<B>, ZeroError> {
+        let x = input.unwrap_or_else(|| batch.clone());
+        let y = x.matmul(self.weight.val().unsqueeze()).tanh();
+        Ok(if self.last {
+            StageOutput::Loss(y.powi_scalar(2).mean())
+        } else {
+            StageOutput::Activation(y)
+        })
+    }
+}
+
+fn layers(n: usize, early_loss: bool) -> Vec<Layer<AD>> {
+    (0..n)
+        .map(|i| Layer {
+            weight: Param::from_tensor(values([5, 5], 7 + i as u64, 0.6)),
+            last: i + 1 == n || (early_loss && i == 0),
+        })
+        .collect()
+}
+
+#[test]
+fn fully_sharded_units_train_like_one_device_and_refuse_an_early_loss() {
+    let world = 2;
+    // One device: the whole chain on both ranks' batches, stepped by burn's AdamW.
+    let mut chain = layers(3, false);
+    let mut adam = adamw().init::<AD, Vec<Layer<AD>>>();
+    for step in 0..3 {
+        let x = Tensor::cat((0..world).map(|r| batch(r, step).unsqueeze()).collect(), 0);
+        let mut input = None;
+        let mut loss = None;
+        for layer in &chain {
+            match layer.forward(input.take(), &x).unwrap() {
+                StageOutput::Activation(y) => input = Some(y),
+                StageOutput::Loss(l) => loss = Some(l),
+            }
+        }
+        let grads = GradientsParams::from_grads(loss.unwrap().backward(), &chain);
+        chain = Optimizer::step(&mut adam, 0.01, chain, grads);
+    }
+    let want: Vec<Vec<f32>> = chain
+        .iter()
+        .map(|l| l.weight.val().into_data().to_vec().unwrap())
+        .collect();
+
+    let results = launch(world, |ctx| {
+        let mut fsdp = FullyShardedDataParallel::new(
+            layers(3, false),
+            ctx.world().clone(),
+            &adamw(),
+            ZeroConfig::new(),
+        )?;
+        for step in 0..3 {
+            fsdp.forward_backward(&batch(ctx.rank(), step).unsqueeze(), 1.0)?;
+            fsdp.step(0.01)?;
+        }
+        let full = fsdp.full()?;
+        Ok::<_, ZeroError>(
+            full.iter()
+                .map(|l| l.weight.val().into_data().to_vec::<f32>().unwrap())
+                .collect::<Vec<_>>(),
+        )
+    });
+    for result in results {
+        let got = result.unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            for (a, b) in g.iter().zip(w) {
+                assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-2), "{a} vs {b}");
+            }
+        }
+    }
+
+    let results = launch(world, |ctx| {
+        let mut fsdp = FullyShardedDataParallel::new(
+            layers(3, true),
+            ctx.world().clone(),
+            &adamw(),
+            ZeroConfig::new(),
+        )?;
+        fsdp.forward_backward(&batch(ctx.rank(), 0).unsqueeze(), 1.0)
+            .map(|_| ())
+    });
+    for result in results {
+        let message = format!("{:?}", result.unwrap_err());
+        assert!(
+            message.contains("only the last unit returns the loss"),
+            "{message}"
+        );
+    }
+}

@@ -19,7 +19,7 @@ pub enum DdpError {
     /// Parameters that got no gradient on some ranks.
     #[error(
         "no gradient for {}: the loss did not use them there. Use every parameter on every rank, or set DdpConfig::allow_unused_parameters",
-        describe_missing(.0)
+        MissingGradient::describe_all(.0)
     )]
     MissingGradients(Vec<MissingGradient>),
     /// A configuration that cannot work.
@@ -36,10 +36,13 @@ pub struct MissingGradient {
     pub ranks: Vec<usize>,
 }
 
-fn describe_missing(missing: &[MissingGradient]) -> String {
-    missing
-        .iter()
-        .map(|m| format!("`{}` on rank(s) {:?}", m.name, m.ranks))
-        .collect::<Vec<_>>()
-        .join(", ")
+impl MissingGradient {
+    /// "`name` on rank(s) [..], ..." for an error message.
+    pub fn describe_all(missing: &[MissingGradient]) -> String {
+        missing
+            .iter()
+            .map(|m| format!("`{}` on rank(s) {:?}", m.name, m.ranks))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }

@@ -17,18 +17,10 @@ pub enum ZeroError {
     /// unused parameter would still be decayed.
     #[error(
         "no gradient for {}; use every trainable parameter in the loss or freeze it (ZeRO steps every parameter of its shard)",
-        describe_missing(.0)
+        MissingGradient::describe_all(.0)
     )]
     MissingGradients(Vec<MissingGradient>),
     /// A unit's forward (ZeRO-3) failed in the pipeline-stage contract.
     #[error(transparent)]
     Stage(#[from] PipelineError),
-}
-
-fn describe_missing(missing: &[MissingGradient]) -> String {
-    missing
-        .iter()
-        .map(|m| format!("`{}` on rank(s) {:?}", m.name, m.ranks))
-        .collect::<Vec<_>>()
-        .join(", ")
 }

@@ -263,7 +263,8 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
                 new_values[p] = Some(value);
             }
         }
-        self.load(slots, new_values);
+        drop(slots);
+        self.load(new_values);
         let params_bytes = params::slots::<B, M>(self.module())
             .iter()
             .map(ParamSlot::bytes)
@@ -278,8 +279,7 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
     }
 
     /// Puts the trainable parameters' new values into the replica; frozen ones stay.
-    fn load(&mut self, trainable: Vec<ParamSlot<B>>, values: Vec<Option<Tensor<Inner<B>, 1>>>) {
-        drop(trainable);
+    fn load(&mut self, values: Vec<Option<Tensor<Inner<B>, 1>>>) {
         let module = self
             .module
             .take()

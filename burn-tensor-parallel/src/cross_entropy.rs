@@ -2,7 +2,7 @@
 //! finds its local maximum, sum of exponentials and (if it holds it) the target's logit, and
 //! the group combines three numbers per token instead of `vocab` of them.
 
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{DType, Int, Tensor};
 use burn_comm::ReduceOp;
 use burn_comm::parallel::{CommBackend, reduce_from_parallel_region};
 
@@ -13,6 +13,9 @@ use crate::{TensorParallel, TpError};
 /// logits `[n, vocab / tp]` (columns `rank * vocab/tp ..`) and the targets `[n]`. Every rank
 /// gets the same losses, and on `Autodiff` each rank's logits get their own part of the
 /// gradient, `softmax - onehot`.
+///
+/// It is computed in fp32 whatever the logits' dtype (their gradient comes back in it): a
+/// 16-bit sum of exponentials would lose the small probabilities.
 ///
 /// The maximum is taken out for stability only and carries no gradient (the loss does not
 /// depend on it); the sum of exponentials and the target's logit are summed over the group
@@ -37,12 +40,17 @@ pub fn vocab_parallel_cross_entropy<B: CommBackend>(
     let comm = tp.comm();
     let vocab = part * tp.size();
     check_tokens(&targets, vocab)?;
+    let logits = if logits.dtype() == DType::F32 {
+        logits
+    } else {
+        logits.cast(DType::F32)
+    };
     let local_max = logits.clone().detach().max_dim(1);
     let max = comm.all_reduce(local_max, ReduceOp::Max)?;
     let shifted = logits - max;
     let sum_exp = reduce_from_parallel_region(shifted.clone().exp().sum_dim(1), comm)?;
 
-    let (ids, keep) = local_ids(targets, tp.rank() * part, part);
+    let (ids, keep) = local_ids(targets, tp.rank() * part, part, DType::F32);
     let picked = shifted.gather(1, ids.unsqueeze_dim::<2>(1)) * keep;
     let target = reduce_from_parallel_region(picked, comm)?;
     Ok((sum_exp.log() - target).reshape([n]))

@@ -3,7 +3,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Int, Tensor};
+use burn::tensor::{DType, ElementConversion, Int, Tensor};
 use burn_comm::parallel::CommBackend;
 
 use crate::linear::param;
@@ -43,8 +43,9 @@ impl<B: CommBackend> VocabParallelEmbedding<B> {
         let [rows, hidden] = self.weight.dims();
         check_tokens(&tokens, self.vocab_size)?;
         let start = self.tp.part(self.vocab_size).start;
-        let (ids, keep) = local_ids(tokens.reshape([batch * seq]), start, rows);
-        let rows = self.weight.val().select(0, ids) * keep;
+        let table = self.weight.val();
+        let (ids, keep) = local_ids(tokens.reshape([batch * seq]), start, rows, table.dtype());
+        let rows = table.select(0, ids) * keep;
         self.tp.exit(rows.reshape([batch, seq, hidden]))
     }
 
@@ -55,19 +56,25 @@ impl<B: CommBackend> VocabParallelEmbedding<B> {
 }
 
 /// The ids of `ids` that fall in this rank's range `start..start + len`, shifted to it (0
-/// elsewhere), and `[n, 1]` ones where they fall in it and zeros elsewhere, to mask the rows
-/// looked up for the others.
+/// elsewhere), and `[n, 1]` ones where they fall in it and zeros elsewhere (in `dtype`), to
+/// mask the rows looked up for the others.
 pub(crate) fn local_ids<B: Backend>(
     ids: Tensor<B, 1, Int>,
     start: usize,
     len: usize,
+    dtype: DType,
 ) -> (Tensor<B, 1, Int>, Tensor<B, 2>) {
     let local = ids - start as i64;
     let outside = local
         .clone()
         .lower_elem(0)
         .bool_or(local.clone().greater_equal_elem(len as i64));
-    let keep = outside.clone().bool_not().float().unsqueeze_dim::<2>(1);
+    let keep = outside
+        .clone()
+        .bool_not()
+        .float()
+        .cast(dtype)
+        .unsqueeze_dim::<2>(1);
     (local.mask_fill(outside, 0), keep)
 }
 

@@ -3,11 +3,15 @@
 //!
 //! Weights are stored the burn way, `[in, out]` for matrices (`x.matmul(w)`); `hf.rs` transposes
 //! to Hugging Face's `[out, in]` on export and back on import.
+//!
+//! The model computes in its parameters' dtype (fp32, or bf16/f16 under mixed precision), except
+//! where 16 bits lose too much, as Hugging Face's Llama does: the norms' mean square, the
+//! attention softmax and the loss run in fp32.
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::{log_softmax, silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
@@ -37,8 +41,10 @@ impl<B: Backend> RmsNorm<B> {
         x: Tensor<B, D>,
         scale: Tensor<B, 1>,
     ) -> Tensor<B, D> {
+        let dtype = x.dtype();
+        let x = in_dtype(x, DType::F32);
         let rms = (x.clone().powi_scalar(2).mean_dim(D - 1) + self.eps).sqrt();
-        (x / rms) * scale.unsqueeze()
+        in_dtype(x / rms, dtype) * scale.unsqueeze()
     }
 }
 
@@ -71,11 +77,21 @@ pub struct Positions<B: Backend> {
 }
 
 impl<B: Backend> Positions<B> {
-    /// The rotary tables and causal mask for sequences of `seq` tokens and heads of `head_dim`.
-    pub fn new(seq: usize, head_dim: usize, rope_theta: f64, device: &B::Device) -> Self {
+    /// The rotary tables and causal mask for sequences of `seq` tokens and heads of `head_dim`,
+    /// in `dtype`, the activations' dtype.
+    pub fn new(
+        seq: usize,
+        head_dim: usize,
+        rope_theta: f64,
+        (device, dtype): (&B::Device, DType),
+    ) -> Self {
         let (cos, sin) = rope::tables::<B>(seq, head_dim, rope_theta, device);
         let mask = causal_mask::<B>(seq, device);
-        Self { cos, sin, mask }
+        Self {
+            cos: in_dtype(cos, dtype),
+            sin: in_dtype(sin, dtype),
+            mask: in_dtype(mask, dtype),
+        }
     }
 }
 
@@ -84,9 +100,10 @@ impl<B: Backend> Attention<B> {
         self.q_proj.dims()[1] / self.heads
     }
 
-    /// The rotary tables and causal mask for sequences of `seq` tokens.
+    /// The rotary tables and causal mask for sequences of `seq` tokens, in the weights' dtype.
     pub fn positions(&self, seq: usize, device: &B::Device) -> Positions<B> {
-        Positions::new(seq, self.head_dim(), self.rope_theta, device)
+        let dtype = self.q_proj.val().dtype();
+        Positions::new(seq, self.head_dim(), self.rope_theta, (device, dtype))
     }
 
     /// `x`: `[batch, seq, hidden]` to `[batch, seq, hidden]`.
@@ -127,7 +144,8 @@ pub fn attend<B: Backend>(
     let v = repeat_kv(v, group);
     let scores = q.matmul(k.swap_dims(2, 3)) / (head_dim as f64).sqrt();
     let scores = scores + positions.mask.clone();
-    softmax(scores, 3).matmul(v)
+    let dtype = scores.dtype();
+    in_dtype(softmax(in_dtype(scores, DType::F32), 3), dtype).matmul(v)
 }
 
 /// Repeats each key/value head for the `group` query heads that share it.
@@ -332,9 +350,16 @@ pub fn next_token_loss<B: Backend>(
 ) -> Tensor<B, 1> {
     let [batch, seq] = targets.dims();
     let vocab = logits.dims()[2];
-    let log_probs = log_softmax(logits.reshape([batch * seq, vocab]), 1);
+    let logits = in_dtype(logits.reshape([batch * seq, vocab]), DType::F32);
+    let log_probs = log_softmax(logits, 1);
     let picked = log_probs.gather(1, targets.reshape([batch * seq, 1]));
     picked.mean().neg()
+}
+
+/// `x` in `dtype`; no operation when it is in it already, so fp32 runs compute exactly as
+/// before mixed precision existed.
+pub fn in_dtype<B: Backend, const D: usize>(x: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
+    if x.dtype() == dtype { x } else { x.cast(dtype) }
 }
 
 /// FNV-1a, to give every tensor name its own stream of random numbers.

@@ -53,7 +53,7 @@ impl<B: AutodiffBackend> PipelineStage<B> for LlamaStage<B> {
         let mut x = stage_input(self.embed_tokens.as_ref(), input, |table| {
             Ok(embed(table, inputs.clone()))
         })?;
-        let positions = stage_positions(&self.config, targets, &x.device());
+        let positions = stage_positions(&self.config, targets, &x);
         for layer in &self.layers {
             x = layer.forward(x, &positions);
         }
@@ -84,17 +84,17 @@ pub(crate) fn stage_input<E, B: Backend>(
 }
 
 /// Rotary tables and mask for the whole sequence of `targets` (under sequence parallelism a
-/// stage's input holds only part of it).
+/// stage's input holds only part of it), in the dtype of the activations `x`.
 pub(crate) fn stage_positions<B: Backend>(
     config: &LlamaConfig,
     targets: &Tensor<B, 2, Int>,
-    device: &B::Device,
+    x: &Tensor<B, 3>,
 ) -> Positions<B> {
     Positions::new(
         targets.dims()[1],
         config.head_dim(),
         config.rope_theta,
-        device,
+        (&x.device(), x.dtype()),
     )
 }
 
@@ -170,7 +170,7 @@ impl StageCosts {
         };
         // Every block and the head take the embedding's output, as in training.
         let x = embed(&model.embed_tokens, inputs.clone()).detach();
-        let positions = stage_positions(config, targets, &device);
+        let positions = stage_positions(config, targets, &x);
         let embedding = time(&|| {
             embed(&model.embed_tokens, inputs.clone()).sum().backward();
         })?;

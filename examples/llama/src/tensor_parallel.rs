@@ -218,7 +218,7 @@ impl<B: CommBackend> TpLlama<B> {
             seq,
             self.config.head_dim(),
             self.config.rope_theta,
-            &x.device(),
+            (&x.device(), x.dtype()),
         );
         for layer in &self.layers {
             x = layer.forward(x, &positions)?;

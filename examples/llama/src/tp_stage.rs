@@ -92,7 +92,7 @@ impl<B: AutodiffBackend + CommBackend> PipelineStage<B> for TpLlamaStage<B> {
         let mut x = stage_input(self.embed_tokens.as_ref(), input, |embedding| {
             Ok(embedding.forward(inputs.clone())?)
         })?;
-        let positions = stage_positions(&self.config, targets, &x.device());
+        let positions = stage_positions(&self.config, targets, &x);
         for layer in &self.layers {
             x = layer.forward(x, &positions)?;
         }

@@ -158,8 +158,8 @@ impl FlatLayout {
             .collect()
     }
 
-    /// `rank`'s part of `unit`, cut from the parameters' values (flat, by parameter index)
-    /// without joining the whole buffer.
+    /// `rank`'s part of `unit`, cut from the parameters' values (flat, by parameter index, in
+    /// any one dtype) without joining the whole buffer.
     pub fn shard_of<B: Backend>(
         &self,
         unit: usize,
@@ -180,9 +180,10 @@ impl FlatLayout {
                 covered = end;
             }
         }
-        let device = values[u.params[0]].device();
+        let first = &values[u.params[0]];
         if covered < range.end {
-            parts.push(Tensor::zeros([range.end - covered], (&device, u.dtype)));
+            let like = (&first.device(), first.dtype());
+            parts.push(Tensor::zeros([range.end - covered], like));
         }
         burn_ddp::params::concat(parts)
     }

@@ -12,7 +12,7 @@
 use burn::module::{AutodiffModule, ModuleMapper, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Shape, Tensor};
-use burn_comm::{Communicator, ReduceOp, Work};
+use burn_comm::{Communicator, Work};
 use burn_ddp::MissingGradient;
 use burn_ddp::params;
 use burn_pipeline::{PipelineError, PipelineStage, StageOutput};
@@ -21,7 +21,9 @@ use crate::ZeroError;
 use crate::flat::FlatLayout;
 use crate::memory::ModelStateBytes;
 use crate::optimizer::{PlacedAdamW, bytes, to_f32};
-use crate::sharded::ZeroConfig;
+use crate::precision::{LossScaler, StepOutcome, cast};
+use crate::reducer::Reduction;
+use crate::sharded::{ZeroConfig, unscale};
 use burn::optim::AdamWConfig;
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -47,10 +49,11 @@ pub struct FullyShardedDataParallel<B: AutodiffBackend, S: PipelineStage<B>> {
     comm: Communicator,
     config: ZeroConfig,
     backward_group: Option<Communicator>,
-    /// This rank's part of each unit, in the parameters' dtype: for fp32 parameters also the
-    /// master weights.
+    /// This rank's part of each unit, in the compute dtype: for fp32 parameters also the master
+    /// weights, which the optimizer holds under mixed precision.
     shard: Vec<Tensor<Inner<B>, 1>>,
     optimizer: PlacedAdamW<Inner<B>>,
+    scaler: Option<LossScaler>,
     /// This rank's part of each unit's gradient, summed over the step's micro-batches.
     grads: Option<Vec<Tensor<Inner<B>, 1>>>,
     memory: ModelStateBytes,
@@ -71,6 +74,8 @@ where
         if units.is_empty() {
             return Err(ZeroError::Config("the model has no units to shard".into()));
         }
+        config.check()?;
+        let param_dtype = config.precision.as_ref().map(|p| p.param_dtype);
         let (rank, mut names, mut shapes, mut values, mut members) =
             (comm.rank(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut dtypes = Vec::new();
@@ -85,7 +90,7 @@ where
                 }
                 member.push(values.len());
                 names.push(slot.name.clone());
-                dtypes.push(slot.dtype);
+                dtypes.push(param_dtype.unwrap_or(slot.dtype));
                 values.push(comm.broadcast(slot.value.clone(), 0)?);
             }
             if member.is_empty() {
@@ -99,11 +104,24 @@ where
         }
         let numels: Vec<usize> = values.iter().map(|v| v.dims()[0]).collect();
         let layout = FlatLayout::new(&numels, &dtypes, members, comm.size())?;
-        let shard = (0..layout.units.len())
+        let shard: Vec<_> = (0..layout.units.len())
             .map(|u| layout.shard_of(u, rank, &values))
             .collect();
         drop(values);
-        let optimizer = PlacedAdamW::new(optimizer, config.offload);
+        // The master weights start from the parameters as given, before their rounding.
+        let master =
+            param_dtype.map(|_| params::concat(shard.iter().cloned().map(to_f32).collect()));
+        let shard = shard
+            .into_iter()
+            .zip(&layout.units)
+            .map(|(part, unit)| cast(part, unit.dtype))
+            .collect();
+        let optimizer = PlacedAdamW::new(optimizer, config.offload, master);
+        let scaler = config
+            .precision
+            .as_ref()
+            .and_then(|p| p.loss_scale.clone())
+            .map(LossScaler::new);
         Ok(Self {
             skeletons: units.into_iter().map(empty).collect(),
             shapes,
@@ -114,6 +132,7 @@ where
             backward_group: None,
             shard,
             optimizer,
+            scaler,
             grads: None,
             memory: ModelStateBytes::default(),
         })
@@ -132,6 +151,11 @@ where
         &self.layout
     }
 
+    /// The loss scale the next backward multiplies by (f16 with loss scaling), if any.
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.scaler.as_ref().map(LossScaler::scale)
+    }
+
     /// Model-state bytes this rank held in its last step: its parameter shard, the gradient
     /// shard going into the step, and the optimizer state after it.
     pub fn memory(&self) -> ModelStateBytes {
@@ -139,8 +163,9 @@ where
     }
 
     /// Forward and backward of one micro-batch through every unit; the loss is multiplied by
-    /// `scale` before backward (`1 / micro-batches` for gradient accumulation). The gradients
-    /// are reduce-scattered unit by unit and added to this step's. Returns the loss, unscaled.
+    /// `scale` before backward (`1 / micro-batches` for gradient accumulation), and by the loss
+    /// scale under f16. The gradients are reduce-scattered unit by unit and added to this
+    /// step's. Returns the loss, unscaled.
     pub fn forward_backward(&mut self, batch: &S::Batch, scale: f64) -> Result<f64, S::Error> {
         let last = self.skeletons.len() - 1;
         let mut gathers = Gathers::new(self, 0);
@@ -161,6 +186,7 @@ where
         };
         let value = loss.clone().into_scalar().elem::<f64>();
         let mut pending = Vec::with_capacity(last + 1);
+        let scale = scale * self.scaler.as_ref().map_or(1.0, LossScaler::scale);
         let mut grad = self.backward(last, module, leaf, loss * scale, &mut pending)?;
         for u in (0..last).rev() {
             let full = gathers.take(self, u, u.checked_sub(1))?;
@@ -218,24 +244,33 @@ where
             parts.push(grad);
         }
         let flat = self.layout.flatten(u, parts);
-        pending.push((u, self.comm.reduce_scatter_async(flat, ReduceOp::Avg, 0)));
+        let reduce_dtype = self.config.reduce_dtype();
+        pending.push((u, Reduction::Part.start(&self.comm, flat, reduce_dtype)));
         Ok(input.map(|x| {
             x.grad_remove(&mut grads)
                 .expect("a unit's input that requires a gradient gets one")
         }))
     }
 
-    /// Steps this rank's shard with the gradients of the micro-batches since the last step.
-    pub fn step(&mut self, lr: f64) -> Result<(), ZeroError> {
+    /// Steps this rank's shard with the gradients of the micro-batches since the last step;
+    /// under loss scaling, a step whose gradients overflowed on some rank is skipped on every
+    /// rank.
+    pub fn step(&mut self, lr: f64) -> Result<StepOutcome, ZeroError> {
         let grads = self.grads.take().ok_or_else(|| {
             ZeroError::Config(
                 "step without a forward_backward since the last one; run one first".into(),
             )
         })?;
         let grad_bytes = grads.iter().map(bytes).sum();
-        let master = params::concat(self.shard.drain(..).map(to_f32).collect());
         let grad = params::concat(grads.into_iter().map(to_f32).collect());
-        let updated = self.optimizer.step(lr, master, grad);
+        let grad = match unscale(&self.comm, self.scaler.as_mut(), grad)? {
+            Ok(grad) => grad,
+            Err(skipped) => return Ok(skipped),
+        };
+        let shard = std::mem::take(&mut self.shard);
+        let updated = self.optimizer.step(lr, grad, || {
+            params::concat(shard.into_iter().map(to_f32).collect())
+        });
         self.shard = self
             .layout
             .split_shard(updated)
@@ -249,16 +284,31 @@ where
             optimizer: self.optimizer.state_bytes().0,
             host: self.optimizer.state_bytes().1,
         };
-        Ok(())
+        Ok(StepOutcome::Applied)
     }
 
     /// Every unit gathered whole, its parameters trainable: for evaluation and export.
     pub fn full(&self) -> Result<Vec<S>, ZeroError> {
-        (0..self.skeletons.len())
-            .map(|u| {
-                let full = self.comm.all_gather(self.shard[u].clone(), 0)?;
-                Ok(self.fill(u, full, true))
-            })
+        self.gather_all(self.shard.clone())
+    }
+
+    /// Every unit gathered whole from the fp32 master weights, for export; without mixed
+    /// precision, [`full`](Self::full).
+    pub fn full_master(&self) -> Result<Vec<S>, ZeroError> {
+        let Some(device) = self.shard.first().map(|s| s.device()) else {
+            return self.full();
+        };
+        match self.optimizer.master(&device) {
+            Some(master) => self.gather_all(self.layout.split_shard(master)),
+            None => self.full(),
+        }
+    }
+
+    fn gather_all(&self, parts: Vec<Tensor<Inner<B>, 1>>) -> Result<Vec<S>, ZeroError> {
+        parts
+            .into_iter()
+            .enumerate()
+            .map(|(u, part)| Ok(self.fill(u, self.comm.all_gather(part, 0)?, true)))
             .collect()
     }
 

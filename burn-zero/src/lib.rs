@@ -8,6 +8,8 @@
 //!   during backward).
 //! - [`FullyShardedDataParallel`]: stage 3 (and parameters): each unit is gathered just before
 //!   its forward and its backward, and let go after.
+//! - [`MixedPrecision`]: bf16 or f16 parameters and gradients, fp32 master weights in each
+//!   rank's shard, dynamic loss scaling for f16 ([`StepOutcome`] says when a step is skipped).
 //! - [`estimate`]: the paper's bytes per rank for every stage; every engine reports what it
 //!   holds ([`ModelStateBytes`]).
 
@@ -16,6 +18,7 @@ mod flat;
 mod fully_sharded;
 mod memory;
 mod optimizer;
+mod precision;
 mod reducer;
 mod sharded;
 
@@ -24,4 +27,5 @@ pub use flat::{FlatLayout, FlatUnit};
 pub use fully_sharded::FullyShardedDataParallel;
 pub use memory::{ModelStateBytes, Precision, ZeroStage, estimate};
 pub use optimizer::ShardedAdamW;
+pub use precision::{LossScaleConfig, MixedPrecision, StepOutcome};
 pub use sharded::{ShardedDataParallel, ZeroConfig, ZeroStepStats};

@@ -7,10 +7,14 @@ use burn::optim::{AdamW, AdamWConfig, AdamWState, SimpleOptimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 
-/// The optimizer state of one rank's shard: first and second moments, fp32.
+use crate::precision::cast;
+
+/// The optimizer state of one rank's shard: first and second moments, fp32, and the fp32
+/// master weights when the parameters are kept in 16 bits.
 pub struct ShardedAdamW<B: Backend> {
     adamw: AdamW,
     state: Option<AdamWState<B, 1>>,
+    master: Option<Tensor<B, 1>>,
 }
 
 impl<B: Backend> ShardedAdamW<B> {
@@ -20,14 +24,34 @@ impl<B: Backend> ShardedAdamW<B> {
         Self {
             adamw: config.build(),
             state: None,
+            master: None,
         }
     }
 
-    /// One step of the shard: `master` (fp32 weights) updated with `grad` (fp32).
-    pub fn step(&mut self, lr: f64, master: Tensor<B, 1>, grad: Tensor<B, 1>) -> Tensor<B, 1> {
-        let (master, state) = self.adamw.step(lr, master, grad, self.state.take());
+    /// Keeps `master` (fp32) as the shard's weights between steps: for parameters held in 16
+    /// bits, whose rounding would otherwise swallow updates smaller than their precision.
+    pub fn with_master(mut self, master: Tensor<B, 1>) -> Self {
+        self.master = Some(to_f32(master));
+        self
+    }
+
+    /// One step of the shard with `grad` (fp32): of the held master weights, or else of
+    /// `weights()` (the parameters, fp32). Returns the updated fp32 weights.
+    pub fn step(
+        &mut self,
+        lr: f64,
+        grad: Tensor<B, 1>,
+        weights: impl FnOnce() -> Tensor<B, 1>,
+    ) -> Tensor<B, 1> {
+        let held = self.master.take();
+        let keep = held.is_some();
+        let weights = held.unwrap_or_else(|| to_f32(weights()));
+        let (updated, state) = self.adamw.step(lr, weights, grad, self.state.take());
         self.state = state;
-        master
+        if keep {
+            self.master = Some(updated.clone());
+        }
+        updated
     }
 
     /// Steps taken so far.
@@ -35,16 +59,20 @@ impl<B: Backend> ShardedAdamW<B> {
         self.state.as_ref().map_or(0, |s| s.momentum.time)
     }
 
-    /// Bytes of optimizer state held (none before the first step).
+    /// The held fp32 master weights, if any.
+    pub fn master(&self) -> Option<&Tensor<B, 1>> {
+        self.master.as_ref()
+    }
+
+    /// Bytes of optimizer state held: the master weights, and the moments (none before the
+    /// first step).
     pub fn state_bytes(&self) -> usize {
-        let Some(state) = &self.state else {
-            return 0;
-        };
-        let m = &state.momentum;
+        let m = self.state.as_ref().map(|s| &s.momentum);
         [
-            Some(&m.moment_1),
-            Some(&m.moment_2),
-            m.max_moment_2.as_ref(),
+            self.master.as_ref(),
+            m.map(|m| &m.moment_1),
+            m.map(|m| &m.moment_2),
+            m.and_then(|m| m.max_moment_2.as_ref()),
         ]
         .into_iter()
         .flatten()
@@ -60,11 +88,7 @@ pub fn bytes<B: Backend, const D: usize>(tensor: &Tensor<B, D>) -> usize {
 
 /// `tensor` as fp32 (the dtype of master weights, optimizer state and the step).
 pub fn to_f32<B: Backend>(tensor: Tensor<B, 1>) -> Tensor<B, 1> {
-    if tensor.dtype() == DType::F32 {
-        tensor
-    } else {
-        tensor.cast(DType::F32)
-    }
+    cast(tensor, DType::F32)
 }
 
 /// A shard's AdamW where it runs: on the model's device, or offloaded (ZeRO-Offload) to host
@@ -76,25 +100,48 @@ pub(crate) enum PlacedAdamW<B: Backend> {
 }
 
 impl<B: Backend> PlacedAdamW<B> {
-    pub fn new(config: &AdamWConfig, offload: bool) -> Self {
+    /// AdamW on the device or in host memory (`offload`), holding `master` (fp32, this rank's
+    /// shard) between steps when given.
+    pub fn new(config: &AdamWConfig, offload: bool, master: Option<Tensor<B, 1>>) -> Self {
         if offload {
-            Self::Host(Box::new(ShardedAdamW::new(config)))
+            let mut adamw = ShardedAdamW::new(config);
+            if let Some(master) = master {
+                adamw = adamw.with_master(to_host(master));
+            }
+            Self::Host(Box::new(adamw))
         } else {
-            Self::Device(ShardedAdamW::new(config))
+            let mut adamw = ShardedAdamW::new(config);
+            if let Some(master) = master {
+                adamw = adamw.with_master(master);
+            }
+            Self::Device(adamw)
         }
     }
 
-    /// [`ShardedAdamW::step`], the result on `master`'s device.
-    pub fn step(&mut self, lr: f64, master: Tensor<B, 1>, grad: Tensor<B, 1>) -> Tensor<B, 1> {
+    /// [`ShardedAdamW::step`], the result on `grad`'s device.
+    pub fn step(
+        &mut self,
+        lr: f64,
+        grad: Tensor<B, 1>,
+        weights: impl FnOnce() -> Tensor<B, 1>,
+    ) -> Tensor<B, 1> {
         match self {
-            Self::Device(adamw) => adamw.step(lr, master, grad),
+            Self::Device(adamw) => adamw.step(lr, grad, weights),
             Self::Host(adamw) => {
-                let device = master.device();
-                let host = Default::default();
-                let master = Tensor::from_data(master.into_data(), &host);
-                let grad = Tensor::from_data(grad.into_data(), &host);
-                Tensor::from_data(adamw.step(lr, master, grad).into_data(), &device)
+                let device = grad.device();
+                let updated = adamw.step(lr, to_host(grad), || to_host(weights()));
+                Tensor::from_data(updated.into_data(), &device)
             }
+        }
+    }
+
+    /// The held fp32 master weights, wherever they are, on `device`.
+    pub fn master(&self, device: &B::Device) -> Option<Tensor<B, 1>> {
+        match self {
+            Self::Device(adamw) => adamw.master().cloned(),
+            Self::Host(adamw) => adamw
+                .master()
+                .map(|m| Tensor::from_data(m.to_data(), device)),
         }
     }
 
@@ -105,4 +152,8 @@ impl<B: Backend> PlacedAdamW<B> {
             Self::Host(adamw) => (0, adamw.state_bytes()),
         }
     }
+}
+
+fn to_host<B: Backend>(tensor: Tensor<B, 1>) -> Tensor<Flex, 1> {
+    Tensor::from_data(tensor.into_data(), &Default::default())
 }

@@ -5,14 +5,15 @@
 
 use std::sync::Arc;
 
-use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor};
 use burn_comm::{Communicator, ReduceOp, Work};
 use burn_ddp::MissingGradient;
 use burn_ddp::params::{self, ParamSlot};
 
 use crate::ZeroError;
 use crate::flat::FlatLayout;
+use crate::precision::cast;
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 /// One reduced gradient per unit: the whole buffer or this rank's part.
@@ -28,11 +29,17 @@ pub(crate) enum Reduction {
 }
 
 impl Reduction {
-    fn start<B: burn::tensor::backend::Backend>(
+    /// Starts the reduction of `flat`, in `dtype` when given.
+    pub(crate) fn start<B: burn::tensor::backend::Backend>(
         self,
         comm: &Communicator,
         flat: Tensor<B, 1>,
+        dtype: Option<DType>,
     ) -> Work<Tensor<B, 1>> {
+        let flat = match dtype {
+            Some(dtype) => cast(flat, dtype),
+            None => flat,
+        };
         match self {
             Reduction::Whole => comm.all_reduce_async(flat, ReduceOp::Avg),
             Reduction::Part => comm.reduce_scatter_async(flat, ReduceOp::Avg, 0),
@@ -45,6 +52,7 @@ pub(crate) struct Reducer<B: AutodiffBackend> {
     slots: Vec<ParamSlot<B>>,
     layout: Arc<FlatLayout>,
     reduction: Reduction,
+    reduce_dtype: Option<DType>,
     comm: Communicator,
     unit_of: Vec<usize>,
     grads: Vec<Option<Tensor<Inner<B>, 1>>>,
@@ -61,12 +69,14 @@ pub(crate) struct Reducer<B: AutodiffBackend> {
 }
 
 impl<B: AutodiffBackend> Reducer<B> {
-    /// `slots` are the parameters `layout` indexes; those marked in `known_late` got parts
-    /// after being taken in an earlier backward, so they wait for the end of this one.
+    /// `slots` are the parameters `layout` indexes, their gradients reduced in `reduce_dtype`
+    /// when given; those marked in `known_late` got parts after being taken in an earlier
+    /// backward, so they wait for the end of this one.
     pub fn new(
         slots: Vec<ParamSlot<B>>,
         layout: Arc<FlatLayout>,
         reduction: Reduction,
+        reduce_dtype: Option<DType>,
         comm: Communicator,
         known_late: Vec<bool>,
     ) -> Self {
@@ -82,6 +92,7 @@ impl<B: AutodiffBackend> Reducer<B> {
             slots,
             layout,
             reduction,
+            reduce_dtype,
             comm,
             unit_of,
             grads: vec![None; n],
@@ -132,7 +143,8 @@ impl<B: AutodiffBackend> Reducer<B> {
         while self.next_unit < self.waiting.len() && self.waiting[self.next_unit] == 0 {
             let parts = self.parts(self.next_unit, |me, p| me.grads[p].take());
             let flat = self.layout.flatten(self.next_unit, parts);
-            self.in_flight.push(self.reduction.start(&self.comm, flat));
+            self.in_flight
+                .push(self.reduction.start(&self.comm, flat, self.reduce_dtype));
             self.next_unit += 1;
         }
     }
@@ -199,7 +211,10 @@ impl<B: AutodiffBackend> Reducer<B> {
         for unit in late_units {
             let parts = self.parts(unit, |me, p| me.late[p].take());
             let flat = self.layout.flatten(unit, parts);
-            let extra = self.reduction.start(&self.comm, flat).wait()?;
+            let extra = self
+                .reduction
+                .start(&self.comm, flat, self.reduce_dtype)
+                .wait()?;
             reduced[unit] = reduced[unit].clone() + extra;
         }
         Ok((reduced, late))

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use burn::config::Config;
 use burn::module::AutodiffModule;
 use burn::optim::AdamWConfig;
-use burn::tensor::Tensor;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Tensor};
 use burn_comm::Communicator;
 use burn_ddp::BackwardHooks;
 use burn_ddp::params::{self, ParamSlot};
@@ -20,6 +20,7 @@ use crate::ZeroError;
 use crate::flat::FlatLayout;
 use crate::memory::{ModelStateBytes, ZeroStage};
 use crate::optimizer::{PlacedAdamW, bytes, to_f32};
+use crate::precision::{LossScaler, MixedPrecision, StepOutcome, cast, overflowed};
 use crate::reducer::{Reducer, Reduction, UnitGrads};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -41,6 +42,30 @@ pub struct ZeroConfig {
     /// on a GPU whose memory the state would not fit.
     #[config(default = false)]
     pub offload: bool,
+    /// Parameters and gradients in 16 bits, fp32 master weights in the optimizer's shard
+    /// (none: everything in the parameters' own dtype).
+    #[config(default = "None")]
+    pub precision: Option<MixedPrecision>,
+}
+
+impl ZeroConfig {
+    /// Checks the settings every engine shares.
+    pub(crate) fn check(&self) -> Result<(), ZeroError> {
+        if self.bucket_cap_bytes == 0 {
+            return Err(ZeroError::Config(
+                "bucket_cap_bytes is 0; give buckets at least one byte (25 MiB is usual)".into(),
+            ));
+        }
+        if let Some(precision) = &self.precision {
+            precision.check()?;
+        }
+        Ok(())
+    }
+
+    /// The dtype gradients are reduced in, if not their own.
+    pub(crate) fn reduce_dtype(&self) -> Option<DType> {
+        self.precision.as_ref().map(MixedPrecision::reduce_dtype)
+    }
 }
 
 /// Where the last step's time went.
@@ -71,6 +96,7 @@ pub struct ShardedDataParallel<B: BackwardHooks, M: AutodiffModule<B>> {
     names: Vec<String>,
     layout: Arc<FlatLayout>,
     optimizer: PlacedAdamW<Inner<B>>,
+    scaler: Option<LossScaler>,
     /// Parameters whose gradient got a part after it was taken: taken after backward from then
     /// on, as DDP does.
     late: Vec<bool>,
@@ -96,15 +122,19 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
                 "ShardedDataParallel runs ZeRO stages 1 and 2, not {stage}; use FullyShardedDataParallel for stage 3 and burn-ddp for stage 0"
             )));
         }
-        if config.bucket_cap_bytes == 0 {
-            return Err(ZeroError::Config(
-                "bucket_cap_bytes is 0; give buckets at least one byte (25 MiB is usual)".into(),
-            ));
-        }
+        config.check()?;
         let all = params::slots::<B, M>(&module);
         let mut values = Vec::with_capacity(all.len());
+        let mut trainable = Vec::new();
         for slot in &all {
-            values.push(comm.broadcast(slot.value.clone(), 0)?);
+            let value = comm.broadcast(slot.value.clone(), 0)?;
+            if slot.require_grad {
+                trainable.push(value.clone());
+            }
+            values.push(match &config.precision {
+                Some(p) => cast(value, p.param_dtype),
+                None => value,
+            });
         }
         let module = params::load::<B, M>(module, values);
         let slots = params::trainable::<B, M>(&module);
@@ -124,9 +154,23 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             config.bucket_cap_bytes,
             comm.size(),
         )?;
-        let optimizer = PlacedAdamW::new(optimizer, config.offload);
+        // The master weights start from the parameters as given, before their rounding.
+        let master = config.precision.as_ref().map(|_| {
+            let parts = (0..layout.units.len())
+                .map(|u| to_f32(layout.shard_of(u, comm.rank(), &trainable)))
+                .collect();
+            params::concat(parts)
+        });
+        drop(trainable);
+        let optimizer = PlacedAdamW::new(optimizer, config.offload, master);
+        let scaler = config
+            .precision
+            .as_ref()
+            .and_then(|p| p.loss_scale.clone())
+            .map(LossScaler::new);
         Ok(Self {
             module: Some(module),
+            scaler,
             late: vec![false; slots.len()],
             names: slots.iter().map(|s| s.name.clone()).collect(),
             comm,
@@ -168,13 +212,19 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         self.memory
     }
 
+    /// The loss scale the next backward multiplies by (f16 with loss scaling), if any.
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.scaler.as_ref().map(LossScaler::scale)
+    }
+
     /// Timings of the last backward.
     pub fn stats(&self) -> ZeroStepStats {
         self.stats
     }
 
-    /// Backward of `loss`, its gradients reduced over the group at once (overlapping backward
-    /// when [`ZeroConfig::overlap`] is on) and added to this step's.
+    /// Backward of `loss` (times the loss scale, under f16), its gradients reduced over the
+    /// group at once (overlapping backward when [`ZeroConfig::overlap`] is on) and added to
+    /// this step's.
     pub fn backward(&mut self, loss: Tensor<B, 1>) -> Result<(), ZeroError> {
         let slots = params::trainable::<B, M>(self.module());
         if slots.len() != self.names.len() {
@@ -197,9 +247,14 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             slots,
             self.layout.clone(),
             reduction,
+            self.config.reduce_dtype(),
             self.comm.clone(),
             self.late.clone(),
         );
+        let loss = match &self.scaler {
+            Some(scaler) => loss * scaler.scale(),
+            None => loss,
+        };
         let (reduced, late, stats) = reduce(loss, reducer, self.config.overlap)?;
         for (known, now) in self.late.iter_mut().zip(late) {
             *known |= now;
@@ -213,8 +268,9 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
     }
 
     /// Steps this rank's shard with the gradients of the backwards since the last step, then
-    /// all-gathers every shard into the replica.
-    pub fn step(&mut self, lr: f64) -> Result<(), ZeroError> {
+    /// all-gathers every shard into the replica; under loss scaling, a step whose gradients
+    /// overflowed on some rank is skipped on every rank.
+    pub fn step(&mut self, lr: f64) -> Result<StepOutcome, ZeroError> {
         let grads = self.grads.take().ok_or_else(|| {
             ZeroError::Config(
                 "step without a backward since the last one; call backward first".into(),
@@ -223,13 +279,6 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         let rank = self.comm.rank();
         let grad_bytes = grads.iter().map(bytes).sum();
         let slots = params::trainable::<B, M>(self.module());
-        let values: Vec<Tensor<Inner<B>, 1>> = slots.iter().map(|s| s.value.clone()).collect();
-        let units = 0..self.layout.units.len();
-        let master: Vec<_> = units
-            .clone()
-            .map(|u| to_f32(self.layout.shard_of(u, rank, &values)))
-            .collect();
-        drop(values);
         let grad: Vec<_> = grads
             .into_iter()
             .enumerate()
@@ -241,30 +290,26 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
                 _ => to_f32(g),
             })
             .collect();
-        let updated = self
-            .optimizer
-            .step(lr, params::concat(master), params::concat(grad));
+        let grad = match unscale(&self.comm, self.scaler.as_mut(), params::concat(grad))? {
+            Ok(grad) => grad,
+            Err(skipped) => return Ok(skipped),
+        };
+        let (layout, values) = (&self.layout, &slots);
+        let updated = self.optimizer.step(lr, grad, || {
+            let values: Vec<_> = values.iter().map(|s| s.value.clone()).collect();
+            let parts = (0..layout.units.len())
+                .map(|u| to_f32(layout.shard_of(u, rank, &values)))
+                .collect();
+            params::concat(parts)
+        });
 
-        let gathers: Vec<_> = self
-            .layout
-            .split_shard(updated)
-            .into_iter()
-            .zip(&self.layout.units)
-            .map(|(part, unit)| self.comm.all_gather_async(part.cast(unit.dtype), 0))
-            .collect();
-        let mut new_values: Vec<Option<Tensor<Inner<B>, 1>>> = vec![None; slots.len()];
-        for (u, work) in gathers.into_iter().enumerate() {
-            let unit = &self.layout.units[u];
-            for (&p, value) in unit
-                .params
-                .iter()
-                .zip(self.layout.unflatten(u, work.wait()?))
-            {
-                new_values[p] = Some(value);
-            }
-        }
         drop(slots);
-        self.load(new_values);
+        let new_values = self.gather(updated, true)?;
+        let module = self
+            .module
+            .take()
+            .expect("the module is back after every step");
+        self.module = Some(load_trainable(module, new_values, None));
         let params_bytes = params::slots::<B, M>(self.module())
             .iter()
             .map(ParamSlot::bytes)
@@ -275,30 +320,103 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             optimizer: self.optimizer.state_bytes().0,
             host: self.optimizer.state_bytes().1,
         };
-        Ok(())
+        Ok(StepOutcome::Applied)
     }
 
-    /// Puts the trainable parameters' new values into the replica; frozen ones stay.
-    fn load(&mut self, values: Vec<Option<Tensor<Inner<B>, 1>>>) {
-        let module = self
-            .module
-            .take()
-            .expect("the module is back after every step");
-        let mut values = values.into_iter();
-        let all: Vec<_> = params::slots::<B, M>(&module)
+    /// The replica with the fp32 master weights in place of its 16-bit parameters, frozen ones
+    /// widened to fp32: for export. All-gathers, so every rank calls it. Without mixed
+    /// precision, the replica as it is.
+    pub fn master_module(&self) -> Result<M, ZeroError> {
+        let device = self.layout_device();
+        let Some(master) = self.optimizer.master(&device) else {
+            return Ok(self.module().clone());
+        };
+        let values = self.gather(master, false)?;
+        Ok(load_trainable(
+            self.module().clone(),
+            values,
+            Some(DType::F32),
+        ))
+    }
+
+    fn layout_device(&self) -> burn::tensor::Device<Inner<B>> {
+        params::slots::<B, M>(self.module())[0].device.clone()
+    }
+
+    /// Every trainable parameter's value from this rank's fp32 `shard`, all-gathered unit by
+    /// unit, each in the unit's dtype (`narrow`) or in fp32.
+    fn gather(
+        &self,
+        shard: Tensor<Inner<B>, 1>,
+        narrow: bool,
+    ) -> Result<Vec<Option<Tensor<Inner<B>, 1>>>, ZeroError> {
+        let gathers: Vec<_> = self
+            .layout
+            .split_shard(shard)
             .into_iter()
-            .map(|slot| {
-                if slot.require_grad {
-                    values
-                        .next()
-                        .flatten()
-                        .expect("a value per trainable parameter")
-                } else {
-                    slot.value
-                }
+            .zip(&self.layout.units)
+            .map(|(part, unit)| {
+                let part = if narrow { cast(part, unit.dtype) } else { part };
+                self.comm.all_gather_async(part, 0)
             })
             .collect();
-        self.module = Some(params::load::<B, M>(module, all));
+        let mut values = vec![None; self.names.len()];
+        for (u, work) in gathers.into_iter().enumerate() {
+            let unit = &self.layout.units[u];
+            for (&p, value) in unit
+                .params
+                .iter()
+                .zip(self.layout.unflatten(u, work.wait()?))
+            {
+                values[p] = Some(value);
+            }
+        }
+        Ok(values)
+    }
+}
+
+/// `module` with its trainable parameters' values replaced by `values`; frozen ones stay, cast
+/// to `dtype` when given.
+fn load_trainable<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: M,
+    values: Vec<Option<Tensor<Inner<B>, 1>>>,
+    dtype: Option<DType>,
+) -> M {
+    let mut values = values.into_iter();
+    let all: Vec<_> = params::slots::<B, M>(&module)
+        .into_iter()
+        .map(|slot| {
+            if slot.require_grad {
+                values
+                    .next()
+                    .flatten()
+                    .expect("a value per trainable parameter")
+            } else {
+                match dtype {
+                    Some(dtype) => cast(slot.value, dtype),
+                    None => slot.value,
+                }
+            }
+        })
+        .collect();
+    params::load::<B, M>(module, all)
+}
+
+/// `grad` (this rank's fp32 part, summed over the step's backwards) divided by the loss scale;
+/// or, when it overflowed on some rank, the skipped step, the scale backed off. Without loss
+/// scaling, `grad` as it is.
+pub(crate) fn unscale<B: Backend>(
+    comm: &Communicator,
+    scaler: Option<&mut LossScaler>,
+    grad: Tensor<B, 1>,
+) -> Result<Result<Tensor<B, 1>, StepOutcome>, ZeroError> {
+    let Some(scaler) = scaler else {
+        return Ok(Ok(grad));
+    };
+    let scale = scaler.scale();
+    match scaler.update(overflowed(comm, &grad)?) {
+        StepOutcome::Applied => Ok(Ok(grad / scale)),
+        skipped => Ok(Err(skipped)),
     }
 }
 

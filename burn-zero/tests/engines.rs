@@ -2,16 +2,21 @@
 //! part after it was taken), offloaded optimizer state, tiny buckets that leave most units
 //! padded, and the errors: a parameter without a gradient named on every rank, a step before
 //! any backward, stage 3 asked of the replicated engine, a unit that returns the loss early.
+//! Mixed precision: 16-bit parameters are the rounded fp32 master weights, which keep updates
+//! smaller than 16 bits can hold; an f16 overflow on one rank skips the step on every rank.
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, Param};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_comm::launch;
 use burn_ddp::{DdpConfig, DistributedDataParallel};
 use burn_pipeline::{PipelineStage, StageOutput};
-use burn_zero::{FullyShardedDataParallel, ShardedDataParallel, ZeroConfig, ZeroError, ZeroStage};
+use burn_zero::{
+    FullyShardedDataParallel, LossScaleConfig, MixedPrecision, ShardedDataParallel, StepOutcome,
+    ZeroConfig, ZeroError, ZeroStage,
+};
 
 type AD = Autodiff<Flex>;
 
@@ -69,8 +74,19 @@ fn adamw() -> AdamWConfig {
 fn weights(net: &Net<AD>) -> Vec<Vec<f32>> {
     [&net.first, &net.second, &net.extra]
         .iter()
-        .map(|p| p.val().into_data().to_vec().unwrap())
+        .map(|p| f32s(p.val()))
         .collect()
+}
+
+/// The values of `tensor`, whatever its float dtype, widened to f32.
+fn f32s<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
+    tensor.cast(DType::F32).into_data().to_vec().unwrap()
+}
+
+/// `values` rounded to `dtype` and back.
+fn rounded(values: &[f32], dtype: DType) -> Vec<f32> {
+    let tensor = Tensor::<Flex, 1>::from_floats(values, &Default::default());
+    f32s(tensor.cast(dtype))
 }
 
 /// Every rank's weights after 3 steps of DDP with AdamW. A weight used twice is reduced in two
@@ -98,7 +114,7 @@ fn sharded(world: usize, stage: ZeroStage, config: ZeroConfig) -> Vec<Vec<Vec<f3
         for step in 0..3 {
             let loss = zero.module().loss(batch(ctx.rank(), step), true);
             zero.backward(loss)?;
-            zero.step(0.01)?;
+            assert_eq!(zero.step(0.01)?, StepOutcome::Applied);
         }
         Ok::<_, ZeroError>(weights(zero.module()))
     });
@@ -198,8 +214,9 @@ impl<B: AutodiffBackend> PipelineStage<B> for Layer<B> {
         input: Option<Tensor<B, 3>>,
         batch: &Tensor<B, 3>,
     ) -> Result<StageOutput<B>, ZeroError> {
-        let x = input.unwrap_or_else(|| batch.clone());
-        let y = x.matmul(self.weight.val().unsqueeze()).tanh();
+        let weight = self.weight.val();
+        let x = input.unwrap_or_else(|| batch.clone().cast(weight.dtype()));
+        let y = x.matmul(weight.unsqueeze()).tanh();
         Ok(if self.last {
             StageOutput::Loss(y.powi_scalar(2).mean())
         } else {
@@ -250,7 +267,7 @@ fn fully_sharded_units_train_like_one_device_and_refuse_an_early_loss() {
         )?;
         for step in 0..3 {
             fsdp.forward_backward(&batch(ctx.rank(), step).unsqueeze(), 1.0)?;
-            fsdp.step(0.01)?;
+            assert_eq!(fsdp.step(0.01)?, StepOutcome::Applied);
         }
         let full = fsdp.full()?;
         Ok::<_, ZeroError>(
@@ -285,4 +302,155 @@ fn fully_sharded_units_train_like_one_device_and_refuse_an_early_loss() {
             "{message}"
         );
     }
+}
+
+/// Mean absolute difference.
+fn moved(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    let pairs: Vec<(f32, f32)> = a
+        .iter()
+        .flatten()
+        .copied()
+        .zip(b.iter().flatten().copied())
+        .collect();
+    pairs.iter().map(|(x, y)| (x - y).abs()).sum::<f32>() / pairs.len() as f32
+}
+
+/// Steps of AdamW at `LR` move a weight by about `LR` each, far below bf16's half spacing near
+/// 0.5 (2^-10): bf16 weights stepped on their own would not move at all.
+const LR: f64 = 1e-5;
+
+#[test]
+fn sixteen_bit_parameters_are_the_rounded_master_weights_which_keep_small_updates() {
+    let precision = || ZeroConfig::new().with_precision(Some(MixedPrecision::bf16()));
+    let check = |start: &[Vec<f32>], params: &[Vec<f32>], master: &[Vec<f32>], what: &str| {
+        for (p, m) in params.iter().zip(master) {
+            assert_eq!(
+                p,
+                &rounded(m, DType::BF16),
+                "{what}: parameters are the rounded master"
+            );
+        }
+        // The master holds what bf16 cannot: nearly every element lies between bf16 values.
+        let as_bf16: Vec<Vec<f32>> = master.iter().map(|m| rounded(m, DType::BF16)).collect();
+        let total = master.iter().map(Vec::len).sum::<usize>();
+        let between = moved_count(master, &as_bf16);
+        assert!(
+            between * 10 > total * 9,
+            "{what}: {between} of {total} master weights are not bf16 values"
+        );
+        // And it moved by the sum of the small updates, from the exact fp32 start.
+        let moved = moved(start, master);
+        assert!(
+            (5.0 * LR as f32..100.0 * LR as f32).contains(&moved),
+            "{what}: master moved {moved:e} on average"
+        );
+    };
+    for stage in [ZeroStage::OptimizerState, ZeroStage::Gradients] {
+        let results = launch(2, |ctx| {
+            let comm = ctx.world().clone();
+            let mut zero =
+                ShardedDataParallel::new(Net::new(), comm, stage, &adamw(), precision())?;
+            for step in 0..30 {
+                let x = batch(ctx.rank(), step).cast(DType::BF16);
+                zero.backward(zero.module().loss(x, true))?;
+                assert_eq!(zero.step(LR)?, StepOutcome::Applied);
+            }
+            Ok::<_, ZeroError>((weights(zero.module()), weights(&zero.master_module()?)))
+        });
+        let start = weights(&Net::new());
+        let results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+        assert_eq!(results[0], results[1], "stage {stage}: ranks agree");
+        check(
+            &start,
+            &results[0].0,
+            &results[0].1,
+            &format!("stage {stage}"),
+        );
+    }
+    let results = launch(2, |ctx| {
+        let mut fsdp = FullyShardedDataParallel::new(
+            layers(3, false),
+            ctx.world().clone(),
+            &adamw(),
+            precision(),
+        )?;
+        for step in 0..30 {
+            fsdp.forward_backward(&batch(ctx.rank(), step).unsqueeze(), 1.0)?;
+            assert_eq!(fsdp.step(LR)?, StepOutcome::Applied);
+        }
+        let of = |units: Vec<Layer<AD>>| {
+            units
+                .into_iter()
+                .map(|l| f32s(l.weight.val()))
+                .collect::<Vec<_>>()
+        };
+        Ok::<_, ZeroError>((of(fsdp.full()?), of(fsdp.full_master()?)))
+    });
+    let start: Vec<_> = layers(3, false)
+        .into_iter()
+        .map(|l| f32s(l.weight.val()))
+        .collect();
+    let results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+    assert_eq!(results[0], results[1], "stage 3: ranks agree");
+    check(&start, &results[0].0, &results[0].1, "stage 3");
+}
+
+fn moved_count(a: &[Vec<f32>], b: &[Vec<f32>]) -> usize {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .filter(|(x, y)| x != y)
+        .count()
+}
+
+#[test]
+fn an_f16_overflow_on_one_rank_skips_the_step_on_every_rank_and_backs_the_scale_off() {
+    let scale = LossScaleConfig::new()
+        .with_init_scale(2f64.powi(40))
+        .with_backoff_factor(2f64.powi(-8));
+    let config =
+        ZeroConfig::new().with_precision(Some(MixedPrecision::f16().with_loss_scale(Some(scale))));
+    let results = launch(2, |ctx| {
+        let comm = ctx.world().clone();
+        let mut zero = ShardedDataParallel::new(
+            Net::new(),
+            comm,
+            ZeroStage::Gradients,
+            &adamw(),
+            config.clone(),
+        )?;
+        let start = weights(zero.module());
+        let mut outcomes = Vec::new();
+        for step in 0..6 {
+            let loss = zero
+                .module()
+                .loss(batch(ctx.rank(), step).cast(DType::F16), true);
+            // Rank 0's gradients stay finite (zero); only rank 1's overflow.
+            let loss = if ctx.rank() == 0 { loss * 0.0 } else { loss };
+            zero.backward(loss)?;
+            let outcome = zero.step(0.01)?;
+            if matches!(outcome, StepOutcome::Skipped { .. }) {
+                assert_eq!(
+                    weights(zero.module()),
+                    start,
+                    "a skipped step changes nothing"
+                );
+            }
+            outcomes.push(outcome);
+        }
+        let changed = weights(zero.module()) != start;
+        Ok::<_, ZeroError>((outcomes, changed, zero.loss_scale()))
+    });
+    let results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+    assert_eq!(results[0], results[1], "every rank skips the same steps");
+    let (outcomes, changed, _) = &results[0];
+    assert_eq!(
+        outcomes[0],
+        StepOutcome::Skipped {
+            loss_scale: 2f64.powi(40),
+            next_loss_scale: 2f64.powi(32)
+        }
+    );
+    assert!(outcomes.contains(&StepOutcome::Applied), "{outcomes:?}");
+    assert!(changed, "the applied steps moved the weights");
 }

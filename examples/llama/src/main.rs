@@ -10,7 +10,7 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn_comm::parallel::CommBackend;
 use burn_ddp::{BackwardHooks, DdpConfig};
 use burn_pipeline::ScheduleKind;
-use burn_zero::{Precision, ZeroConfig, ZeroStage};
+use burn_zero::{MixedPrecision, Precision, ZeroConfig, ZeroStage};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use llama::data::{ByteCorpus, Dataset, MarkovSource};
@@ -167,6 +167,13 @@ struct TrainArgs {
     /// there (ZeRO-Offload).
     #[arg(long)]
     offload: bool,
+    /// Dtype of the weights and activations: bf16 and f16 (with --zero) keep fp32 master
+    /// weights and Adam moments in each rank's shard; f16 adds dynamic loss scaling.
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    dtype: DTypeArg,
+    /// With --dtype bf16 or f16: reduce gradients in fp32.
+    #[arg(long)]
+    fp32_reduce: bool,
     /// Train on this file's bytes instead of the synthetic source.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -306,7 +313,18 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     config.zero_config = ZeroConfig::new()
         .with_bucket_cap_bytes((args.bucket_mb * 1024.0 * 1024.0) as usize)
         .with_overlap(!args.no_overlap)
-        .with_offload(args.offload);
+        .with_offload(args.offload)
+        .with_precision(match args.dtype {
+            DTypeArg::F32 => None,
+            DTypeArg::Bf16 => Some(MixedPrecision::bf16().with_reduce_f32(args.fp32_reduce)),
+            DTypeArg::F16 => Some(MixedPrecision::f16().with_reduce_f32(args.fp32_reduce)),
+        });
+    if args.fp32_reduce && args.dtype == DTypeArg::F32 {
+        return Err(
+            "--fp32-reduce reduces 16-bit gradients in fp32; use it with --dtype bf16 or f16"
+                .into(),
+        );
+    }
     if args.offload && args.zero == 0 {
         return Err(
             "--offload moves ZeRO's sharded optimizer state to host memory; add --zero 1, 2 or 3"
@@ -425,6 +443,15 @@ where
             "loss {:.4} | lr {:.2e} | {:.0} tok/s",
             m.loss, m.lr, m.tokens_per_s
         );
+        if m.skipped {
+            let scale = m.loss_scale.unwrap_or(f64::NAN);
+            bar.suspend(|| {
+                eprintln!(
+                    "step {}: gradients overflowed (inf/NaN) at loss scale {scale}; step skipped, scale lowered",
+                    m.step
+                )
+            });
+        }
         bar.set_position(m.step as u64);
         bar.set_message(line.clone());
         if !terminal && (m.step == 1 || m.step.is_multiple_of(10) || m.step == config.steps) {
@@ -455,10 +482,16 @@ where
         .map(|m| m.tokens_per_s)
         .collect();
     speeds.sort_by(f64::total_cmp);
+    let skipped = history.iter().filter(|m| m.skipped).count();
     println!(
-        "done: {} steps in {:.1}s, final loss {:.4}, median {:.0} tokens/s",
+        "done: {} steps in {:.1}s{}, final loss {:.4}, median {:.0} tokens/s",
         history.len(),
         started.elapsed().as_secs_f64(),
+        if skipped > 0 {
+            format!(" ({skipped} skipped for overflowing gradients)")
+        } else {
+            String::new()
+        },
         last.loss,
         speeds[speeds.len() / 2]
     );

@@ -30,6 +30,7 @@ use crate::model::Llama;
 use crate::pipeline::LlamaStage;
 use crate::schedule::WarmupCosine;
 use crate::tensor_parallel::{TpLlama, check_split};
+use crate::zero::ZeroStep;
 
 /// How the data-parallel ranks share the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -91,7 +92,7 @@ pub struct TrainConfig {
     /// ZeRO stage of the data-parallel group (0: plain DDP). Stages 1-3 need the DDP
     /// strategy, whose gradient averaging they replace.
     pub zero: ZeroStage,
-    /// ZeRO's settings (buckets, overlap, prefetch).
+    /// ZeRO's settings (buckets, overlap, prefetch, offload, mixed precision).
     pub zero_config: ZeroConfig,
     /// Start from these weights (a directory written by `save`) instead of the seed.
     pub init_from: Option<std::path::PathBuf>,
@@ -185,6 +186,10 @@ impl TrainConfig {
                     "--zero does not compose with --pp yet; use --zero with --dp and --tp".into(),
                 ));
             }
+        } else if self.zero_config.precision.is_some() {
+            return Err(TrainError::Config(
+                "--dtype bf16 and f16 keep fp32 master weights in ZeRO's sharded optimizer; add --zero 1, 2 or 3 (also at --dp 1)".into(),
+            ));
         }
         let per_rank = per_rank_batch(self.batch_size, self.dp)?;
         let (micro, accum) = match (self.micro_batch_size, self.grad_accum) {
@@ -347,6 +352,11 @@ pub struct StepMetrics {
     /// Bytes of model state (parameters, gradients, optimizer state) rank 0 held in this step,
     /// under ZeRO; absent otherwise.
     pub model_state_bytes: Option<usize>,
+    /// The loss scale of this step (f16 mixed precision); absent otherwise.
+    pub loss_scale: Option<f64>,
+    /// The gradients overflowed (inf or NaN) at `loss_scale`: the weights did not change and
+    /// the scale was lowered.
+    pub skipped: bool,
 }
 
 impl StepMetrics {
@@ -371,6 +381,8 @@ impl StepMetrics {
             elapsed: started.elapsed().as_secs_f64(),
             comm_wait_s,
             model_state_bytes: None,
+            loss_scale: None,
+            skipped: false,
         }
     }
 }
@@ -405,7 +417,7 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
     let schedule = config.schedule();
     let tokens = config.batch_size * config.seq_len;
     let started = Instant::now();
-    let mut report = |step: usize, loss: f64, begun: Instant, wait: f64, state: Option<usize>| {
+    let mut report = |step: usize, loss: f64, begun: Instant, wait: f64, zero: Option<ZeroStep>| {
         let mut metrics = StepMetrics::measure(
             step,
             loss,
@@ -414,7 +426,9 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
             (begun, started),
             wait,
         );
-        metrics.model_state_bytes = state;
+        if let Some(zero) = zero {
+            zero.fill(&mut metrics);
+        }
         on_step(&metrics);
     };
 

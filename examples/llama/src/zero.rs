@@ -13,7 +13,7 @@ use burn_comm::{Communicator, DeviceMesh, ReduceOp};
 use burn_ddp::BackwardHooks;
 use burn_pipeline::PipelineStage;
 use burn_tensor_parallel::TensorParallel;
-use burn_zero::{FullyShardedDataParallel, ShardedDataParallel};
+use burn_zero::{FullyShardedDataParallel, ShardedDataParallel, StepOutcome};
 
 use crate::model::Llama;
 use crate::pipeline::{LlamaStage, MicroBatch};
@@ -22,8 +22,27 @@ use crate::train::{
     Batches, StepMetrics, TrainConfig, TrainError, Trainable, first_cause, reduce_scalar,
 };
 
-/// Reports a step: its number, mean loss, start, communication wait and model-state bytes.
-pub(crate) type Report<'a> = dyn FnMut(usize, f64, Instant, f64, Option<usize>) + 'a;
+/// Reports a step: its number, mean loss, start, communication wait and what ZeRO adds.
+pub(crate) type Report<'a> = dyn FnMut(usize, f64, Instant, f64, Option<ZeroStep>) + 'a;
+
+/// What a ZeRO step adds to its metrics.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ZeroStep {
+    /// Model-state bytes this rank held.
+    pub bytes: usize,
+    /// The loss scale the step ran with (f16).
+    pub loss_scale: Option<f64>,
+    /// Whether the optimizer stepped.
+    pub outcome: StepOutcome,
+}
+
+impl ZeroStep {
+    pub fn fill(&self, metrics: &mut StepMetrics) {
+        metrics.model_state_bytes = Some(self.bytes);
+        metrics.loss_scale = self.loss_scale;
+        metrics.skipped = matches!(self.outcome, StepOutcome::Skipped { .. });
+    }
+}
 
 /// ZeRO-1 or ZeRO-2 over the data-parallel group `comm`: micro-batches' gradients are reduced
 /// as each backward runs and summed; each rank steps its shard and gathers the rest.
@@ -55,11 +74,18 @@ pub(crate) fn train_sharded<B: BackwardHooks, M: Trainable<B>>(
             zero.backward(loss)?;
             wait += zero.stats().comm_wait.as_secs_f64();
         }
-        zero.step(schedule.lr(step))?;
+        let loss_scale = zero.loss_scale();
+        let outcome = zero.step(schedule.lr(step))?;
         let loss = reduce_scalar::<B::InnerBackend>(comm, loss_sum, ReduceOp::Avg, device)?;
-        report(step, loss, begun, wait, Some(zero.memory().total()));
+        let bytes = zero.memory().total();
+        let zero_step = ZeroStep {
+            bytes,
+            loss_scale,
+            outcome,
+        };
+        report(step, loss, begun, wait, Some(zero_step));
     }
-    Ok(zero.into_module())
+    Ok(zero.master_module()?)
 }
 
 /// Runs ZeRO-3 on `config.dp * config.tp` ranks (threads) and returns the final weights, whole.
@@ -157,14 +183,20 @@ where
             let batch = batches.micro(step, micro, device);
             loss_sum += fsdp.forward_backward(&batch, 1.0 / layout.accum as f64)?;
         }
-        fsdp.step(schedule.lr(step))?;
+        let loss_scale = fsdp.loss_scale();
+        let outcome = fsdp.step(schedule.lr(step))?;
         let loss = loss_sum / layout.accum as f64;
         let loss = reduce_scalar::<B::InnerBackend>(dp, loss, ReduceOp::Avg, device)?;
         let tokens = config.batch_size * config.seq_len;
         let mut metrics =
             StepMetrics::measure(step, loss, schedule.lr(step), tokens, (begun, started), 0.0);
-        metrics.model_state_bytes = Some(fsdp.memory().total());
+        let zero_step = ZeroStep {
+            bytes: fsdp.memory().total(),
+            loss_scale,
+            outcome,
+        };
+        zero_step.fill(&mut metrics);
         on_step(&metrics);
     }
-    Ok(fsdp.full()?)
+    Ok(fsdp.full_master()?)
 }

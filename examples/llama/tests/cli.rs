@@ -101,6 +101,54 @@ fn train_writes_metrics_and_weights_that_eval_and_init_from_read() {
 }
 
 #[test]
+fn f16_under_zero_reports_its_loss_scale_and_saves_fp32_weights() {
+    let dir = scratch("f16");
+    let (metrics, weights) = (dir.join("metrics.jsonl"), dir.join("weights"));
+    let out = llama(&[
+        "train",
+        "--steps",
+        "2",
+        "--dp",
+        "2",
+        "--zero",
+        "3",
+        "--dtype",
+        "f16",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--metrics",
+        metrics.to_str().unwrap(),
+        "--save",
+        weights.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in std::fs::read_to_string(&metrics).unwrap().lines() {
+        let line: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(line["loss_scale"], 65536.0, "{line}");
+        assert_eq!(line["skipped"], false, "{line}");
+    }
+    let stored = safetensors::SafeTensors::deserialize(
+        &std::fs::read(weights.join("model.safetensors")).unwrap(),
+    )
+    .unwrap()
+    .tensor("lm_head.weight")
+    .unwrap()
+    .dtype();
+    assert_eq!(
+        stored,
+        safetensors::Dtype::F32,
+        "the master weights are saved"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
 fn trains_on_a_text_file_read_as_bytes() {
     let dir = scratch("bytes");
     let text = dir.join("text.txt");
@@ -150,7 +198,7 @@ fn plan_prints_every_stage_of_the_papers_example() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 17] = [
+    let cases: [(&[&str], &str); 19] = [
         (
             &[
                 "train",
@@ -211,6 +259,14 @@ fn bad_input_gets_a_sentence() {
             "in host memory already",
         ),
         (&["train", "--dp", "2", "--offload"], "add --zero 1, 2 or 3"),
+        (
+            &["train", "--dtype", "bf16"],
+            "keep fp32 master weights in ZeRO's sharded optimizer; add --zero 1, 2 or 3",
+        ),
+        (
+            &["train", "--zero", "1", "--fp32-reduce"],
+            "use it with --dtype bf16 or f16",
+        ),
         (
             &["train", "--dp", "2", "--zero", "1", "--pp", "2"],
             "does not compose with --pp yet",

@@ -14,7 +14,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::TensorData;
 use llama::data::MarkovSource;
 use llama::hf::export;
-use llama::train::{Strategy, TrainConfig, train};
+use llama::train::{StepMetrics, Strategy, TrainConfig, train};
 use llama::{Llama, LlamaConfig};
 
 pub type B = Autodiff<Flex>;
@@ -24,6 +24,8 @@ pub struct Run {
     pub weights: Vec<(String, TensorData)>,
     /// Model-state bytes rank 0 held in the last step, where the run reports them (ZeRO).
     pub model_state_bytes: Option<usize>,
+    /// Every step's metrics.
+    pub steps: Vec<StepMetrics>,
 }
 
 pub fn config(strategy: Strategy, dp: usize) -> TrainConfig {
@@ -42,27 +44,32 @@ pub fn run(config: &TrainConfig) -> Run {
 
 pub fn run_on(config: &TrainConfig, samples: usize) -> Run {
     let data = MarkovSource::new(16, 3, config.seq_len, samples, 1);
-    let mut losses = Vec::new();
-    let mut model_state_bytes = None;
+    let mut steps = Vec::new();
     let model: Llama<Flex> = train::<B>(config, &data, &Default::default(), &mut |m| {
-        losses.push(m.loss);
-        model_state_bytes = m.model_state_bytes;
+        steps.push(*m);
     })
     .unwrap();
     Run {
-        losses,
+        losses: steps.iter().map(|m| m.loss).collect(),
         weights: export(&model),
-        model_state_bytes,
+        model_state_bytes: steps.last().and_then(|m| m.model_state_bytes),
+        steps,
     }
 }
 
 /// Asserts the tolerances above, and prints the largest deviations seen (with `--nocapture`).
 pub fn assert_close(oracle: &Run, other: &Run, what: &str) {
+    assert_within(oracle, other, what, 1e-5, 1e-4);
+}
+
+/// Losses within `loss_rtol` at every step and final weights within `weight_rtol` per tensor
+/// (L2); prints the largest deviations seen.
+pub fn assert_within(oracle: &Run, other: &Run, what: &str, loss_rtol: f64, weight_rtol: f64) {
     assert_eq!(oracle.losses.len(), other.losses.len());
     let (mut worst_loss, mut worst_weight) = (0f64, 0f64);
     for (step, (a, b)) in oracle.losses.iter().zip(&other.losses).enumerate() {
         assert!(
-            (a - b).abs() <= 1e-5 * a.abs(),
+            (a - b).abs() <= loss_rtol * a.abs(),
             "{what}: loss at step {} is {b}, one device has {a}",
             step + 1
         );
@@ -77,7 +84,7 @@ pub fn assert_close(oracle: &Run, other: &Run, what: &str) {
         let diff = norm(&mut a.iter().zip(&b).map(|(x, y)| (x - y) as f64));
         let scale = norm(&mut a.iter().map(|&x| x as f64));
         assert!(
-            diff <= 1e-4 * scale,
+            diff <= weight_rtol * scale,
             "{what}: {name} differs from one device by {:e} relative (L2)",
             diff / scale
         );

@@ -13,6 +13,10 @@ type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 pub type Take<B> = Box<
     dyn Fn(&mut <B as AutodiffBackend>::Gradients) -> Option<Tensor<Inner<B>, 1>> + Send + Sync,
 >;
+/// Takes a parameter's gradient out of gradients gathered by id (an optimizer's input),
+/// flattened.
+pub type TakeParam<B> =
+    Box<dyn Fn(&mut GradientsParams) -> Option<Tensor<Inner<B>, 1>> + Send + Sync>;
 /// Registers a flat gradient for a parameter, in the parameter's own shape.
 pub type Put<B> = Box<dyn Fn(&mut GradientsParams, Tensor<Inner<B>, 1>) + Send + Sync>;
 
@@ -32,6 +36,8 @@ pub struct ParamSlot<B: AutodiffBackend> {
     pub value: Tensor<Inner<B>, 1>,
     /// Removes this parameter's gradient from a backward result, flattened.
     pub take: Take<B>,
+    /// Removes this parameter's gradient from gradients gathered by id, flattened.
+    pub take_param: TakeParam<B>,
     /// Registers a flat gradient for this parameter, in its own shape.
     pub put: Put<B>,
 }
@@ -131,6 +137,9 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Collector<B> {
             device: inner.device(),
             value: inner.reshape([numel]),
             take: Box::new(move |grads| tensor.grad_remove(grads).map(|g| g.reshape([numel]))),
+            take_param: Box::new(move |grads| {
+                grads.remove::<Inner<B>, D>(id).map(|g| g.reshape([numel]))
+            }),
             put: Box::new(move |grads, flat| grads.register(id, flat.reshape(shape))),
         });
     }

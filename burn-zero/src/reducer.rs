@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor};
 use burn_comm::{Communicator, ReduceOp, Work};
@@ -124,8 +125,17 @@ impl<B: AutodiffBackend> Reducer<B> {
     /// After backward: takes the rest (zeros where there is none, so every rank reduces the
     /// same units) and keeps any part that arrived after its parameter was taken.
     pub fn take_remaining(&mut self, grads: &mut B::Gradients) {
+        self.take_each(|slot| (slot.take)(grads));
+    }
+
+    /// Takes every gradient from `grads`, computed outside the engine (a pipeline's).
+    pub fn take_params(&mut self, grads: &mut GradientsParams) {
+        self.take_each(|slot| (slot.take_param)(grads));
+    }
+
+    fn take_each(&mut self, mut take: impl FnMut(&ParamSlot<B>) -> Option<Tensor<Inner<B>, 1>>) {
         for i in 0..self.slots.len() {
-            let grad = (self.slots[i].take)(grads);
+            let grad = take(&self.slots[i]);
             if self.taken[i] {
                 self.late[i] = grad;
             } else {

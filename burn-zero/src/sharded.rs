@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use burn::config::Config;
 use burn::module::AutodiffModule;
-use burn::optim::AdamWConfig;
+use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor};
 use burn_comm::Communicator;
@@ -226,6 +226,44 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
     /// group at once (overlapping backward when [`ZeroConfig::overlap`] is on) and added to
     /// this step's.
     pub fn backward(&mut self, loss: Tensor<B, 1>) -> Result<(), ZeroError> {
+        if !B::is_tracked(&loss) {
+            return Err(ZeroError::Config(
+                "the loss does not depend on any parameter that requires a gradient; compute it from the module's forward".into(),
+            ));
+        }
+        let reducer = self.reducer()?;
+        let loss = match &self.scaler {
+            Some(scaler) => loss * scaler.scale(),
+            None => loss,
+        };
+        let (reduced, late, stats) = reduce(loss, reducer, self.config.overlap)?;
+        self.stats = stats;
+        self.add(reduced, late);
+        Ok(())
+    }
+
+    /// Adds gradients of the replica computed outside the engine (a pipeline's, summed over
+    /// its micro-batches) to this step's, reduced over the group now that they are complete.
+    pub fn add_gradients(&mut self, mut grads: GradientsParams) -> Result<(), ZeroError> {
+        if self.scaler.is_some() {
+            return Err(ZeroError::Config(
+                "gradients from outside the engine were not computed at its loss scale; with f16 loss scaling, run backward through the engine".into(),
+            ));
+        }
+        let mut reducer = self.reducer()?;
+        let waited = Instant::now();
+        reducer.take_params(&mut grads);
+        let (reduced, late) = reducer.finish()?;
+        self.stats = ZeroStepStats {
+            comm_wait: waited.elapsed(),
+            overlapped_units: 0,
+        };
+        self.add(reduced, late);
+        Ok(())
+    }
+
+    /// A reduction of the replica's gradients, at this engine's stage.
+    fn reducer(&self) -> Result<Reducer<B>, ZeroError> {
         let slots = params::trainable::<B, M>(self.module());
         if slots.len() != self.names.len() {
             return Err(ZeroError::Config(format!(
@@ -234,37 +272,30 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
                 slots.len()
             )));
         }
-        if !B::is_tracked(&loss) {
-            return Err(ZeroError::Config(
-                "the loss does not depend on any parameter that requires a gradient; compute it from the module's forward".into(),
-            ));
-        }
         let reduction = match self.stage {
             ZeroStage::OptimizerState => Reduction::Whole,
             _ => Reduction::Part,
         };
-        let reducer = Reducer::new(
+        Ok(Reducer::new(
             slots,
             self.layout.clone(),
             reduction,
             self.config.reduce_dtype(),
             self.comm.clone(),
             self.late.clone(),
-        );
-        let loss = match &self.scaler {
-            Some(scaler) => loss * scaler.scale(),
-            None => loss,
-        };
-        let (reduced, late, stats) = reduce(loss, reducer, self.config.overlap)?;
+        ))
+    }
+
+    /// Adds one reduction's gradients to this step's, and remembers which parameters got late
+    /// parts.
+    fn add(&mut self, reduced: UnitGrads<B>, late: Vec<bool>) {
         for (known, now) in self.late.iter_mut().zip(late) {
             *known |= now;
         }
-        self.stats = stats;
         self.grads = Some(match self.grads.take() {
             None => reduced,
             Some(sum) => sum.into_iter().zip(reduced).map(|(a, b)| a + b).collect(),
         });
-        Ok(())
     }
 
     /// Steps this rank's shard with the gradients of the backwards since the last step, then

@@ -8,19 +8,23 @@ use std::ops::Range;
 use std::time::Instant;
 
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
-use burn::optim::{GradientsParams, Optimizer};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
 use burn_comm::parallel::CommBackend;
 use burn_comm::{CommError, Communicator, ReduceOp};
+use burn_ddp::BackwardHooks;
 use burn_pipeline::{PipelineExecutor, PipelineStage, Schedule, Span, StageOutput, balance};
 use burn_tensor_parallel::TensorParallel;
+use burn_zero::{ShardedDataParallel, ZeroStage};
 use serde::Serialize;
 
 use crate::config::LlamaConfig;
 use crate::model::{Block, Llama, Positions, RmsNorm, embed, head, next_token_loss};
 use crate::tp_stage::TpLlamaStage;
 use crate::train::{Batches, StepMetrics, TrainConfig, TrainError, reduce_scalar};
+use crate::zero::ZeroStep;
 
 /// A run of consecutive blocks, with the embedding if it is the first stage and the final
 /// norm and head if it is the last.
@@ -338,7 +342,7 @@ impl Groups<'_> {
 }
 
 /// Trains this rank's stages of `model` in `groups`.
-pub fn train_rank<B: AutodiffBackend + CommBackend>(
+pub fn train_rank<B: BackwardHooks + CommBackend>(
     config: &TrainConfig,
     data: &dyn crate::data::Dataset,
     model: Llama<B>,
@@ -437,12 +441,12 @@ struct Run<'a, B: AutodiffBackend> {
     device: &'a B::Device,
 }
 
-impl<B: AutodiffBackend> Run<'_, B> {
+impl<B: BackwardHooks> Run<'_, B> {
     /// Trains `chunks`, this rank's stages, for the configured steps; returns them with the
     /// timeline of the last step.
     fn train<S>(
         &self,
-        mut chunks: Vec<S>,
+        chunks: Vec<S>,
         on_step: &mut dyn FnMut(&StepMetrics),
     ) -> Result<(Vec<S>, Vec<Span>), TrainError>
     where
@@ -457,7 +461,7 @@ impl<B: AutodiffBackend> Run<'_, B> {
             device,
         } = *self;
         let (pp, dp) = (groups.pp, groups.dp);
-        let mut optimizer = config.optimizer().init::<B, Vec<S>>();
+        let mut stepper = Stepper::new(chunks, config, dp)?;
         let schedule = config.schedule();
         let tokens = config.batch_size * config.seq_len;
         let started = Instant::now();
@@ -468,15 +472,8 @@ impl<B: AutodiffBackend> Run<'_, B> {
                 .collect();
             pp.barrier()?;
             let begun = Instant::now();
-            let out = executor.step(&chunks, &micro_batches, message, device, begun)?;
-            let mut grads = out.grads;
-            let mut wait = 0.0;
-            if let Some(dp) = dp {
-                let waited = Instant::now();
-                grads = average(grads, &chunks, dp)?;
-                wait = waited.elapsed().as_secs_f64();
-            }
-            chunks = optimizer.step(schedule.lr(step), chunks, grads);
+            let out = executor.step(stepper.chunks(), &micro_batches, message, device, begun)?;
+            let (wait, zero) = stepper.step(out.grads, schedule.lr(step), dp)?;
             // The last stage's rank knows the loss; the sum over the group hands it to all.
             let loss = out.loss.unwrap_or(0.0);
             let mut loss = reduce_scalar::<B::InnerBackend>(pp, loss, ReduceOp::Sum, device)?;
@@ -484,17 +481,103 @@ impl<B: AutodiffBackend> Run<'_, B> {
                 loss = reduce_scalar::<B::InnerBackend>(dp, loss, ReduceOp::Avg, device)?;
             }
             let lr = schedule.lr(step);
-            on_step(&StepMetrics::measure(
-                step,
-                loss,
-                lr,
-                tokens,
-                (begun, started),
-                wait,
-            ));
+            let mut metrics = StepMetrics::measure(step, loss, lr, tokens, (begun, started), wait);
+            if let Some(zero) = zero {
+                zero.fill(&mut metrics);
+            }
+            on_step(&metrics);
             spans = out.spans;
         }
-        Ok((chunks, spans))
+        Ok((stepper.into_chunks()?, spans))
+    }
+}
+
+/// How a pipeline rank steps its chunks: burn's AdamW on gradients averaged over the
+/// replicas, or ZeRO-1, whose optimizer state is sharded over them.
+enum Stepper<B: BackwardHooks, S: AutodiffModule<B>> {
+    Replicated {
+        chunks: Vec<S>,
+        optimizer: OptimizerAdaptor<AdamW, Vec<S>, B>,
+    },
+    Zero(Box<ShardedDataParallel<B, Vec<S>>>),
+}
+
+impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
+    fn new(
+        chunks: Vec<S>,
+        config: &TrainConfig,
+        dp: Option<&Communicator>,
+    ) -> Result<Self, TrainError> {
+        Ok(match (config.zero, dp) {
+            (ZeroStage::Replicated, _) => Self::Replicated {
+                chunks,
+                optimizer: config.optimizer().init::<B, Vec<S>>(),
+            },
+            (stage, Some(dp)) => Self::Zero(Box::new(ShardedDataParallel::new(
+                chunks,
+                dp.clone(),
+                stage,
+                &config.optimizer(),
+                config.zero_config.clone(),
+            )?)),
+            (_, None) => {
+                return Err(TrainError::Config(
+                    "ZeRO shards over the data-parallel group; use --strategy ddp".into(),
+                ));
+            }
+        })
+    }
+
+    fn chunks(&self) -> &Vec<S> {
+        match self {
+            Self::Replicated { chunks, .. } => chunks,
+            Self::Zero(zero) => zero.module(),
+        }
+    }
+
+    /// Steps with the pipeline's gradients, reduced over `dp` first; returns the time spent
+    /// reducing and, under ZeRO, what it adds to the metrics.
+    fn step(
+        &mut self,
+        grads: GradientsParams,
+        lr: f64,
+        dp: Option<&Communicator>,
+    ) -> Result<(f64, Option<ZeroStep>), TrainError> {
+        match self {
+            Self::Replicated { chunks, optimizer } => {
+                let mut grads = grads;
+                let mut wait = 0.0;
+                if let Some(dp) = dp {
+                    let waited = Instant::now();
+                    grads = average(grads, chunks, dp)?;
+                    wait = waited.elapsed().as_secs_f64();
+                }
+                *chunks = optimizer.step(lr, std::mem::take(chunks), grads);
+                Ok((wait, None))
+            }
+            Self::Zero(zero) => {
+                zero.add_gradients(grads)?;
+                let wait = zero.stats().comm_wait.as_secs_f64();
+                let loss_scale = zero.loss_scale();
+                let outcome = zero.step(lr)?;
+                let bytes = zero.memory().total();
+                Ok((
+                    wait,
+                    Some(ZeroStep {
+                        bytes,
+                        loss_scale,
+                        outcome,
+                    }),
+                ))
+            }
+        }
+    }
+
+    fn into_chunks(self) -> Result<Vec<S>, TrainError> {
+        match self {
+            Self::Replicated { chunks, .. } => Ok(chunks),
+            Self::Zero(zero) => Ok(zero.master_module()?),
+        }
     }
 }
 

@@ -181,9 +181,15 @@ impl TrainConfig {
                     self.zero.number()
                 )));
             }
-            if self.pp > 1 {
+            if self.pp > 1 && self.zero != ZeroStage::OptimizerState {
+                return Err(TrainError::Config(format!(
+                    "--zero {} with --pp: the pipeline holds each stage's whole gradient until its last micro-batch, so only ZeRO-1 helps there (as in DeepSpeed); use --zero 1",
+                    self.zero.number()
+                )));
+            }
+            if self.pp > 1 && self.zero_config.precision.is_some() {
                 return Err(TrainError::Config(
-                    "--zero does not compose with --pp yet; use --zero with --dp and --tp".into(),
+                    "--dtype bf16 and f16 do not compose with --pp yet (the pipeline sends fp32 activations); use --dtype f32 with --pp".into(),
                 ));
             }
         } else if self.zero_config.precision.is_some() {

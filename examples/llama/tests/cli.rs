@@ -198,7 +198,7 @@ fn plan_prints_every_stage_of_the_papers_example() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 19] = [
+    let cases: [(&[&str], &str); 20] = [
         (
             &[
                 "train",
@@ -268,8 +268,12 @@ fn bad_input_gets_a_sentence() {
             "use it with --dtype bf16 or f16",
         ),
         (
-            &["train", "--dp", "2", "--zero", "1", "--pp", "2"],
-            "does not compose with --pp yet",
+            &["train", "--dp", "2", "--zero", "2", "--pp", "2"],
+            "only ZeRO-1 helps there",
+        ),
+        (
+            &["train", "--zero", "1", "--pp", "2", "--dtype", "bf16"],
+            "do not compose with --pp yet",
         ),
         (
             &[

@@ -1,7 +1,8 @@
 //! ZeRO against the oracle: `tiny` trained 20 steps with ZeRO-1, 2 and 3 at dp 2 and 4, with
 //! gradient accumulation, and on a dp 2 x tp 2 mesh (with and without sequence parallelism),
-//! against one device and against DDP; and the model-state bytes each rank reports against the
-//! paper's formulas.
+//! against one device and against DDP; ZeRO-1 under pipeline parallelism against the
+//! replicated pipeline; and the model-state bytes each rank reports against the paper's
+//! formulas.
 //!
 //! Tolerances are in `common`. Against DDP the comparison is exact: every element is averaged
 //! in the same rank order and stepped by the same elementwise AdamW, and ZeRO-3's recomputed
@@ -79,6 +80,36 @@ fn tensor_parallel_replicas_match_one_device() {
             if sp { " sp" } else { "" }
         );
         assert_close(&oracle, &run(&config), &what);
+    }
+}
+
+#[test]
+fn zero_1_under_a_pipeline_matches_one_device_and_the_replicated_pipeline() {
+    let mut base = config(Strategy::Single, 1);
+    base.grad_accum = Some(2);
+    let oracle = run(&base);
+    for tp in [1, 2] {
+        let mut replicated = config(Strategy::Ddp, 2);
+        replicated.grad_accum = Some(2);
+        replicated.pp = 2;
+        replicated.tp = tp;
+        let mut sharded = replicated.clone();
+        sharded.zero = ZeroStage::OptimizerState;
+        let what = format!("zero 1 dp 2 x pp 2 x tp {tp}");
+        let (replicated, sharded) = (run(&replicated), run(&sharded));
+        assert_close(&oracle, &sharded, &what);
+        assert_eq!(
+            replicated.losses, sharded.losses,
+            "{what}: losses equal the pipeline's"
+        );
+        assert!(
+            replicated.weights == sharded.weights,
+            "{what}: weights equal the pipeline's"
+        );
+        assert!(
+            sharded.model_state_bytes.is_some(),
+            "{what}: bytes reported"
+        );
     }
 }
 

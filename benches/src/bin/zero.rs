@@ -3,6 +3,9 @@
 //! estimate for the same parameter count, and the process's measured peak of live memory per
 //! rank (everything: model state, activations, communication buffers).
 //!
+//! With `--mixed`, ZeRO-1, 2 and 3 also run in bf16 (fp32 master weights in the shards), against
+//! the paper's 16-bit estimate.
+//!
 //! Runs are repeated in interleaved rounds (`--repeats`) so that drift of the machine's speed
 //! hits every configuration alike.
 //!
@@ -11,7 +14,7 @@
 use benches::median;
 use benches::memory::{CountingAllocator, live_bytes, peak_bytes, reset_peak};
 use burn::backend::{Autodiff, Flex};
-use burn_zero::{Precision, ZeroStage, estimate};
+use burn_zero::{MixedPrecision, Precision, ZeroStage, estimate};
 use clap::Parser;
 use llama::data::MarkovSource;
 use llama::train::{StepMetrics, Strategy, TrainConfig, train};
@@ -44,6 +47,9 @@ struct Args {
     /// Rounds over all configurations; the medians pool the rounds.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// Also run every ZeRO stage in bf16 mixed precision.
+    #[arg(long)]
+    mixed: bool,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/zero.json")]
     json: String,
@@ -71,14 +77,15 @@ fn main() {
     let params = model.num_params() as u64;
     let data = MarkovSource::new(16, 3, args.seq_len, 1 << 16, 1);
     println!(
-        "{} ({:.1}M parameters), dp {}, {} x {} tokens per step, {} steps per run ({} not counted), fp32",
+        "{} ({:.1}M parameters), dp {}, {} x {} tokens per step, {} steps per run ({} not counted), fp32{}",
         args.model,
         params as f64 / 1e6,
         args.dp,
         args.batch_size,
         args.seq_len,
         args.steps,
-        args.warmup
+        args.warmup,
+        if args.mixed { " and bf16" } else { "" }
     );
     let base = |strategy, dp, stage| {
         let mut config = TrainConfig::new(model.clone(), args.steps);
@@ -99,6 +106,16 @@ fn main() {
             _ => format!("ZeRO-{}, {} ranks", stage.number(), args.dp),
         };
         runs.push((name, base(Strategy::Ddp, args.dp, stage)));
+    }
+    if args.mixed {
+        for stage in &ZeroStage::ALL[1..] {
+            let mut config = base(Strategy::Ddp, args.dp, *stage);
+            config.zero_config = config
+                .zero_config
+                .with_precision(Some(MixedPrecision::bf16()));
+            let name = format!("ZeRO-{} bf16, {} ranks", stage.number(), args.dp);
+            runs.push((name, config));
+        }
     }
 
     let mut steps: Vec<Vec<f64>> = vec![Vec::new(); runs.len()];
@@ -123,7 +140,7 @@ fn main() {
     let ddp_step = median(steps[1].iter().copied());
     let mb = |bytes: usize| bytes as f64 / 1e6;
     println!(
-        "\n{:<22} {:>9} {:>8} {:>16} {:>13} {:>8} {:>14}",
+        "\n{:<26} {:>9} {:>8} {:>16} {:>13} {:>8} {:>14}",
         "run", "step (s)", "vs DDP", "model state MB", "estimate MB", "ratio", "peak MB/rank"
     );
     let mut rows = Vec::new();
@@ -134,7 +151,11 @@ fn main() {
         } else {
             config.zero
         };
-        let estimated = estimate(params, config.dp, stage, Precision::F32).total();
+        let precision = match config.zero_config.precision {
+            Some(_) => Precision::HALF,
+            None => Precision::F32,
+        };
+        let estimated = estimate(params, config.dp, stage, precision).total();
         let peak = median(peaks[i].iter().map(|&p| p as f64)) / config.dp as f64;
         let row = Row {
             name: name.clone(),
@@ -146,7 +167,7 @@ fn main() {
             peak_per_rank_mb: peak / 1e6,
         };
         println!(
-            "{:<22} {:>9.3} {:>8.2} {:>16} {:>13.1} {:>8} {:>14.1}",
+            "{:<26} {:>9.3} {:>8.2} {:>16} {:>13.1} {:>8} {:>14.1}",
             row.name,
             row.step_s,
             row.vs_ddp,

@@ -117,11 +117,7 @@ where
             .map(|(part, unit)| cast(part, unit.dtype))
             .collect();
         let optimizer = PlacedAdamW::new(optimizer, config.offload, master);
-        let scaler = config
-            .precision
-            .as_ref()
-            .and_then(|p| p.loss_scale.clone())
-            .map(LossScaler::new);
+        let scaler = config.loss_scaler();
         Ok(Self {
             skeletons: units.into_iter().map(empty).collect(),
             shapes,

@@ -62,6 +62,12 @@ impl ZeroConfig {
         Ok(())
     }
 
+    /// The dynamic loss scale's starting state, under f16 loss scaling.
+    pub(crate) fn loss_scaler(&self) -> Option<LossScaler> {
+        let precision = self.precision.as_ref()?;
+        precision.loss_scale.clone().map(LossScaler::new)
+    }
+
     /// The dtype gradients are reduced in, if not their own.
     pub(crate) fn reduce_dtype(&self) -> Option<DType> {
         self.precision.as_ref().map(MixedPrecision::reduce_dtype)
@@ -163,11 +169,7 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         });
         drop(trainable);
         let optimizer = PlacedAdamW::new(optimizer, config.offload, master);
-        let scaler = config
-            .precision
-            .as_ref()
-            .and_then(|p| p.loss_scale.clone())
-            .map(LossScaler::new);
+        let scaler = config.loss_scaler();
         Ok(Self {
             module: Some(module),
             scaler,
@@ -358,7 +360,7 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
     /// widened to fp32: for export. All-gathers, so every rank calls it. Without mixed
     /// precision, the replica as it is.
     pub fn master_module(&self) -> Result<M, ZeroError> {
-        let device = self.layout_device();
+        let device = params::slots::<B, M>(self.module())[0].device.clone();
         let Some(master) = self.optimizer.master(&device) else {
             return Ok(self.module().clone());
         };
@@ -368,10 +370,6 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             values,
             Some(DType::F32),
         ))
-    }
-
-    fn layout_device(&self) -> burn::tensor::Device<Inner<B>> {
-        params::slots::<B, M>(self.module())[0].device.clone()
     }
 
     /// Every trainable parameter's value from this rank's fp32 `shard`, all-gathered unit by

@@ -558,17 +558,7 @@ impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
             Self::Zero(zero) => {
                 zero.add_gradients(grads)?;
                 let wait = zero.stats().comm_wait.as_secs_f64();
-                let loss_scale = zero.loss_scale();
-                let outcome = zero.step(lr)?;
-                let bytes = zero.memory().total();
-                Ok((
-                    wait,
-                    Some(ZeroStep {
-                        bytes,
-                        loss_scale,
-                        outcome,
-                    }),
-                ))
+                Ok((wait, Some(ZeroStep::sharded(zero, lr)?)))
             }
         }
     }

@@ -37,6 +37,20 @@ pub(crate) struct ZeroStep {
 }
 
 impl ZeroStep {
+    /// Steps `zero` and records what the step did.
+    pub fn sharded<B: BackwardHooks, M: AutodiffModule<B>>(
+        zero: &mut ShardedDataParallel<B, M>,
+        lr: f64,
+    ) -> Result<Self, TrainError> {
+        let loss_scale = zero.loss_scale();
+        let outcome = zero.step(lr)?;
+        Ok(Self {
+            bytes: zero.memory().total(),
+            loss_scale,
+            outcome,
+        })
+    }
+
     pub fn fill(&self, metrics: &mut StepMetrics) {
         metrics.model_state_bytes = Some(self.bytes);
         metrics.loss_scale = self.loss_scale;
@@ -74,15 +88,8 @@ pub(crate) fn train_sharded<B: BackwardHooks, M: Trainable<B>>(
             zero.backward(loss)?;
             wait += zero.stats().comm_wait.as_secs_f64();
         }
-        let loss_scale = zero.loss_scale();
-        let outcome = zero.step(schedule.lr(step))?;
+        let zero_step = ZeroStep::sharded(&mut zero, schedule.lr(step))?;
         let loss = reduce_scalar::<B::InnerBackend>(comm, loss_sum, ReduceOp::Avg, device)?;
-        let bytes = zero.memory().total();
-        let zero_step = ZeroStep {
-            bytes,
-            loss_scale,
-            outcome,
-        };
         report(step, loss, begun, wait, Some(zero_step));
     }
     Ok(zero.master_module()?)

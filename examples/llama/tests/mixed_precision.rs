@@ -18,17 +18,10 @@ use common::*;
 use llama::train::{Strategy, TrainConfig};
 
 fn mixed(dp: usize, stage: ZeroStage, precision: MixedPrecision) -> TrainConfig {
-    let mut config = config(Strategy::Ddp, dp);
-    config.zero = stage;
+    let mut config = zero(&config(Strategy::Single, 1), dp, stage);
     config.zero_config = config.zero_config.with_precision(Some(precision));
     config
 }
-
-const STAGES: [ZeroStage; 3] = [
-    ZeroStage::OptimizerState,
-    ZeroStage::Gradients,
-    ZeroStage::Parameters,
-];
 
 #[test]
 fn bf16_and_f16_track_fp32_and_every_stage_computes_the_same_bits() {

@@ -12,21 +12,7 @@ mod common;
 
 use burn_zero::{Precision, ZeroStage, estimate};
 use common::*;
-use llama::train::{Strategy, TrainConfig};
-
-fn zero(base: &TrainConfig, dp: usize, stage: ZeroStage) -> TrainConfig {
-    let mut config = base.clone();
-    config.strategy = Strategy::Ddp;
-    config.dp = dp;
-    config.zero = stage;
-    config
-}
-
-const STAGES: [ZeroStage; 3] = [
-    ZeroStage::OptimizerState,
-    ZeroStage::Gradients,
-    ZeroStage::Parameters,
-];
+use llama::train::Strategy;
 
 #[test]
 fn every_stage_matches_one_device_and_ddp_at_dp_2_and_4() {

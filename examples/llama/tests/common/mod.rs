@@ -12,6 +12,7 @@
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::TensorData;
+use burn_zero::ZeroStage;
 use llama::data::MarkovSource;
 use llama::hf::export;
 use llama::train::{StepMetrics, Strategy, TrainConfig, train};
@@ -35,6 +36,22 @@ pub fn config(strategy: Strategy, dp: usize) -> TrainConfig {
     config.warmup_steps = 5;
     config.strategy = strategy;
     config.dp = dp;
+    config
+}
+
+/// The ZeRO stages, 1 to 3.
+pub const STAGES: [ZeroStage; 3] = [
+    ZeroStage::OptimizerState,
+    ZeroStage::Gradients,
+    ZeroStage::Parameters,
+];
+
+/// `base` under ZeRO `stage` on `dp` data-parallel ranks.
+pub fn zero(base: &TrainConfig, dp: usize, stage: ZeroStage) -> TrainConfig {
+    let mut config = base.clone();
+    config.strategy = Strategy::Ddp;
+    config.dp = dp;
+    config.zero = stage;
     config
 }
 

@@ -4,7 +4,8 @@
 //! burn has no backward that starts from a given output gradient, so a stage's backward is the
 //! backward of `sum(output * received_gradient)`, whose gradient with respect to the output is
 //! exactly the received one. The last stage backward its loss divided by the number of
-//! micro-batches, as gradient accumulation on one device does.
+//! micro-batches, as gradient accumulation on one device does, and multiplied by the step's
+//! loss scale (f16 training), so every gradient sent between stages is scaled too.
 //!
 //! Zero-bubble's two halves: the input half runs backward through a forward made with the
 //! weights frozen, so burn computes no weight gradient; the weight half runs the forward again
@@ -17,7 +18,7 @@ use std::time::Instant;
 use burn::module::{AutodiffModule, ModuleMapper, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Tensor};
+use burn::tensor::{DType, ElementConversion, Tensor};
 use burn_comm::Communicator;
 
 use crate::PipelineError;
@@ -50,11 +51,28 @@ pub enum StageOutput<B: Backend> {
     Loss(Tensor<B, 1>),
 }
 
+/// What crosses between stages: every activation, and so every gradient of one, has this
+/// shape and dtype (that of the chunks' parameters under mixed precision).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Message {
+    /// `[micro-batch, sequence, hidden]` as the stages send it.
+    pub shape: [usize; 3],
+    /// The activations' dtype.
+    pub dtype: DType,
+}
+
+impl Message {
+    /// Activations shaped `shape`, of `dtype`.
+    pub fn new(shape: [usize; 3], dtype: DType) -> Self {
+        Self { shape, dtype }
+    }
+}
+
 /// What one rank got out of a step.
 #[derive(Debug)]
 pub struct StepOutput {
     /// Gradients of this rank's chunks, summed over micro-batches (each loss divided by their
-    /// number).
+    /// number), times the step's loss scale.
     pub grads: GradientsParams,
     /// The mean loss over the micro-batches, on the rank that holds the last stage.
     pub loss: Option<f64>,
@@ -146,18 +164,26 @@ impl PipelineExecutor {
     }
 
     /// Runs one step: `chunks[c]` is this rank's chunk `c`, `batches[mb]` micro-batch `mb`,
-    /// and every activation (and so every gradient) sent between stages is shaped `message`.
-    /// Span times count from `origin`.
+    /// and every activation (and so every gradient) sent between stages is `message`. The
+    /// losses are multiplied by `loss_scale` before their backward (1 without loss scaling);
+    /// the reported loss is not. Span times count from `origin`.
     pub fn step<B: AutodiffBackend, M: PipelineStage<B>>(
         &self,
         chunks: &[M],
         batches: &[M::Batch],
-        message: [usize; 3],
+        message: Message,
+        loss_scale: f64,
         device: &B::Device,
         origin: Instant,
     ) -> Result<StepOutput, M::Error> {
         let schedule = &self.schedule;
         let (rank, m) = (self.comm.rank(), schedule.micro_batches);
+        if !(loss_scale.is_finite() && loss_scale > 0.0) {
+            return Err(PipelineError::Config(format!(
+                "the loss scale must be a positive finite number, not {loss_scale}"
+            ))
+            .into());
+        }
         if chunks.len() != schedule.virtual_stages || batches.len() != m {
             return Err(PipelineError::Config(format!(
                 "rank {rank} got {} chunk(s) and {} micro-batch(es); the schedule needs {} and {m}",
@@ -200,7 +226,7 @@ impl PipelineExecutor {
         let target = |output: StageOutput<B>,
                       grad: Option<Tensor<Inner<B>, 3>>,
                       action: &Action| match (output, grad) {
-            (StageOutput::Loss(loss), _) => Ok(loss / m as f64),
+            (StageOutput::Loss(loss), _) => Ok(loss * loss_scale / m as f64),
             (StageOutput::Activation(y), Some(g)) => Ok((y * Tensor::from_inner(g)).sum()),
             (StageOutput::Activation(_), None) => {
                 Err(missing(action, "the gradient of its output"))
@@ -437,7 +463,7 @@ impl<B: Backend> Inbox<B> {
         comm: &Communicator,
         peer: usize,
         want: (Kind, usize, usize),
-        shape: [usize; 3],
+        message: Message,
         device: &B::Device,
     ) -> Result<Tensor<B, 3>, PipelineError> {
         if let Some(tensor) = self.early.remove(&want) {
@@ -454,7 +480,7 @@ impl<B: Backend> Inbox<B> {
                         comm.rank()
                     ))
                 })?;
-            let tensor: Tensor<B, 3> = comm.recv(peer, shape, device)?;
+            let tensor: Tensor<B, 3> = comm.recv(peer, message.shape, (device, message.dtype))?;
             if next == want {
                 return Ok(tensor);
             }

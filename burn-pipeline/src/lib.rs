@@ -25,7 +25,7 @@ pub mod split;
 mod svg;
 
 pub use error::PipelineError;
-pub use executor::{PipelineExecutor, PipelineStage, StageOutput, StepOutput};
+pub use executor::{Message, PipelineExecutor, PipelineStage, StageOutput, StepOutput};
 pub use schedule::{
     Action, Kind, Schedule, ScheduleKind, gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1,
 };

@@ -1,6 +1,7 @@
 //! The executor against one device: a chain of `tanh(x W)` layers with a squared-error loss,
 //! cut into stages, gives the same loss and the same weight gradients as the whole chain
-//! trained with gradient accumulation, under every schedule, with and without recompute.
+//! trained with gradient accumulation, under every schedule, with and without recompute; in
+//! bf16 as in fp32, and under a loss scale.
 
 use std::time::Instant;
 
@@ -8,9 +9,10 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
 use burn_pipeline::{
-    PipelineError, PipelineExecutor, PipelineStage, Schedule, ScheduleKind, StageOutput, balance,
+    Message, PipelineError, PipelineExecutor, PipelineStage, Schedule, ScheduleKind, StageOutput,
+    balance,
 };
 
 type B = Autodiff<Flex>;
@@ -71,40 +73,57 @@ fn weights(layers: usize) -> Vec<Vec<f32>> {
         .collect()
 }
 
-fn batches(micro_batches: usize) -> Vec<Batch> {
+fn batches(micro_batches: usize, dtype: DType) -> Vec<Batch> {
     let device = Default::default();
     let tensor = |seed: usize| {
         let values: Vec<f32> = (0..MICRO * SEQ * HIDDEN)
             .map(|i| (((seed * 13 + i * 7) % 19) as f32 / 19.0 - 0.5) * 2.0)
             .collect();
         Tensor::<B, 3>::from_data(TensorData::new(values, [MICRO, SEQ, HIDDEN]), &device)
+            .cast(dtype)
     };
     (0..micro_batches)
         .map(|mb| (tensor(2 * mb), tensor(2 * mb + 1)))
         .collect()
 }
 
-fn param(values: &[f32]) -> Param<Tensor<B, 2>> {
-    Param::from_tensor(Tensor::from_data(
+fn param(values: &[f32], dtype: DType) -> Param<Tensor<B, 2>> {
+    let tensor: Tensor<B, 2> = Tensor::from_data(
         TensorData::new(values.to_vec(), [HIDDEN, HIDDEN]),
         &Default::default(),
-    ))
+    );
+    Param::from_tensor(tensor.cast(dtype))
 }
 
 fn values(tensor: Tensor<Inner, 2>) -> Vec<f32> {
-    tensor.into_data().to_vec().unwrap()
+    tensor.into_data().convert::<f32>().to_vec().unwrap()
 }
 
-/// Loss and per-layer gradients of the whole chain on one device.
-fn reference(layers: usize, micro_batches: usize) -> (f64, Vec<Vec<f32>>) {
+/// How a pipelined run computes: its parameters' and inputs' dtype, the dtype its receivers
+/// expect, and its loss scale.
+#[derive(Clone, Copy)]
+struct Numerics {
+    dtype: DType,
+    message: DType,
+    loss_scale: f64,
+}
+
+const FP32: Numerics = Numerics {
+    dtype: DType::F32,
+    message: DType::F32,
+    loss_scale: 1.0,
+};
+
+/// Loss and per-layer gradients of the whole chain on one device, in `dtype`.
+fn reference(layers: usize, micro_batches: usize, dtype: DType) -> (f64, Vec<Vec<f32>>) {
     let chain = Chain {
-        layers: weights(layers).iter().map(|w| param(w)).collect(),
+        layers: weights(layers).iter().map(|w| param(w, dtype)).collect(),
         first: true,
         last: true,
     };
     let mut accumulator = GradientsAccumulator::new();
     let mut loss_sum = 0.0;
-    for batch in batches(micro_batches) {
+    for batch in batches(micro_batches, dtype) {
         let StageOutput::Loss(loss) = chain.forward(None, &batch).unwrap() else {
             unreachable!()
         };
@@ -129,7 +148,8 @@ fn pipelined(
     layers: usize,
     micro_batches: usize,
     recompute: bool,
-) -> (f64, Vec<Vec<f32>>) {
+    numerics: Numerics,
+) -> Result<(f64, Vec<Vec<f32>>), PipelineError> {
     let ranges = balance(&vec![1.0; layers], ranks * virtual_stages, 0.0, 0.0).unwrap();
     let stages = ranges.len();
     let origin = Instant::now();
@@ -142,15 +162,19 @@ fn pipelined(
             .stages()
             .into_iter()
             .map(|s| Chain {
-                layers: all[ranges[s].clone()].iter().map(|w| param(w)).collect(),
+                layers: all[ranges[s].clone()]
+                    .iter()
+                    .map(|w| param(w, numerics.dtype))
+                    .collect(),
                 first: s == 0,
                 last: s + 1 == stages,
             })
             .collect();
         let out = executor.step(
             &chunks,
-            &batches(micro_batches),
-            [MICRO, SEQ, HIDDEN],
+            &batches(micro_batches, numerics.dtype),
+            Message::new([MICRO, SEQ, HIDDEN], numerics.message),
+            numerics.loss_scale,
             &Default::default(),
             origin,
         )?;
@@ -173,13 +197,34 @@ fn pipelined(
     let mut loss = None;
     let mut per_layer = vec![Vec::new(); layers];
     for result in results {
-        let (rank_loss, grads) = result.unwrap_or_else(|e| panic!("{e}"));
+        let (rank_loss, grads) = result.map_err(|e| PipelineError::Config(e.to_string()))?;
         loss = loss.or(rank_loss);
         for (layer, grad) in grads {
             per_layer[layer] = grad;
         }
     }
-    (loss.expect("the last stage reports the loss"), per_layer)
+    Ok((loss.expect("the last stage reports the loss"), per_layer))
+}
+
+/// [`pipelined`] in fp32, unscaled.
+fn pipelined_fp32(
+    kind: ScheduleKind,
+    ranks: usize,
+    virtual_stages: usize,
+    layers: usize,
+    micro_batches: usize,
+    recompute: bool,
+) -> (f64, Vec<Vec<f32>>) {
+    pipelined(
+        kind,
+        ranks,
+        virtual_stages,
+        layers,
+        micro_batches,
+        recompute,
+        FP32,
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn assert_matches(what: &str, got: (f64, Vec<Vec<f32>>), want: &(f64, Vec<Vec<f32>>)) {
@@ -204,7 +249,7 @@ fn assert_matches(what: &str, got: (f64, Vec<Vec<f32>>), want: &(f64, Vec<Vec<f3
 fn every_schedule_gives_the_gradients_of_one_device() {
     let micro_batches = 4;
     let layers = 8;
-    let want = reference(layers, micro_batches);
+    let want = reference(layers, micro_batches, DType::F32);
     let cases = [
         (ScheduleKind::Gpipe, 2, 1),
         (ScheduleKind::OneFOneB, 2, 1),
@@ -218,7 +263,7 @@ fn every_schedule_gives_the_gradients_of_one_device() {
     for (kind, ranks, v) in cases {
         for recompute in [false, true] {
             let what = format!("{kind} pp {ranks} v {v} recompute {recompute}");
-            let got = pipelined(kind, ranks, v, layers, micro_batches, recompute);
+            let got = pipelined_fp32(kind, ranks, v, layers, micro_batches, recompute);
             assert_matches(&what, got, &want);
         }
     }
@@ -235,4 +280,84 @@ fn bad_layouts_are_refused() {
         error.contains("2 pipeline ranks but the group has 3"),
         "{error}"
     );
+}
+
+#[test]
+fn bf16_stages_send_bf16_and_give_the_bits_of_one_device() {
+    let (layers, micro_batches) = (8, 4);
+    let want = reference(layers, micro_batches, DType::BF16);
+    let bf16 = Numerics {
+        dtype: DType::BF16,
+        message: DType::BF16,
+        loss_scale: 1.0,
+    };
+    for (kind, ranks, v) in [
+        (ScheduleKind::OneFOneB, 2, 1),
+        (ScheduleKind::Interleaved, 2, 2),
+        (ScheduleKind::ZeroBubbleH1, 4, 1),
+    ] {
+        let got = pipelined(kind, ranks, v, layers, micro_batches, false, bf16)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(got, want, "bf16 {kind} pp {ranks} v {v}");
+    }
+    // Stages that send bf16 to a receiver expecting fp32 are named, not misread.
+    let expects_fp32 = Numerics {
+        message: DType::F32,
+        ..bf16
+    };
+    let error = pipelined(
+        ScheduleKind::OneFOneB,
+        2,
+        1,
+        layers,
+        micro_batches,
+        false,
+        expects_fp32,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("BF16") && error.contains("F32"), "{error}");
+}
+
+#[test]
+fn a_loss_scale_scales_every_gradient_exactly_and_not_the_loss() {
+    let (layers, micro_batches) = (8, 4);
+    let scale = 2f64.powi(10);
+    let scaled = Numerics {
+        loss_scale: scale,
+        ..FP32
+    };
+    for (kind, ranks, v) in [
+        (ScheduleKind::Gpipe, 2, 1),
+        (ScheduleKind::ZeroBubbleH1, 4, 1),
+    ] {
+        let run = |numerics| {
+            pipelined(kind, ranks, v, layers, micro_batches, false, numerics)
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let (plain, got) = (run(FP32), run(scaled));
+        assert_eq!(got.0, plain.0, "{kind}: the reported loss is unscaled");
+        for (layer, (g, p)) in got.1.iter().zip(&plain.1).enumerate() {
+            let times: Vec<f32> = p.iter().map(|x| x * scale as f32).collect();
+            assert_eq!(
+                g, &times,
+                "{kind}: layer {layer} gradient, times 2^10 exactly"
+            );
+        }
+    }
+    let error = pipelined(
+        ScheduleKind::Gpipe,
+        2,
+        1,
+        layers,
+        micro_batches,
+        false,
+        Numerics {
+            loss_scale: 0.0,
+            ..FP32
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("loss scale"), "{error}");
 }

@@ -246,11 +246,18 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
 
     /// Adds gradients of the replica computed outside the engine (a pipeline's, summed over
     /// its micro-batches) to this step's, reduced over the group now that they are complete.
-    pub fn add_gradients(&mut self, mut grads: GradientsParams) -> Result<(), ZeroError> {
-        if self.scaler.is_some() {
-            return Err(ZeroError::Config(
-                "gradients from outside the engine were not computed at its loss scale; with f16 loss scaling, run backward through the engine".into(),
-            ));
+    /// `loss_scale` is what the loss was multiplied by before their backward: it must be this
+    /// engine's [`loss_scale`](Self::loss_scale), or 1 without loss scaling.
+    pub fn add_gradients(
+        &mut self,
+        mut grads: GradientsParams,
+        loss_scale: f64,
+    ) -> Result<(), ZeroError> {
+        let expected = self.loss_scale().unwrap_or(1.0);
+        if loss_scale != expected {
+            return Err(ZeroError::Config(format!(
+                "the gradients were computed at loss scale {loss_scale} but the engine's is {expected}; multiply the loss by loss_scale() before the backward"
+            )));
         }
         let mut reducer = self.reducer()?;
         let waited = Instant::now();

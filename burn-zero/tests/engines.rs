@@ -454,3 +454,41 @@ fn an_f16_overflow_on_one_rank_skips_the_step_on_every_rank_and_backs_the_scale_
     assert!(outcomes.contains(&StepOutcome::Applied), "{outcomes:?}");
     assert!(changed, "the applied steps moved the weights");
 }
+
+#[test]
+fn gradients_from_outside_at_the_engines_loss_scale_match_its_own_backward() {
+    let config = ZeroConfig::new()
+        .with_overlap(false)
+        .with_precision(Some(MixedPrecision::f16()));
+    let results = launch(2, |ctx| {
+        let comm = ctx.world().clone();
+        let stage = ZeroStage::OptimizerState;
+        let new =
+            || ShardedDataParallel::new(Net::new(), comm.clone(), stage, &adamw(), config.clone());
+        let (mut inside, mut outside) = (new()?, new()?);
+        let mut outcomes = Vec::new();
+        for step in 0..6 {
+            let x = || batch(ctx.rank(), step).cast(DType::F16);
+            inside.backward(inside.module().loss(x(), true))?;
+            let scale = outside.loss_scale().expect("f16 scales its loss");
+            let grads = (outside.module().loss(x(), true) * scale).backward();
+            let grads = GradientsParams::from_grads(grads, outside.module());
+            if step == 0 {
+                let unscaled = outside.add_gradients(GradientsParams::new(), 1.0);
+                let refused = unscaled.unwrap_err().to_string();
+                assert!(refused.contains("loss scale 1"), "{refused}");
+            }
+            outside.add_gradients(grads, scale)?;
+            let outcome = inside.step(0.01)?;
+            assert_eq!(outside.step(0.01)?, outcome, "step {step}");
+            outcomes.push(outcome);
+        }
+        // 2^16 overflows this net's f16 gradients at first: both skip, then both apply.
+        assert!(outcomes.contains(&StepOutcome::Applied), "{outcomes:?}");
+        Ok::<_, ZeroError>((weights(inside.module()), weights(outside.module())))
+    });
+    for result in results {
+        let (inside, outside) = result.unwrap();
+        assert_eq!(inside, outside);
+    }
+}

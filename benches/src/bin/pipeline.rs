@@ -24,9 +24,10 @@ use benches::memory::{
 use benches::{median, token_batch};
 use burn::backend::{Autodiff, Flex};
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
+use burn::tensor::DType;
 use burn_comm::{Communicator, launch};
 use burn_pipeline::{
-    Costs, Kind, PipelineExecutor, Schedule, ScheduleKind, Span, Timeline, simulate,
+    Costs, Kind, Message, PipelineExecutor, Schedule, ScheduleKind, Span, Timeline, simulate,
 };
 use clap::Parser;
 use llama::data::MarkovSource;
@@ -439,7 +440,10 @@ fn pipeline_rank(
         .collect();
     drop(stages);
     let mut optimizer = AdamWConfig::new().init::<B, Vec<LlamaStage<B>>>();
-    let message = [args.batch_size / m, args.seq_len, config.hidden_size];
+    let message = Message::new(
+        [args.batch_size / m, args.seq_len, config.hidden_size],
+        DType::F32,
+    );
     let mut measured = RankRun {
         step_s: Vec::new(),
         spans: Vec::new(),
@@ -453,7 +457,7 @@ fn pipeline_rank(
         let before = slot_live_bytes(slot);
         comm.barrier()?;
         let begun = Instant::now();
-        let out = executor.step(&chunks, &batches, message, &device, origin)?;
+        let out = executor.step(&chunks, &batches, message, 1.0, &device, origin)?;
         let activation = measured_since(slot, before);
         chunks = optimizer.step(1e-3, chunks, out.grads);
         comm.barrier()?;

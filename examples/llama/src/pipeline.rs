@@ -11,11 +11,13 @@ use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{DType, Int, Tensor};
 use burn_comm::parallel::CommBackend;
 use burn_comm::{CommError, Communicator, ReduceOp};
 use burn_ddp::BackwardHooks;
-use burn_pipeline::{PipelineExecutor, PipelineStage, Schedule, Span, StageOutput, balance};
+use burn_pipeline::{
+    Message, PipelineExecutor, PipelineStage, Schedule, Span, StageOutput, balance,
+};
 use burn_tensor_parallel::TensorParallel;
 use burn_zero::{ShardedDataParallel, ZeroStage};
 use serde::Serialize;
@@ -396,11 +398,20 @@ where
         Some(tp) if tp.sequence_parallel() => tp.size(),
         _ => 1,
     };
-    let message = [
-        layout.micro,
-        config.seq_len / sequence_parts,
-        config.model.hidden_size,
-    ];
+    // The stages compute, and so send, in their parameters' dtype.
+    let dtype = config
+        .zero_config
+        .precision
+        .as_ref()
+        .map_or(DType::F32, |p| p.param_dtype);
+    let message = Message::new(
+        [
+            layout.micro,
+            config.seq_len / sequence_parts,
+            config.model.hidden_size,
+        ],
+        dtype,
+    );
     let run = Run {
         config,
         executor: &executor,
@@ -436,7 +447,7 @@ struct Run<'a, B: AutodiffBackend> {
     config: &'a TrainConfig,
     executor: &'a PipelineExecutor,
     batches: &'a Batches<'a>,
-    message: [usize; 3],
+    message: Message,
     groups: Groups<'a>,
     device: &'a B::Device,
 }
@@ -472,7 +483,14 @@ impl<B: BackwardHooks> Run<'_, B> {
                 .collect();
             pp.barrier()?;
             let begun = Instant::now();
-            let out = executor.step(stepper.chunks(), &micro_batches, message, device, begun)?;
+            let out = executor.step(
+                stepper.chunks(),
+                &micro_batches,
+                message,
+                stepper.loss_scale(),
+                device,
+                begun,
+            )?;
             let (wait, zero) = stepper.step(out.grads, schedule.lr(step), dp)?;
             // The last stage's rank knows the loss; the sum over the group hands it to all.
             let loss = out.loss.unwrap_or(0.0);
@@ -528,6 +546,14 @@ impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
         })
     }
 
+    /// What the pipeline multiplies its losses by before their backward (f16 loss scaling).
+    fn loss_scale(&self) -> f64 {
+        match self {
+            Self::Replicated { .. } => 1.0,
+            Self::Zero(zero) => zero.loss_scale().unwrap_or(1.0),
+        }
+    }
+
     fn chunks(&self) -> &Vec<S> {
         match self {
             Self::Replicated { chunks, .. } => chunks,
@@ -556,7 +582,8 @@ impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
                 Ok((wait, None))
             }
             Self::Zero(zero) => {
-                zero.add_gradients(grads)?;
+                let loss_scale = zero.loss_scale().unwrap_or(1.0);
+                zero.add_gradients(grads, loss_scale)?;
                 let wait = zero.stats().comm_wait.as_secs_f64();
                 Ok((wait, Some(ZeroStep::sharded(zero, lr)?)))
             }

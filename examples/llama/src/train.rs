@@ -187,11 +187,6 @@ impl TrainConfig {
                     self.zero.number()
                 )));
             }
-            if self.pp > 1 && self.zero_config.precision.is_some() {
-                return Err(TrainError::Config(
-                    "--dtype bf16 and f16 do not compose with --pp yet (the pipeline sends fp32 activations); use --dtype f32 with --pp".into(),
-                ));
-            }
         } else if self.zero_config.precision.is_some() {
             return Err(TrainError::Config(
                 "--dtype bf16 and f16 keep fp32 master weights in ZeRO's sharded optimizer; add --zero 1, 2 or 3 (also at --dp 1)".into(),

@@ -1,6 +1,7 @@
 //! Mixed precision against the fp32 oracle: `tiny` trained 20 steps in bf16 and in f16 with
-//! ZeRO-1, 2 and 3 at dp 2, the model-state bytes each rank reports against the paper's
-//! mixed-precision formulas, and f16 steps whose gradients overflow.
+//! ZeRO-1, 2 and 3 at dp 2 and with ZeRO-1 under a pipeline, the model-state bytes each rank
+//! reports against the paper's mixed-precision formulas, and f16 steps whose gradients
+//! overflow.
 //!
 //! Tolerances, from the unit roundoff u of the 16-bit format (bf16: 8 significant bits,
 //! u = 2^-8; f16: 11 bits, u = 2^-11). Each loss must be within u of fp32's at every step: the
@@ -9,7 +10,9 @@
 //! be within 8u per tensor (L2): AdamW divides each gradient by its own running RMS, so a
 //! gradient off by u relative gives a step off by about u relative, and 20 such steps at this
 //! learning rate move `tiny`'s weights by about their own size (measured: 3.3u for bf16, 4.7u
-//! for f16). Between the stages the comparison is exact, as in fp32.
+//! for f16). Between the stages the comparison is exact, as in fp32. A pipeline also sums its
+//! micro-batches' gradients in 16 bits before the reduction, one more rounding of at most u
+//! each, which these bounds absorb.
 
 mod common;
 
@@ -62,6 +65,37 @@ fn bf16_and_f16_track_fp32_and_every_stage_computes_the_same_bits() {
     }
 }
 
+/// `mixed(2, ZeRO-1, precision)` as a two-stage pipeline of two micro-batches, on `tp`
+/// tensor-parallel ranks per stage.
+fn pipelined(precision: MixedPrecision, tp: usize) -> TrainConfig {
+    let mut config = mixed(2, ZeroStage::OptimizerState, precision);
+    config.pp = 2;
+    config.tp = tp;
+    config.grad_accum = Some(2);
+    config
+}
+
+#[test]
+fn sixteen_bit_pipelines_send_16_bit_activations_and_track_fp32() {
+    let mut base = config(Strategy::Single, 1);
+    base.grad_accum = Some(2);
+    let oracle = run(&base);
+    for (precision, u, tp) in [
+        (MixedPrecision::bf16(), 2f64.powi(-8), 1),
+        (MixedPrecision::f16(), 2f64.powi(-11), 1),
+        (MixedPrecision::bf16(), 2f64.powi(-8), 2),
+    ] {
+        let what = format!("{:?} zero 1 dp 2 x pp 2 x tp {tp}", precision.param_dtype);
+        let run = run(&pipelined(precision, tp));
+        assert_within(&oracle, &run, &what, u, 8.0 * u);
+        assert!(
+            run.losses != oracle.losses,
+            "{what}: computed in 16 bits, not fp32"
+        );
+        assert!(run.steps.iter().all(|m| !m.skipped), "{what}: no overflow");
+    }
+}
+
 #[test]
 fn model_state_bytes_per_rank_are_the_papers_mixed_precision_figures() {
     let params = config(Strategy::Single, 1).model.num_params() as u64;
@@ -101,7 +135,8 @@ fn f16_steps_whose_gradients_overflow_are_skipped_and_reported() {
     let f16 = MixedPrecision::f16().with_loss_scale(Some(scale));
     let runs = [
         run(&mixed(2, ZeroStage::Gradients, f16.clone())),
-        run(&mixed(2, ZeroStage::Parameters, f16)),
+        run(&mixed(2, ZeroStage::Parameters, f16.clone())),
+        run(&pipelined(f16, 1)),
     ];
     for run in &runs {
         let steps = &run.steps;

@@ -391,6 +391,9 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         layout.accum,
         layout.micro
     );
+    if config.zero != ZeroStage::Replicated {
+        println!("zero: {}", describe_zero(&config));
+    }
     println!("data: {}", data.describe());
     if let Some(floor) = data.loss_floor() {
         println!("loss floor: {floor:.4} nats/token (the entropy of the source at this --seq-len)");
@@ -571,4 +574,26 @@ fn eval_on<B: burn::tensor::backend::Backend>(
     });
     println!("{report}");
     Ok(())
+}
+
+/// The ZeRO stage and what it computes in, for the run's header.
+fn describe_zero(config: &TrainConfig) -> String {
+    let zero = &config.zero_config;
+    let mut parts = vec![format!("stage {}", config.zero.number())];
+    match &zero.precision {
+        None => parts.push("fp32".into()),
+        Some(p) => {
+            let dtype = format!("{:?}", p.param_dtype).to_lowercase();
+            parts.push(format!("{dtype} parameters with fp32 master weights"));
+            let reduce = if p.reduce_f32 { "fp32" } else { &dtype };
+            parts.push(format!("gradients reduced in {reduce}"));
+            if let Some(scale) = &p.loss_scale {
+                parts.push(format!("loss scaled dynamically from {}", scale.init_scale));
+            }
+        }
+    }
+    if zero.offload {
+        parts.push("optimizer state in host memory".into());
+    }
+    parts.join(", ")
 }

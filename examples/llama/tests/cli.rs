@@ -128,6 +128,11 @@ fn f16_under_zero_reports_its_loss_scale_and_saves_fp32_weights() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("zero: stage 3, f16 parameters with fp32 master weights, gradients reduced in f16, loss scaled dynamically from 65536"),
+        "{stdout}"
+    );
     for line in std::fs::read_to_string(&metrics).unwrap().lines() {
         let line: serde_json::Value = serde_json::from_str(line).unwrap();
         assert_eq!(line["loss_scale"], 65536.0, "{line}");

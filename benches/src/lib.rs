@@ -1,5 +1,5 @@
-//! What the benches share: a heap counter for memory figures, the median, the model preset
-//! of `--model`, token batches, and the JSON file of results.
+//! What the benches share: a heap counter for memory figures, the activations a forward keeps,
+//! the median, the model preset of `--model`, token batches, and the JSON file of results.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -7,6 +7,7 @@ use llama::LlamaConfig;
 use llama::data::{Dataset, MarkovSource};
 use serde::Serialize;
 
+pub mod activations;
 pub mod memory;
 
 /// The preset named by `--model`; a bad name stops the bench with the choices.

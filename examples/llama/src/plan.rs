@@ -38,12 +38,18 @@ impl Plan {
     }
 
     /// Bytes of activations one micro-batch keeps for its backward on the rank with the most
-    /// layers, when the model's shape is known (see [`activation_elements`]).
+    /// layers, when the model's shape is known (see [`activation_bytes`]).
     pub fn activations(&self) -> Option<u64> {
         let model = self.model.as_ref()?;
         let layers = model.num_hidden_layers.div_ceil(self.pp);
-        let elements = activation_elements(model, self.micro_batch, self.seq_len, layers, self.tp);
-        Some(elements * self.precision.param as u64)
+        Some(activation_bytes(
+            model,
+            self.micro_batch,
+            self.seq_len,
+            layers,
+            self.tp,
+            self.precision.param,
+        ))
     }
 
     /// The table `llama plan` prints, in GB (10^9 bytes) per rank.
@@ -93,32 +99,39 @@ impl Plan {
     }
 }
 
-/// Elements the backward of `layers` blocks (plus the head) keeps for `micro_batch x seq_len`
-/// tokens, split over `tp` ranks. Per token and block: the two norms' inputs and outputs (4h),
-/// the rotated queries and keys before and after rotation (2h + 2 kv d) and the values and
-/// keys repeated for every query head (2h), the attention output (h), the softmax's scores
-/// and probabilities (2 a s), and the MLP's gate, its SiLU, up and their product (4f). The
-/// head keeps its input, normed input and logits with their softmax (2h + 2V).
-pub fn activation_elements(
+/// Bytes the backward of `layers` blocks (plus the final norm and head) keeps for
+/// `micro_batch x seq_len` tokens on one of `tp` ranks, computing in `compute_bytes`-byte
+/// floats (4 or 2) with the norms and softmaxes in fp32, as the model does.
+///
+/// Counted from what burn's autodiff saves: a matmul or product keeps each operand whose
+/// partner needs a gradient, `exp` and `powi` keep their input, and casts, sums, reshapes and
+/// additions keep nothing. Per token and block, each norm keeps its fp32 input, its normed
+/// value and its output (the next matmuls' input); attention keeps the rotated queries, the
+/// repeated keys and values and the context (4h), the softmax its shifted scores and their
+/// exponential in fp32 and the probabilities (3 a s); the MLP keeps the gate, its sigmoid and
+/// SiLU, the up projection and the product (5f). The head keeps the final norm's three and
+/// the fp32 logits. Norms and the head's input are whole on every tensor-parallel rank.
+pub fn activation_bytes(
     model: &LlamaConfig,
     micro_batch: usize,
     seq_len: usize,
     layers: usize,
     tp: usize,
+    compute_bytes: usize,
 ) -> u64 {
-    let (h, f, v) = (
+    const FP32: u64 = 4;
+    let (h, f, v, a) = (
         model.hidden_size as u64,
         model.intermediate_size as u64,
         model.vocab_size as u64,
-    );
-    let (a, kv, d) = (
         model.num_attention_heads as u64,
-        model.num_key_value_heads as u64,
-        model.head_dim() as u64,
     );
-    let (s, tp) = (seq_len as u64, tp as u64);
-    let per_block = 4 * h + (9 * h + 2 * kv * d + 2 * a * s + 4 * f) / tp;
-    let head = 2 * h + 2 * v / tp;
+    let (s, tp, p) = (seq_len as u64, tp as u64, compute_bytes as u64);
+    let norm = (FP32 + 2 * p) * h;
+    let attention = 4 * p * h + (2 * FP32 + p) * a * s;
+    let mlp = 5 * p * f;
+    let per_block = 2 * norm + (attention + mlp) / tp;
+    let head = norm + FP32 * v / tp;
     micro_batch as u64 * s * (layers as u64 * per_block + head)
 }
 

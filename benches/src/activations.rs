@@ -1,0 +1,45 @@
+//! What one forward of the Llama model keeps for its backward, measured with the counting
+//! allocator: the heap the forward leaves allocated while its loss (and so its graph) lives.
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{DType, Tensor};
+use llama::data::MarkovSource;
+use llama::{Llama, LlamaConfig};
+
+use crate::memory::live_bytes;
+use crate::token_batch;
+
+type B = Autodiff<Flex>;
+
+/// Every parameter of a module in another float dtype, still a leaf that needs a gradient.
+struct Cast(DType);
+
+impl ModuleMapper<B> for Cast {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let dtype = self.0;
+        param.map(|tensor| tensor.cast(dtype).detach().require_grad())
+    }
+}
+
+/// Bytes a forward of `micro_batch x seq_len` tokens through `config`'s model in `dtype`
+/// keeps for its backward; the process must count with [`crate::memory::CountingAllocator`]
+/// and run nothing else meanwhile. A first forward warms the backend's one-time allocations.
+pub fn measured_activation_bytes(
+    config: &LlamaConfig,
+    micro_batch: usize,
+    seq_len: usize,
+    dtype: DType,
+) -> usize {
+    let model: Llama<B> = Llama::init(config, 1, &Default::default());
+    let model = model.map(&mut Cast(dtype));
+    let data = MarkovSource::new(config.vocab_size.min(256), 3, seq_len, micro_batch, 1);
+    let forward = || {
+        let (inputs, targets) = token_batch::<B>(&data, 0, micro_batch, seq_len);
+        let before = live_bytes();
+        let loss = model.loss(inputs, targets);
+        (live_bytes() - before, loss)
+    };
+    drop(forward());
+    forward().0
+}

@@ -1,0 +1,91 @@
+//! `llama plan`'s activation estimate against the bytes a forward really keeps for its
+//! backward, measured in the same run: the Llama presets over micro-batch sizes, sequence
+//! lengths and compute dtypes (bf16 with the norms and softmaxes in fp32, as the model runs).
+//!
+//! `cargo run --release -p benches --bin activations -- --help`
+
+use benches::activations::measured_activation_bytes;
+use benches::{preset, write_json};
+use burn::tensor::DType;
+use clap::Parser;
+use llama::plan::activation_bytes;
+use serde::Serialize;
+
+#[global_allocator]
+static ALLOCATOR: benches::memory::CountingAllocator = benches::memory::CountingAllocator;
+
+#[derive(Parser)]
+#[command(about = "Activation bytes per micro-batch: measured against llama plan's estimate")]
+struct Args {
+    /// Model presets.
+    #[arg(long, value_delimiter = ',', default_value = "tiny,small")]
+    models: Vec<String>,
+    /// `micro_batch x seq_len` shapes.
+    #[arg(long, value_delimiter = ',', default_value = "1x64,4x64,2x256")]
+    shapes: Vec<String>,
+    /// Where to write the results as JSON.
+    #[arg(long, default_value = "target/bench/activations.json")]
+    json: String,
+}
+
+#[derive(Serialize)]
+struct Row {
+    model: String,
+    micro_batch: usize,
+    seq_len: usize,
+    dtype: String,
+    measured_mb: f64,
+    estimated_mb: f64,
+    ratio: f64,
+}
+
+fn shape(text: &str) -> (usize, usize) {
+    let parsed = text
+        .split_once('x')
+        .and_then(|(mb, seq)| Some((mb.parse().ok()?, seq.parse().ok()?)));
+    match parsed {
+        Some((mb, seq)) if mb > 0 && seq > 0 => (mb, seq),
+        _ => panic!("--shapes takes micro_batch x seq_len pairs such as 4x64, not {text}"),
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    let mut rows = Vec::new();
+    println!(
+        "{:<7} {:>5} {:>5} {:>5} {:>12} {:>12} {:>7}",
+        "model", "mb", "seq", "dtype", "measured MB", "estimate MB", "ratio"
+    );
+    for name in &args.models {
+        let config = preset(name);
+        for (micro_batch, seq_len) in args.shapes.iter().map(|s| shape(s)) {
+            for dtype in [DType::F32, DType::BF16] {
+                let measured = measured_activation_bytes(&config, micro_batch, seq_len, dtype);
+                let layers = config.num_hidden_layers;
+                let estimated =
+                    activation_bytes(&config, micro_batch, seq_len, layers, 1, dtype.size());
+                let row = Row {
+                    model: name.clone(),
+                    micro_batch,
+                    seq_len,
+                    dtype: format!("{dtype:?}").to_lowercase(),
+                    measured_mb: measured as f64 / 1e6,
+                    estimated_mb: estimated as f64 / 1e6,
+                    ratio: measured as f64 / estimated as f64,
+                };
+                println!(
+                    "{:<7} {:>5} {:>5} {:>5} {:>12.2} {:>12.2} {:>7.3}",
+                    row.model,
+                    row.micro_batch,
+                    row.seq_len,
+                    row.dtype,
+                    row.measured_mb,
+                    row.estimated_mb,
+                    row.ratio
+                );
+                rows.push(row);
+            }
+        }
+    }
+    write_json(&args.json, &rows);
+}

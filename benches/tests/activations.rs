@@ -1,0 +1,29 @@
+//! `llama plan`'s activation estimate against the bytes a forward of `tiny` really keeps for
+//! its backward, in fp32 and bf16. One test: the count is of the whole process.
+
+use benches::activations::measured_activation_bytes;
+use benches::memory::CountingAllocator;
+use burn::tensor::DType;
+use llama::LlamaConfig;
+use llama::plan::activation_bytes;
+
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
+
+#[test]
+fn the_plans_activations_are_within_5_percent_of_what_a_forward_keeps() {
+    let config = LlamaConfig::preset("tiny").unwrap();
+    for (micro_batch, seq_len) in [(4, 64), (2, 256)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let measured = measured_activation_bytes(&config, micro_batch, seq_len, dtype) as f64;
+            let layers = config.num_hidden_layers;
+            let estimated =
+                activation_bytes(&config, micro_batch, seq_len, layers, 1, dtype.size()) as f64;
+            let off = (measured - estimated).abs() / estimated;
+            assert!(
+                off < 0.05,
+                "{dtype:?} {micro_batch} x {seq_len}: measured {measured} bytes, estimated {estimated}"
+            );
+        }
+    }
+}

@@ -116,7 +116,7 @@ where
             .zip(&layout.units)
             .map(|(part, unit)| cast(part, unit.dtype))
             .collect();
-        let optimizer = PlacedAdamW::new(optimizer, config.offload, master);
+        let optimizer = PlacedAdamW::new(optimizer, config.offload, master)?;
         let scaler = config.loss_scaler();
         Ok(Self {
             skeletons: units.into_iter().map(empty).collect(),

@@ -7,6 +7,7 @@ use burn::optim::{AdamW, AdamWConfig, AdamWState, SimpleOptimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 
+use crate::ZeroError;
 use crate::precision::cast;
 
 /// The optimizer state of one rank's shard: first and second moments, fp32, and the fp32
@@ -18,14 +19,24 @@ pub struct ShardedAdamW<B: Backend> {
 }
 
 impl<B: Backend> ShardedAdamW<B> {
-    /// AdamW as `config` describes it. Gradient clipping in `config` is not applied: burn
-    /// clips each parameter's gradient on its own, which a shard cannot reproduce.
-    pub fn new(config: &AdamWConfig) -> Self {
-        Self {
+    /// AdamW as `config` describes it. A config with gradient clipping is refused: burn clips
+    /// each parameter's gradient on its own, which a shard of a flat buffer cannot reproduce,
+    /// and ignoring it would train differently without a word.
+    pub fn new(config: &AdamWConfig) -> Result<Self, ZeroError> {
+        let clipping = serde_json::to_value(config)
+            .ok()
+            .and_then(|c| c.get("grad_clipping").cloned())
+            .is_some_and(|c| !c.is_null());
+        if clipping {
+            return Err(ZeroError::Config(
+                "the AdamW config clips gradients, which burn does per parameter and a rank holding a shard cannot; remove grad_clipping (the ZeRO engines do not clip)".into(),
+            ));
+        }
+        Ok(Self {
             adamw: config.build(),
             state: None,
             master: None,
-        }
+        })
     }
 
     /// Keeps `master` (fp32) as the shard's weights between steps: for parameters held in 16
@@ -102,20 +113,24 @@ pub(crate) enum PlacedAdamW<B: Backend> {
 impl<B: Backend> PlacedAdamW<B> {
     /// AdamW on the device or in host memory (`offload`), holding `master` (fp32, this rank's
     /// shard) between steps when given.
-    pub fn new(config: &AdamWConfig, offload: bool, master: Option<Tensor<B, 1>>) -> Self {
-        if offload {
-            let mut adamw = ShardedAdamW::new(config);
+    pub fn new(
+        config: &AdamWConfig,
+        offload: bool,
+        master: Option<Tensor<B, 1>>,
+    ) -> Result<Self, ZeroError> {
+        Ok(if offload {
+            let mut adamw = ShardedAdamW::new(config)?;
             if let Some(master) = master {
                 adamw = adamw.with_master(to_host(master));
             }
             Self::Host(Box::new(adamw))
         } else {
-            let mut adamw = ShardedAdamW::new(config);
+            let mut adamw = ShardedAdamW::new(config)?;
             if let Some(master) = master {
                 adamw = adamw.with_master(master);
             }
             Self::Device(adamw)
-        }
+        })
     }
 
     /// [`ShardedAdamW::step`], the result on `grad`'s device.

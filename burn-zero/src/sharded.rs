@@ -168,7 +168,7 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             params::concat(parts)
         });
         drop(trainable);
-        let optimizer = PlacedAdamW::new(optimizer, config.offload, master);
+        let optimizer = PlacedAdamW::new(optimizer, config.offload, master)?;
         let scaler = config.loss_scaler();
         Ok(Self {
             module: Some(module),

@@ -6,6 +6,7 @@
 //! smaller than 16 bits can hold; an f16 overflow on one rank skips the step on every rank.
 
 use burn::backend::{Autodiff, Flex};
+use burn::grad_clipping::GradientClippingConfig;
 use burn::module::{Module, Param};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -186,13 +187,26 @@ fn misuse_is_refused_with_a_sentence() {
         );
         let mut zero = ShardedDataParallel::new(
             Net::<AD>::new(),
-            comm,
+            comm.clone(),
             ZeroStage::OptimizerState,
             &adamw(),
             ZeroConfig::new(),
         )?;
         let early = zero.step(0.01).unwrap_err();
         assert!(early.to_string().contains("call backward first"), "{early}");
+        let clipping = adamw().with_grad_clipping(Some(GradientClippingConfig::Norm(1.0)));
+        for stage in [ZeroStage::OptimizerState, ZeroStage::Gradients] {
+            let refused = ShardedDataParallel::new(
+                Net::<AD>::new(),
+                comm.clone(),
+                stage,
+                &clipping,
+                ZeroConfig::new(),
+            )
+            .err()
+            .expect("clipping is refused, not ignored");
+            assert!(refused.to_string().contains("grad_clipping"), "{refused}");
+        }
         Ok::<_, ZeroError>(())
     });
     results.into_iter().for_each(|r| r.unwrap());

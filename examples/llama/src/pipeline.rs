@@ -483,15 +483,16 @@ impl<B: BackwardHooks> Run<'_, B> {
                 .collect();
             pp.barrier()?;
             let begun = Instant::now();
+            let loss_scale = stepper.loss_scale();
             let out = executor.step(
                 stepper.chunks(),
                 &micro_batches,
                 message,
-                stepper.loss_scale(),
+                loss_scale,
                 device,
                 begun,
             )?;
-            let (wait, zero) = stepper.step(out.grads, schedule.lr(step), dp)?;
+            let (wait, zero) = stepper.step(out.grads, loss_scale, schedule.lr(step), dp)?;
             // The last stage's rank knows the loss; the sum over the group hands it to all.
             let loss = out.loss.unwrap_or(0.0);
             let mut loss = reduce_scalar::<B::InnerBackend>(pp, loss, ReduceOp::Sum, device)?;
@@ -561,11 +562,12 @@ impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
         }
     }
 
-    /// Steps with the pipeline's gradients, reduced over `dp` first; returns the time spent
-    /// reducing and, under ZeRO, what it adds to the metrics.
+    /// Steps with the pipeline's gradients (of its losses times `loss_scale`), reduced over
+    /// `dp` first; returns the time spent reducing and, under ZeRO, what it adds to the metrics.
     fn step(
         &mut self,
         grads: GradientsParams,
+        loss_scale: f64,
         lr: f64,
         dp: Option<&Communicator>,
     ) -> Result<(f64, Option<ZeroStep>), TrainError> {
@@ -582,7 +584,6 @@ impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
                 Ok((wait, None))
             }
             Self::Zero(zero) => {
-                let loss_scale = zero.loss_scale().unwrap_or(1.0);
                 zero.add_gradients(grads, loss_scale)?;
                 let wait = zero.stats().comm_wait.as_secs_f64();
                 Ok((wait, Some(ZeroStep::sharded(zero, lr)?)))

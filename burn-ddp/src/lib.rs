@@ -9,6 +9,7 @@
 //! - [`LinearScaling`]: the learning rate for a k-times larger batch, with gradual warmup.
 
 mod bucket;
+mod clip;
 mod data_parallel;
 mod ddp;
 mod error;
@@ -18,6 +19,7 @@ pub mod params;
 mod replica;
 mod sampler;
 
+pub use clip::{clip_coefficient, clip_grad_norm};
 pub use data_parallel::DataParallel;
 pub use ddp::{DdpConfig, DdpStepStats, DistributedDataParallel};
 pub use error::{DdpError, MissingGradient};

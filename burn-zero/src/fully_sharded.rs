@@ -18,6 +18,7 @@ use burn_ddp::params;
 use burn_pipeline::{PipelineError, PipelineStage, StageOutput};
 
 use crate::ZeroError;
+use crate::clip::clip_global_norm;
 use crate::flat::FlatLayout;
 use crate::memory::ModelStateBytes;
 use crate::optimizer::{PlacedAdamW, bytes, to_f32};
@@ -57,6 +58,7 @@ pub struct FullyShardedDataParallel<B: AutodiffBackend, S: PipelineStage<B>> {
     /// This rank's part of each unit's gradient, summed over the step's micro-batches.
     grads: Option<Vec<Tensor<Inner<B>, 1>>>,
     memory: ModelStateBytes,
+    grad_norm: Option<f64>,
 }
 
 impl<B: AutodiffBackend, S: PipelineStage<B>> FullyShardedDataParallel<B, S>
@@ -131,6 +133,7 @@ where
             scaler,
             grads: None,
             memory: ModelStateBytes::default(),
+            grad_norm: None,
         })
     }
 
@@ -150,6 +153,12 @@ where
     /// The loss scale the next backward multiplies by (f16 with loss scaling), if any.
     pub fn loss_scale(&self) -> Option<f64> {
         self.scaler.as_ref().map(LossScaler::scale)
+    }
+
+    /// The global L2 norm of the gradient at the last applied step, before clipping; only
+    /// computed under [`ZeroConfig::max_grad_norm`].
+    pub fn grad_norm(&self) -> Option<f64> {
+        self.grad_norm
     }
 
     /// Model-state bytes this rank held in its last step: its parameter shard, the gradient
@@ -263,6 +272,8 @@ where
             Ok(grad) => grad,
             Err(skipped) => return Ok(skipped),
         };
+        let (grad, norm) = clip_global_norm(&self.comm, grad, self.config.max_grad_norm)?;
+        self.grad_norm = norm;
         let shard = std::mem::take(&mut self.shard);
         let updated = self.optimizer.step(lr, grad, || {
             params::concat(shard.into_iter().map(to_f32).collect())

@@ -10,9 +10,12 @@
 //!   its forward and its backward, and let go after.
 //! - [`MixedPrecision`]: bf16 or f16 parameters and gradients, fp32 master weights in each
 //!   rank's shard, dynamic loss scaling for f16 ([`StepOutcome`] says when a step is skipped).
+//! - [`ZeroConfig::max_grad_norm`]: clipping by the global norm of the whole gradient, from
+//!   each rank's part of it.
 //! - [`estimate`]: the paper's bytes per rank for every stage; every engine reports what it
 //!   holds ([`ModelStateBytes`]).
 
+mod clip;
 mod error;
 mod flat;
 mod fully_sharded;

@@ -21,7 +21,8 @@ pub struct ShardedAdamW<B: Backend> {
 impl<B: Backend> ShardedAdamW<B> {
     /// AdamW as `config` describes it. A config with gradient clipping is refused: burn clips
     /// each parameter's gradient on its own, which a shard of a flat buffer cannot reproduce,
-    /// and ignoring it would train differently without a word.
+    /// and ignoring it would train differently without a word. The engines clip by the global
+    /// norm instead ([`ZeroConfig::max_grad_norm`](crate::ZeroConfig::max_grad_norm)).
     pub fn new(config: &AdamWConfig) -> Result<Self, ZeroError> {
         let clipping = serde_json::to_value(config)
             .ok()
@@ -29,7 +30,7 @@ impl<B: Backend> ShardedAdamW<B> {
             .is_some_and(|c| !c.is_null());
         if clipping {
             return Err(ZeroError::Config(
-                "the AdamW config clips gradients, which burn does per parameter and a rank holding a shard cannot; remove grad_clipping (the ZeRO engines do not clip)".into(),
+                "the AdamW config clips gradients, which burn does per parameter and a rank holding a shard cannot; remove grad_clipping and clip by the global norm with ZeroConfig::max_grad_norm".into(),
             ));
         }
         Ok(Self {

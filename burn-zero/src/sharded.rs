@@ -17,6 +17,7 @@ use burn_ddp::BackwardHooks;
 use burn_ddp::params::{self, ParamSlot};
 
 use crate::ZeroError;
+use crate::clip::clip_global_norm;
 use crate::flat::FlatLayout;
 use crate::memory::{ModelStateBytes, ZeroStage};
 use crate::optimizer::{PlacedAdamW, bytes, to_f32};
@@ -46,6 +47,10 @@ pub struct ZeroConfig {
     /// (none: everything in the parameters' own dtype).
     #[config(default = "None")]
     pub precision: Option<MixedPrecision>,
+    /// Clip the whole gradient to this global L2 norm before each step (DeepSpeed's
+    /// `gradient_clipping`; 1.0 is usual for Llama-style training). None: no clipping.
+    #[config(default = "None")]
+    pub max_grad_norm: Option<f64>,
 }
 
 impl ZeroConfig {
@@ -58,6 +63,13 @@ impl ZeroConfig {
         }
         if let Some(precision) = &self.precision {
             precision.check()?;
+        }
+        if let Some(max) = self.max_grad_norm
+            && !(max.is_finite() && max > 0.0)
+        {
+            return Err(ZeroError::Config(format!(
+                "max_grad_norm is {max}; clip to a positive finite norm (1.0 is usual), or give none"
+            )));
         }
         Ok(())
     }
@@ -111,6 +123,7 @@ pub struct ShardedDataParallel<B: BackwardHooks, M: AutodiffModule<B>> {
     grads: Option<UnitGrads<B>>,
     memory: ModelStateBytes,
     stats: ZeroStepStats,
+    grad_norm: Option<f64>,
 }
 
 impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
@@ -183,6 +196,7 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             grads: None,
             memory: ModelStateBytes::default(),
             stats: ZeroStepStats::default(),
+            grad_norm: None,
         })
     }
 
@@ -222,6 +236,12 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
     /// Timings of the last backward.
     pub fn stats(&self) -> ZeroStepStats {
         self.stats
+    }
+
+    /// The global L2 norm of the gradient at the last applied step, before clipping; only
+    /// computed under [`ZeroConfig::max_grad_norm`].
+    pub fn grad_norm(&self) -> Option<f64> {
+        self.grad_norm
     }
 
     /// Backward of `loss` (times the loss scale, under f16), its gradients reduced over the
@@ -334,6 +354,8 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             Ok(grad) => grad,
             Err(skipped) => return Ok(skipped),
         };
+        let (grad, norm) = clip_global_norm(&self.comm, grad, self.config.max_grad_norm)?;
+        self.grad_norm = norm;
         let (layout, values) = (&self.layout, &slots);
         let updated = self.optimizer.step(lr, grad, || {
             let values: Vec<_> = values.iter().map(|s| s.value.clone()).collect();

@@ -174,6 +174,9 @@ struct TrainArgs {
     /// With --dtype bf16 or f16: reduce gradients in fp32.
     #[arg(long)]
     fp32_reduce: bool,
+    /// Clip the gradients to this global L2 norm before each step (1.0 is usual).
+    #[arg(long)]
+    clip_grad_norm: Option<f64>,
     /// Train on this file's bytes instead of the synthetic source.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -310,6 +313,7 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         .with_bucket_cap_bytes((args.bucket_mb * 1024.0 * 1024.0) as usize)
         .with_overlap(!args.no_overlap);
     config.zero = ZeroStage::from_number(args.zero.into()).expect("clap checks the range");
+    config.max_grad_norm = args.clip_grad_norm;
     config.zero_config = ZeroConfig::new()
         .with_bucket_cap_bytes((args.bucket_mb * 1024.0 * 1024.0) as usize)
         .with_overlap(!args.no_overlap)
@@ -442,10 +446,11 @@ where
     let mut history: Vec<StepMetrics> = Vec::new();
     let mut write_error = None;
     let mut on_step = |m: &StepMetrics| {
-        let line = format!(
-            "loss {:.4} | lr {:.2e} | {:.0} tok/s",
-            m.loss, m.lr, m.tokens_per_s
-        );
+        let mut line = format!("loss {:.4} | lr {:.2e}", m.loss, m.lr);
+        if let Some(norm) = m.grad_norm {
+            line += &format!(" | grad norm {norm:.3}");
+        }
+        line += &format!(" | {:.0} tok/s", m.tokens_per_s);
         if m.skipped {
             let scale = m.loss_scale.unwrap_or(f64::NAN);
             bar.suspend(|| {

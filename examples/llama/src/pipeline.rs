@@ -537,7 +537,7 @@ impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
                 dp.clone(),
                 stage,
                 &config.optimizer(),
-                config.zero_config.clone(),
+                config.zero_engine_config(),
             )?)),
             (_, None) => {
                 return Err(TrainError::Config(

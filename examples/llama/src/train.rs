@@ -10,7 +10,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
-use burn::optim::{AdamWConfig, GradientsAccumulator, Optimizer};
+use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData, backend::Backend};
 use burn_comm::parallel::CommBackend;
@@ -30,7 +30,7 @@ use crate::model::Llama;
 use crate::pipeline::LlamaStage;
 use crate::schedule::WarmupCosine;
 use crate::tensor_parallel::{TpLlama, check_split};
-use crate::zero::ZeroStep;
+use crate::zero::Extras;
 
 /// How the data-parallel ranks share the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -92,8 +92,12 @@ pub struct TrainConfig {
     /// ZeRO stage of the data-parallel group (0: plain DDP). Stages 1-3 need the DDP
     /// strategy, whose gradient averaging they replace.
     pub zero: ZeroStage,
-    /// ZeRO's settings (buckets, overlap, prefetch, offload, mixed precision).
+    /// ZeRO's settings (buckets, overlap, prefetch, offload, mixed precision); its
+    /// `max_grad_norm` is replaced by this config's.
     pub zero_config: ZeroConfig,
+    /// Clip the gradients to this global L2 norm before each step (Megatron's `--clip-grad`,
+    /// DeepSpeed's `gradient_clipping`). None: no clipping.
+    pub max_grad_norm: Option<f64>,
     /// Start from these weights (a directory written by `save`) instead of the seed.
     pub init_from: Option<std::path::PathBuf>,
 }
@@ -124,6 +128,7 @@ impl TrainConfig {
             ddp: DdpConfig::new(),
             zero: ZeroStage::Replicated,
             zero_config: ZeroConfig::new(),
+            max_grad_norm: None,
             init_from: None,
         }
     }
@@ -192,6 +197,18 @@ impl TrainConfig {
                 "--dtype bf16 and f16 keep fp32 master weights in ZeRO's sharded optimizer; add --zero 1, 2 or 3 (also at --dp 1)".into(),
             ));
         }
+        if let Some(max) = self.max_grad_norm {
+            if !(max.is_finite() && max > 0.0) {
+                return Err(TrainError::Config(format!(
+                    "--clip-grad-norm {max}: clip to a positive finite norm (1.0 is usual)"
+                )));
+            }
+            if self.tp > 1 || self.pp > 1 || self.strategy == Strategy::ParameterServer {
+                return Err(TrainError::Config(
+                    "--clip-grad-norm needs the whole gradient's norm on every rank, which this run only has with one device, DDP or ZeRO; drop --tp, --pp or the parameter server to clip".into(),
+                ));
+            }
+        }
         let per_rank = per_rank_batch(self.batch_size, self.dp)?;
         let (micro, accum) = match (self.micro_batch_size, self.grad_accum) {
             (Some(_), Some(_)) => {
@@ -246,6 +263,29 @@ impl TrainConfig {
             .with_beta_2(0.95)
             .with_epsilon(1e-8)
             .with_weight_decay(0.1)
+    }
+
+    /// ZeRO's settings with this run's gradient clipping.
+    pub(crate) fn zero_engine_config(&self) -> ZeroConfig {
+        self.zero_config
+            .clone()
+            .with_max_grad_norm(self.max_grad_norm)
+    }
+
+    /// `grads` of a replicated `model` clipped to [`max_grad_norm`](Self::max_grad_norm), with
+    /// their norm before; as they are without clipping.
+    fn clip<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+    ) -> (GradientsParams, Option<f64>) {
+        match self.max_grad_norm {
+            Some(max) => {
+                let (grads, norm) = burn_ddp::clip_grad_norm(model, grads, max);
+                (grads, Some(norm))
+            }
+            None => (grads, None),
+        }
     }
 }
 
@@ -358,6 +398,8 @@ pub struct StepMetrics {
     /// The gradients overflowed (inf or NaN) at `loss_scale`: the weights did not change and
     /// the scale was lowered.
     pub skipped: bool,
+    /// The global L2 norm of the gradient before clipping, under `--clip-grad-norm`.
+    pub grad_norm: Option<f64>,
 }
 
 impl StepMetrics {
@@ -384,6 +426,7 @@ impl StepMetrics {
             model_state_bytes: None,
             loss_scale: None,
             skipped: false,
+            grad_norm: None,
         }
     }
 }
@@ -418,7 +461,7 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
     let schedule = config.schedule();
     let tokens = config.batch_size * config.seq_len;
     let started = Instant::now();
-    let mut report = |step: usize, loss: f64, begun: Instant, wait: f64, zero: Option<ZeroStep>| {
+    let mut report = |step: usize, loss: f64, begun: Instant, wait: f64, extras: Extras| {
         let mut metrics = StepMetrics::measure(
             step,
             loss,
@@ -427,9 +470,7 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
             (begun, started),
             wait,
         );
-        if let Some(zero) = zero {
-            zero.fill(&mut metrics);
-        }
+        extras.fill(&mut metrics);
         on_step(&metrics);
     };
 
@@ -447,8 +488,13 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
                     let grads = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
                     accumulator.accumulate(&model, grads);
                 }
-                model = optimizer.step(schedule.lr(step), model, accumulator.grads());
-                report(step, loss_sum, begun, 0.0, None);
+                let (grads, grad_norm) = config.clip(&model, accumulator.grads());
+                model = optimizer.step(schedule.lr(step), model, grads);
+                let extras = Extras {
+                    grad_norm,
+                    ..Extras::default()
+                };
+                report(step, loss_sum, begun, 0.0, extras);
             }
             Ok(model)
         }
@@ -474,9 +520,20 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
                     }
                 }
                 let grads = grads.expect("the last micro-batch synchronises");
+                let (grads, grad_norm) = config.clip(ddp.module(), grads);
                 ddp.step(&mut optimizer, schedule.lr(step), grads);
                 let loss = reduce_scalar::<B::InnerBackend>(comm, loss_sum, ReduceOp::Avg, device)?;
-                report(step, loss, begun, ddp.stats().comm_wait.as_secs_f64(), None);
+                let extras = Extras {
+                    grad_norm,
+                    ..Extras::default()
+                };
+                report(
+                    step,
+                    loss,
+                    begun,
+                    ddp.stats().comm_wait.as_secs_f64(),
+                    extras,
+                );
             }
             Ok(ddp.into_module())
         }
@@ -496,7 +553,7 @@ pub fn train_rank<B: BackwardHooks, M: Trainable<B>>(
                 let loss =
                     reduce_scalar::<B::InnerBackend>(comm, loss_value, ReduceOp::Avg, device)?;
                 // Its communication is inside `step`, not separable from it.
-                report(step, loss, begun, f64::NAN, None);
+                report(step, loss, begun, f64::NAN, Extras::default());
             }
             Ok(dp.into_module())
         }

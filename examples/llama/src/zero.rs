@@ -22,8 +22,26 @@ use crate::train::{
     Batches, StepMetrics, TrainConfig, TrainError, Trainable, first_cause, reduce_scalar,
 };
 
-/// Reports a step: its number, mean loss, start, communication wait and what ZeRO adds.
-pub(crate) type Report<'a> = dyn FnMut(usize, f64, Instant, f64, Option<ZeroStep>) + 'a;
+/// Reports a step: its number, mean loss, start, communication wait and what else it did.
+pub(crate) type Report<'a> = dyn FnMut(usize, f64, Instant, f64, Extras) + 'a;
+
+/// What a step adds to the basic metrics: ZeRO's, and the gradient norm under clipping.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Extras {
+    /// What a ZeRO step did.
+    pub zero: Option<ZeroStep>,
+    /// The global gradient norm before clipping.
+    pub grad_norm: Option<f64>,
+}
+
+impl Extras {
+    pub fn fill(&self, metrics: &mut StepMetrics) {
+        if let Some(zero) = &self.zero {
+            zero.fill(metrics);
+        }
+        metrics.grad_norm = self.grad_norm;
+    }
+}
 
 /// What a ZeRO step adds to its metrics.
 #[derive(Debug, Clone, Copy)]
@@ -75,7 +93,7 @@ pub(crate) fn train_sharded<B: BackwardHooks, M: Trainable<B>>(
         comm.clone(),
         config.zero,
         &config.optimizer(),
-        config.zero_config.clone(),
+        config.zero_engine_config(),
     )?;
     for step in 0..config.steps {
         let begun = Instant::now();
@@ -88,9 +106,12 @@ pub(crate) fn train_sharded<B: BackwardHooks, M: Trainable<B>>(
             zero.backward(loss)?;
             wait += zero.stats().comm_wait.as_secs_f64();
         }
-        let zero_step = ZeroStep::sharded(&mut zero, schedule.lr(step))?;
+        let extras = Extras {
+            zero: Some(ZeroStep::sharded(&mut zero, schedule.lr(step))?),
+            grad_norm: zero.grad_norm(),
+        };
         let loss = reduce_scalar::<B::InnerBackend>(comm, loss_sum, ReduceOp::Avg, device)?;
-        report(step, loss, begun, wait, Some(zero_step));
+        report(step, loss, begun, wait, extras);
     }
     Ok(zero.master_module()?)
 }
@@ -177,7 +198,7 @@ where
         units,
         dp.clone(),
         &config.optimizer(),
-        config.zero_config.clone(),
+        config.zero_engine_config(),
     )?;
     if let Some(tp) = tp {
         fsdp = fsdp.with_backward_group(tp.clone());
@@ -197,12 +218,15 @@ where
         let tokens = config.batch_size * config.seq_len;
         let mut metrics =
             StepMetrics::measure(step, loss, schedule.lr(step), tokens, (begun, started), 0.0);
-        let zero_step = ZeroStep {
-            bytes: fsdp.memory().total(),
-            loss_scale,
-            outcome,
+        let extras = Extras {
+            zero: Some(ZeroStep {
+                bytes: fsdp.memory().total(),
+                loss_scale,
+                outcome,
+            }),
+            grad_norm: fsdp.grad_norm(),
         };
-        zero_step.fill(&mut metrics);
+        extras.fill(&mut metrics);
         on_step(&metrics);
     }
     Ok(fsdp.full_master()?)

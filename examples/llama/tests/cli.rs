@@ -203,7 +203,15 @@ fn plan_prints_every_stage_of_the_papers_example() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 19] = [
+    let cases: [(&[&str], &str); 21] = [
+        (
+            &["train", "--clip-grad-norm", "0"],
+            "clip to a positive finite norm",
+        ),
+        (
+            &["train", "--clip-grad-norm", "1", "--tp", "2"],
+            "drop --tp, --pp or the parameter server to clip",
+        ),
         (
             &[
                 "train",

@@ -1,8 +1,8 @@
 //! ZeRO against the oracle: `tiny` trained 20 steps with ZeRO-1, 2 and 3 at dp 2 and 4, with
 //! gradient accumulation, and on a dp 2 x tp 2 mesh (with and without sequence parallelism),
 //! against one device and against DDP; ZeRO-1 under pipeline parallelism against the
-//! replicated pipeline; and the model-state bytes each rank reports against the paper's
-//! formulas.
+//! replicated pipeline; clipping by the global gradient norm with DDP and every stage; and the
+//! model-state bytes each rank reports against the paper's formulas.
 //!
 //! Tolerances are in `common`. Against DDP the comparison is exact: every element is averaged
 //! in the same rank order and stepped by the same elementwise AdamW, and ZeRO-3's recomputed
@@ -118,6 +118,44 @@ fn model_state_bytes_per_rank_are_the_papers() {
                 off < 0.05,
                 "zero {} dp {dp}: {measured} bytes per rank, the paper's {estimated}",
                 stage.number()
+            );
+        }
+    }
+}
+
+#[test]
+fn clipping_by_the_global_norm_matches_one_device_with_ddp_and_every_stage() {
+    let unclipped = run(&config(Strategy::Single, 1));
+    let mut base = config(Strategy::Single, 1);
+    // Below the norms this run reaches, so every step clips.
+    base.max_grad_norm = Some(0.05);
+    let oracle = run(&base);
+    let norms: Vec<f64> = oracle.steps.iter().map(|m| m.grad_norm.unwrap()).collect();
+    assert!(
+        norms.iter().all(|&n| n > 0.05),
+        "every step clips: {norms:?}"
+    );
+    assert!(
+        oracle.losses != unclipped.losses,
+        "clipping changes the run"
+    );
+    let mut ddp = config(Strategy::Ddp, 2);
+    ddp.max_grad_norm = base.max_grad_norm;
+    let runs = std::iter::once(("ddp dp 2".to_string(), ddp)).chain(STAGES.iter().map(|&stage| {
+        (
+            format!("zero {} dp 2", stage.number()),
+            zero(&base, 2, stage),
+        )
+    }));
+    for (what, config) in runs {
+        let clipped = run(&config);
+        assert_close(&oracle, &clipped, &format!("{what} clipped"));
+        for (step, (a, b)) in norms.iter().zip(&clipped.steps).enumerate() {
+            let b = b.grad_norm.expect("the norm is reported");
+            assert!(
+                (a - b).abs() <= 1e-4 * a,
+                "{what}: gradient norm {b} at step {}, one device has {a}",
+                step + 1
             );
         }
     }

@@ -728,19 +728,13 @@ where
     if config.strategy == Strategy::Single && config.tp == 1 {
         return Ok(train_rank(config, data, None, init()?, device, on_step)?.valid());
     }
-    let on_step = std::sync::Mutex::new(on_step);
-    let results = burn_comm::launch(config.dp * config.tp, |ctx| {
-        let mut forward = |m: &StepMetrics| {
-            if ctx.rank() == 0 {
-                (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
-            }
-        };
+    let mut results = launch_ranks(config.dp * config.tp, on_step, |ctx, forward| {
         let model = init()?;
         let data_parallel =
             |group: &Communicator| (config.strategy != Strategy::Single).then_some(group.clone());
         if config.tp == 1 {
             let dp = data_parallel(ctx.world());
-            return train_rank(config, data, dp.as_ref(), model, device, &mut forward)
+            return train_rank(config, data, dp.as_ref(), model, device, forward)
                 .map(|model| model.valid());
         }
         // Tensor-parallel peers are neighbours on the mesh (tp varies fastest).
@@ -749,15 +743,35 @@ where
         let tp = TensorParallel::new(mesh.group("tp")?.clone())
             .with_sequence_parallel(config.sequence_parallel);
         let model = TpLlama::from_full(model, &config.model, &tp)?;
-        let model = train_rank(config, data, dp.as_ref(), model, device, &mut forward)?;
+        let model = train_rank(config, data, dp.as_ref(), model, device, forward)?;
         Ok(model.valid().full()?)
+    })?;
+    Ok(results.remove(0))
+}
+
+/// Runs `rank` on `ranks` threads, each with its context and a reporter that hands rank 0's
+/// step metrics to `on_step`; returns every rank's result, or the error that caused the run to
+/// fail (see [`first_cause`]).
+pub(crate) fn launch_ranks<T: Send>(
+    ranks: usize,
+    on_step: &mut (dyn FnMut(&StepMetrics) + Send),
+    rank: impl Fn(&burn_comm::RankContext, &mut dyn FnMut(&StepMetrics)) -> Result<T, TrainError> + Sync,
+) -> Result<Vec<T>, TrainError> {
+    let on_step = std::sync::Mutex::new(on_step);
+    let results = burn_comm::launch(ranks, |ctx| {
+        let mut forward = |m: &StepMetrics| {
+            if ctx.rank() == 0 {
+                (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
+            }
+        };
+        rank(&ctx, &mut forward)
     });
-    Ok(first_cause(results)?.remove(0))
+    first_cause(results)
 }
 
 /// Every rank's result, or the error that caused the run to fail: a rank's own failure rather
 /// than its peers' "peer failed".
-pub(crate) fn first_cause<T>(
+fn first_cause<T>(
     results: Vec<Result<T, burn_comm::RankError<TrainError>>>,
 ) -> Result<Vec<T>, TrainError> {
     let cause = results.iter().position(|r| match r {
@@ -788,13 +802,8 @@ fn train_pipeline<B: BackwardHooks + CommBackend>(
 where
     B::InnerBackend: CommBackend,
 {
-    let on_step = std::sync::Mutex::new(on_step);
-    let results = burn_comm::launch(config.dp * config.pp * config.tp, |ctx| {
-        let mut forward = |m: &StepMetrics| {
-            if ctx.rank() == 0 {
-                (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
-            }
-        };
+    let ranks = config.dp * config.pp * config.tp;
+    let results = launch_ranks(ranks, on_step, |ctx, forward| {
         // Tensor-parallel peers are neighbours on the mesh, then the stages of a pipeline.
         let mesh = DeviceMesh::new(
             ctx.world(),
@@ -814,17 +823,17 @@ where
             tp: tp.as_ref(),
         };
         let (stages, spans) =
-            crate::pipeline::train_rank(config, data, init()?, groups, device, &mut forward)?;
+            crate::pipeline::train_rank(config, data, init()?, groups, device, forward)?;
         let first_copy = mesh.coord("dp")? == 0 && mesh.coord("tp")? == 0;
         Ok((first_copy, stages, spans))
-    });
+    })?;
     let mut stages = Vec::new();
     let mut timeline = burn_pipeline::Timeline {
         ranks: Vec::new(),
         virtual_stages: config.virtual_stages,
     };
     // Ranks come back in order, pp before tp: the first copy's are in stage order.
-    for (first_copy, rank_stages, spans) in first_cause(results)? {
+    for (first_copy, rank_stages, spans) in results {
         if first_copy {
             stages.extend(rank_stages);
             timeline.ranks.push(spans);

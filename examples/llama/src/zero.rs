@@ -19,7 +19,7 @@ use crate::model::Llama;
 use crate::pipeline::{LlamaStage, MicroBatch};
 use crate::tp_stage::TpLlamaStage;
 use crate::train::{
-    Batches, StepMetrics, TrainConfig, TrainError, Trainable, first_cause, reduce_scalar,
+    Batches, StepMetrics, TrainConfig, TrainError, Trainable, launch_ranks, reduce_scalar,
 };
 
 /// Reports a step: its number, mean loss, start, communication wait and what else it did.
@@ -127,18 +127,12 @@ pub(crate) fn train_fully_sharded<B: BackwardHooks + CommBackend>(
 where
     B::InnerBackend: CommBackend,
 {
-    let on_step = std::sync::Mutex::new(on_step);
-    let results = burn_comm::launch(config.dp * config.tp, |ctx| {
-        let mut forward = |m: &StepMetrics| {
-            if ctx.rank() == 0 {
-                (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
-            }
-        };
+    let mut results = launch_ranks(config.dp * config.tp, on_step, |ctx, forward| {
         let mesh = DeviceMesh::new(ctx.world(), &[("dp", config.dp), ("tp", config.tp)])?;
         let dp = mesh.group("dp")?;
         let units = units(init()?, config);
         if config.tp == 1 {
-            let units = run_units(config, data, dp, None, units, device, &mut forward)?;
+            let units = run_units(config, data, dp, None, units, device, forward)?;
             return Ok(LlamaStage::join(
                 units.into_iter().map(|u| u.valid()).collect(),
             ));
@@ -149,22 +143,14 @@ where
             .into_iter()
             .map(|unit| TpLlamaStage::from_stage(unit, &tp))
             .collect::<Result<Vec<_>, _>>()?;
-        let units = run_units(
-            config,
-            data,
-            dp,
-            Some(tp.comm()),
-            units,
-            device,
-            &mut forward,
-        )?;
+        let units = run_units(config, data, dp, Some(tp.comm()), units, device, forward)?;
         let whole = units
             .into_iter()
             .map(|unit| unit.valid().full())
             .collect::<Result<Vec<_>, _>>()?;
         Ok(LlamaStage::join(whole))
-    });
-    Ok(first_cause(results)?.remove(0))
+    })?;
+    Ok(results.remove(0))
 }
 
 /// ZeRO-3's units of `model`: one block each, the embedding with the first and the final norm

@@ -206,27 +206,6 @@ fn pipelined(
     Ok((loss.expect("the last stage reports the loss"), per_layer))
 }
 
-/// [`pipelined`] in fp32, unscaled.
-fn pipelined_fp32(
-    kind: ScheduleKind,
-    ranks: usize,
-    virtual_stages: usize,
-    layers: usize,
-    micro_batches: usize,
-    recompute: bool,
-) -> (f64, Vec<Vec<f32>>) {
-    pipelined(
-        kind,
-        ranks,
-        virtual_stages,
-        layers,
-        micro_batches,
-        recompute,
-        FP32,
-    )
-    .unwrap_or_else(|e| panic!("{e}"))
-}
-
 fn assert_matches(what: &str, got: (f64, Vec<Vec<f32>>), want: &(f64, Vec<Vec<f32>>)) {
     assert!(
         (got.0 - want.0).abs() <= 1e-6 * want.0.abs(),
@@ -263,7 +242,8 @@ fn every_schedule_gives_the_gradients_of_one_device() {
     for (kind, ranks, v) in cases {
         for recompute in [false, true] {
             let what = format!("{kind} pp {ranks} v {v} recompute {recompute}");
-            let got = pipelined_fp32(kind, ranks, v, layers, micro_batches, recompute);
+            let got = pipelined(kind, ranks, v, layers, micro_batches, recompute, FP32)
+                .unwrap_or_else(|e| panic!("{e}"));
             assert_matches(&what, got, &want);
         }
     }

@@ -50,17 +50,8 @@ fn bf16_and_f16_track_fp32_and_every_stage_computes_the_same_bits() {
             assert!(run.steps.iter().all(|m| !m.skipped), "{what}: no overflow");
         }
         for (stage, run) in STAGES.iter().zip(&runs).skip(1) {
-            assert_eq!(
-                runs[0].losses,
-                run.losses,
-                "{dtype:?} zero {} losses",
-                stage.number()
-            );
-            assert!(
-                runs[0].weights == run.weights,
-                "{dtype:?} zero {} weights",
-                stage.number()
-            );
+            let what = format!("{dtype:?} zero {} against zero 1", stage.number());
+            assert_same_bits(&runs[0], run, &what);
         }
     }
 }

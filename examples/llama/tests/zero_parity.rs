@@ -25,14 +25,7 @@ fn every_stage_matches_one_device_and_ddp_at_dp_2_and_4() {
             let sharded = run(&zero(&base, dp, stage));
             assert_close(&oracle, &sharded, &what);
             assert_close(&ddp, &sharded, &format!("{what} against ddp"));
-            assert_eq!(
-                ddp.losses, sharded.losses,
-                "{what}: losses equal DDP's exactly"
-            );
-            assert!(
-                ddp.weights == sharded.weights,
-                "{what}: weights equal DDP's exactly"
-            );
+            assert_same_bits(&ddp, &sharded, &format!("{what} against ddp"));
         }
     }
 }
@@ -84,13 +77,10 @@ fn zero_1_under_a_pipeline_matches_one_device_and_the_replicated_pipeline() {
         let what = format!("zero 1 dp 2 x pp 2 x tp {tp}");
         let (replicated, sharded) = (run(&replicated), run(&sharded));
         assert_close(&oracle, &sharded, &what);
-        assert_eq!(
-            replicated.losses, sharded.losses,
-            "{what}: losses equal the pipeline's"
-        );
-        assert!(
-            replicated.weights == sharded.weights,
-            "{what}: weights equal the pipeline's"
+        assert_same_bits(
+            &replicated,
+            &sharded,
+            &format!("{what} against the pipeline"),
         );
         assert!(
             sharded.model_state_bytes.is_some(),

@@ -74,6 +74,12 @@ pub fn run_on(config: &TrainConfig, samples: usize) -> Run {
     }
 }
 
+/// Asserts that `a` and `b` computed the same bits: every loss and every final weight.
+pub fn assert_same_bits(a: &Run, b: &Run, what: &str) {
+    assert_eq!(a.losses, b.losses, "{what}: losses differ");
+    assert!(a.weights == b.weights, "{what}: weights differ");
+}
+
 /// Asserts the tolerances above, and prints the largest deviations seen (with `--nocapture`).
 pub fn assert_close(oracle: &Run, other: &Run, what: &str) {
     assert_within(oracle, other, what, 1e-5, 1e-4);

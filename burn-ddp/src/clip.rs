@@ -9,12 +9,13 @@ use burn::tensor::{DType, ElementConversion, Tensor};
 
 use crate::params::trainable;
 
-/// The factor the gradients are multiplied by: `max_norm / (norm + 1e-6)`, at most 1, as
-/// PyTorch computes it; NaN for a non-finite norm, so a broken step does not pass unnoticed.
-pub fn clip_coefficient(norm: f64, max_norm: f64) -> f64 {
+/// The factor gradients of global norm `norm` are multiplied by: `max_norm / (norm + 1e-6)`,
+/// as PyTorch computes it, or None when that is 1 or more (no scaling); NaN for a non-finite
+/// norm, so a broken step does not pass unnoticed.
+pub fn clip_coefficient(norm: f64, max_norm: f64) -> Option<f64> {
     match norm.is_finite() {
-        true => (max_norm / (norm + 1e-6)).min(1.0),
-        false => f64::NAN,
+        true => Some(max_norm / (norm + 1e-6)).filter(|&c| c < 1.0),
+        false => Some(f64::NAN),
     }
 }
 
@@ -47,10 +48,9 @@ pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     let coefficient = clip_coefficient(norm, max_norm);
     for (slot, grad) in slots.iter().zip(taken) {
         if let Some(grad) = grad {
-            let grad = if coefficient < 1.0 || coefficient.is_nan() {
-                grad * coefficient
-            } else {
-                grad
+            let grad = match coefficient {
+                Some(c) => grad * c,
+                None => grad,
             };
             (slot.put)(&mut grads, grad);
         }

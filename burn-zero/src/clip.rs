@@ -24,10 +24,9 @@ pub(crate) fn clip_global_norm<B: Backend>(
         .into_scalar()
         .elem::<f64>()
         .sqrt();
-    let coefficient = clip_coefficient(norm, max_norm);
-    let grad = match coefficient < 1.0 || coefficient.is_nan() {
-        true => grad * coefficient,
-        false => grad,
+    let grad = match clip_coefficient(norm, max_norm) {
+        Some(c) => grad * c,
+        None => grad,
     };
     Ok((grad, Some(norm)))
 }

@@ -1,11 +1,13 @@
-//! AdamW on one rank's shard: burn's own AdamW step, applied to the flat fp32 shard instead of
-//! to each parameter. Its arithmetic is elementwise, so every element gets exactly the update
-//! a whole-model AdamW gives it.
+//! AdamW on one rank's shard: burn's AdamW step applied to the flat fp32 shard instead of to
+//! each parameter. Its arithmetic is elementwise, so every element gets exactly the update a
+//! whole-model AdamW gives it. On a cubecl device the step is one fused kernel
+//! ([`burn_kernels::FusedAdamW`]).
 
 use burn::backend::Flex;
-use burn::optim::{AdamW, AdamWConfig, AdamWState, SimpleOptimizer};
+use burn::optim::{AdamWConfig, AdamWState};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
+use burn_kernels::FusedAdamW;
 
 use crate::ZeroError;
 use crate::precision::cast;
@@ -13,7 +15,7 @@ use crate::precision::cast;
 /// The optimizer state of one rank's shard: first and second moments, fp32, and the fp32
 /// master weights when the parameters are kept in 16 bits.
 pub struct ShardedAdamW<B: Backend> {
-    adamw: AdamW,
+    adamw: FusedAdamW,
     state: Option<AdamWState<B, 1>>,
     master: Option<Tensor<B, 1>>,
 }
@@ -34,7 +36,7 @@ impl<B: Backend> ShardedAdamW<B> {
             ));
         }
         Ok(Self {
-            adamw: config.build(),
+            adamw: FusedAdamW::new(config),
             state: None,
             master: None,
         })
@@ -59,7 +61,7 @@ impl<B: Backend> ShardedAdamW<B> {
         let keep = held.is_some();
         let weights = held.unwrap_or_else(|| to_f32(weights()));
         let (updated, state) = self.adamw.step(lr, weights, grad, self.state.take());
-        self.state = state;
+        self.state = Some(state);
         if keep {
             self.master = Some(updated.clone());
         }

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# GPU validation, part 2, on a machine with one NVIDIA GPU (no cargo needed): runs what
+# scripts/gpu/build.sh bundled and writes every result under ${OUT:-gpu-results}:
+#   gpu.txt          the GPU model, driver and memory (nvidia-smi)
+#   kernels.txt      the cubecl kernel tests on CUDA, each against its plain-burn fallback
+#   llama-*.txt      the Llama example on CUDA: one device, and 2 ranks sharing the GPU
+#   adamw.txt        the fused AdamW kernel against burn's AdamW
+#   torch.json       PyTorch eager training the same model shape (when torch imports)
+#   summary.txt      tokens/s, peak GPU memory and MFU of each training run
+# Not yet here: the NCCL transport's collectives (issue 7); ranks sharing the GPU communicate
+# through host memory (the local transport).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-gpu-results}
+mkdir -p "$out"
+model=${MODEL:-small}
+steps=${STEPS:-30}
+shape=(--model "$model" --batch-size 16 --seq-len 256 --steps "$steps" --warmup 5)
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+# Dense fp32 (non-tensor-core) peaks, for MFU: burn trains in plain fp32 here.
+case "$gpu" in
+    *H100*) peak=67 ;;
+    *H200*) peak=67 ;;
+    *A100*) peak=19.5 ;;
+    *) peak=0 ;;
+esac
+
+status=0
+for test in "$here"/kernel-test-*; do
+    echo "== $(basename "$test")" | tee -a "$out/kernels.txt"
+    "$test" --test-threads=1 2>&1 | tee -a "$out/kernels.txt" || status=1
+done
+
+# Peak GPU memory of a command, sampled by nvidia-smi every 100 ms (MiB).
+with_memory() {
+    local log=$1
+    shift
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$log.mem" &
+    local sampler=$!
+    "$@" > "$log" 2>&1
+    local rc=$?
+    kill "$sampler" 2>/dev/null
+    wait "$sampler" 2>/dev/null
+    echo "peak GPU memory: $(sort -n "$log.mem" | tail -1) MiB" >> "$log"
+    return $rc
+}
+
+runs=(
+    "single:"
+    "ddp2:--dp 2"
+    "zero1:--dp 2 --zero 1"
+    "zero3:--dp 2 --zero 3"
+    "tp2:--tp 2"
+    "pp2:--pp 2 --grad-accum 4"
+)
+for run in "${runs[@]}"; do
+    name=${run%%:*}
+    flags=${run#*:}
+    echo "== llama $name"
+    # shellcheck disable=SC2086
+    with_memory "$out/llama-$name.txt" "$here/llama" train --device cuda "${shape[@]}" $flags || status=1
+    tail -4 "$out/llama-$name.txt"
+done
+
+"$here/adamw" --device cuda --json "$out/adamw.json" 2>&1 | tee "$out/adamw.txt" || status=1
+
+if python3 -c "import torch" 2>/dev/null; then
+    python3 "$here/torch_llama.py" --model "$model" --batch-size 16 --seq-len 256 --steps "$steps" \
+        --peak-tflops "$peak" | tee "$out/torch.json" || status=1
+else
+    echo "torch does not import here: no PyTorch reference" | tee "$out/torch.json"
+fi
+
+python3 - "$out" "$peak" > "$out/summary.txt" <<'PY'
+import glob, json, os, re, sys
+out, peak = sys.argv[1], float(sys.argv[2])
+print(f"{'run':<8} {'tokens/s':>10} {'peak MiB':>9} {'MFU':>7}")
+for path in sorted(glob.glob(os.path.join(out, "llama-*.txt"))):
+    text = open(path).read()
+    params = re.search(r"\(([\d.]+)M parameters\)", text)
+    tps = re.search(r"median (\d+) tokens/s", text)
+    mem = re.search(r"peak GPU memory: (\d+) MiB", text)
+    if not (params and tps):
+        print(f"{os.path.basename(path)[6:-4]:<8} failed")
+        continue
+    tps_v = float(tps.group(1))
+    mfu = tps_v * 6 * float(params.group(1)) * 1e6 / (peak * 1e12) if peak else float("nan")
+    print(f"{os.path.basename(path)[6:-4]:<8} {tps_v:>10.0f} {mem.group(1) if mem else '?':>9} {mfu:>7.2%}")
+try:
+    torch = json.loads(open(os.path.join(out, "torch.json")).read())
+    print(f"{'pytorch':<8} {torch['tokens_per_s']:>10.0f} {torch['peak_memory_mb']:>9} {torch['mfu'] or float('nan'):>7.2%}")
+except (ValueError, KeyError, TypeError):
+    pass
+PY
+cat "$out/summary.txt"
+exit $status

@@ -3,6 +3,7 @@
 //! the kernels are tested without an NVIDIA GPU); every other backend takes the fallback.
 
 pub mod adamw;
+pub mod cross_entropy;
 
 #[cfg(feature = "cubecl")]
 mod cube;
@@ -18,6 +19,7 @@ macro_rules! on_cube {
 use on_cube;
 
 pub use adamw::{AdamWStep, FusedAdamW};
+pub use cross_entropy::{RowStats, row_stats};
 
 use burn::tensor::backend::Backend;
 

@@ -1,0 +1,192 @@
+//! The per-row statistics a vocabulary-parallel cross-entropy needs from one rank's logits:
+//! the row's maximum, its sum of exponentials relative to that maximum, and the target's logit
+//! when this rank holds the target's column. On a cubecl device one kernel reads the logits once
+//! (an online softmax: the running sum is rescaled whenever the maximum grows), where plain burn
+//! reads them three times (max, exp-sum, gather). Elsewhere the same three come from burn's
+//! tensor operations.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Int, Tensor};
+
+use crate::on_cube;
+
+/// One rank's per-row statistics of logits `[n, part]`, each `[n]`, fp32.
+#[derive(Debug, Clone)]
+pub struct RowStats<B: Backend> {
+    /// The row's largest logit.
+    pub max: Tensor<B, 1>,
+    /// `sum_j exp(logit_j - max)` over the row.
+    pub sum_exp: Tensor<B, 1>,
+    /// The logit of the row's target column, or 0 where this rank does not hold it.
+    pub target: Tensor<B, 1>,
+}
+
+/// The statistics of `logits` (`[n, part]`, fp32) with `targets` the target's column in this
+/// part (`0..part`), or -1 where the target lies in another rank's part.
+pub fn row_stats<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> RowStats<B> {
+    let [n, part] = logits.dims();
+    assert_eq!(targets.dims()[0], n, "one target per row of logits");
+    assert_eq!(
+        logits.dtype(),
+        DType::F32,
+        "the statistics are taken in fp32"
+    );
+    if part > 0 && targets.dtype() == DType::I32 {
+        on_cube!(B, kernel::row_stats(logits, targets));
+    }
+    fallback_row_stats(logits, targets)
+}
+
+/// [`row_stats`] in burn's tensor operations.
+pub fn fallback_row_stats<B: Backend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+) -> RowStats<B> {
+    let n = logits.dims()[0];
+    let max = logits.clone().max_dim(1);
+    let sum_exp = (logits.clone() - max.clone()).exp().sum_dim(1);
+    let held = targets.clone().greater_equal_elem(0);
+    let column = targets.clamp_min(0).reshape([n, 1]);
+    let picked = logits.gather(1, column).reshape([n]);
+    let target = picked.mask_fill(held.bool_not(), 0.0);
+    RowStats {
+        max: max.reshape([n]),
+        sum_exp: sum_exp.reshape([n]),
+        target,
+    }
+}
+
+#[cfg(feature = "cubecl")]
+mod kernel {
+    use burn::tensor::backend::Backend;
+    use burn::tensor::{Int, Tensor};
+    use burn_cubecl::CubeRuntime;
+    use burn_cubecl::kernel::into_contiguous;
+    use burn_cubecl::ops::numeric::empty_device_dtype;
+    use burn_cubecl::tensor::CubeTensor;
+    use cubecl::prelude::*;
+    use cubecl::{calculate_cube_count_elemwise, frontend::Array};
+    use std::any::Any;
+
+    use super::RowStats;
+    use crate::cube::{from_cube, into_cube};
+
+    /// Units per row: each strides over the row, then the cube combines their partial results.
+    const UNITS: usize = 256;
+
+    /// Combines two partial (max, sum relative to max) pairs.
+    #[cube]
+    fn combine(m1: f32, s1: f32, m2: f32, s2: f32) -> (f32, f32) {
+        let m = f32::max(m1, m2);
+        (m, s1 * f32::exp(m1 - m) + s2 * f32::exp(m2 - m))
+    }
+
+    #[cube(launch, address_type = "dynamic")]
+    fn row_stats_kernel(
+        logits: &Array<f32>,
+        targets: &Array<i32>,
+        max: &mut Array<f32>,
+        sum_exp: &mut Array<f32>,
+        target: &mut Array<f32>,
+        rows: usize,
+        width: usize,
+    ) {
+        let row = CUBE_POS;
+        if row >= rows {
+            terminate!();
+        }
+        let unit = UNIT_POS as usize;
+        let start = row * width;
+        let wanted = targets[row];
+        // A finite floor, not -inf: two empty partials must not combine into inf - inf.
+        let mut m = f32::new(-3.4028235e38);
+        let mut s = f32::new(0.0);
+        for j in range_stepped(unit, width, UNITS) {
+            let x = logits[start + j];
+            if x > m {
+                s = s * f32::exp(m - x) + f32::new(1.0);
+                m = x;
+            } else {
+                s += f32::exp(x - m);
+            }
+            if wanted >= 0 && j == wanted as usize {
+                target[row] = x;
+            }
+        }
+        if wanted < 0 && unit == 0 {
+            target[row] = f32::new(0.0);
+        }
+        let mut maxes = SharedMemory::<f32>::new(UNITS);
+        let mut sums = SharedMemory::<f32>::new(UNITS);
+        maxes[unit] = m;
+        sums[unit] = s;
+        sync_cube();
+        // CUBE_DIM is UNITS, read at run time so the loop is not unrolled.
+        let mut stride = CUBE_DIM as usize / 2;
+        while stride > 0 {
+            if unit < stride {
+                let (m, s) = combine(
+                    maxes[unit],
+                    sums[unit],
+                    maxes[unit + stride],
+                    sums[unit + stride],
+                );
+                maxes[unit] = m;
+                sums[unit] = s;
+            }
+            sync_cube();
+            stride /= 2;
+        }
+        if unit == 0 {
+            max[row] = maxes[0];
+            sum_exp[row] = sums[0];
+        }
+    }
+
+    fn int_to_cube<B: Backend, R: CubeRuntime>(tensor: Tensor<B, 1, Int>) -> CubeTensor<R> {
+        let primitive: Box<dyn Any> = Box::new(tensor.into_primitive());
+        *primitive
+            .downcast()
+            .expect("a cubecl backend's int tensors are cubecl tensors too")
+    }
+
+    pub(super) fn row_stats<B: Backend, R: CubeRuntime>(
+        logits: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+    ) -> RowStats<B> {
+        let [n, width] = logits.dims();
+        let logits = into_contiguous(into_cube::<B, R, 2>(logits));
+        let targets = into_contiguous(int_to_cube::<B, R>(targets));
+        let client = logits.client.clone();
+        let out = || {
+            empty_device_dtype(
+                client.clone(),
+                logits.device.clone(),
+                [n].into(),
+                burn::tensor::DType::F32,
+            )
+        };
+        let (max, sum_exp, target) = (out(), out(), out());
+        let cube_count = calculate_cube_count_elemwise(&client, n, CubeDim::new_1d(1));
+        let array = |t: &CubeTensor<R>| t.clone().into_array_arg();
+        let address = logits.required_address_type();
+        row_stats_kernel::launch(
+            &client,
+            cube_count,
+            CubeDim::new_1d(UNITS as u32),
+            address,
+            array(&logits),
+            array(&targets),
+            array(&max),
+            array(&sum_exp),
+            array(&target),
+            n,
+            width,
+        );
+        RowStats {
+            max: from_cube(max),
+            sum_exp: from_cube(sum_exp),
+            target: from_cube(target),
+        }
+    }
+}

@@ -66,10 +66,9 @@ mod kernel {
     use burn_cubecl::tensor::CubeTensor;
     use cubecl::prelude::*;
     use cubecl::{calculate_cube_count_elemwise, frontend::Array};
-    use std::any::Any;
 
     use super::RowStats;
-    use crate::cube::{from_cube, into_cube};
+    use crate::cube::{from_cube, int_into_cube, into_cube};
 
     /// Units per row: each strides over the row, then the cube combines their partial results.
     const UNITS: usize = 256;
@@ -143,20 +142,13 @@ mod kernel {
         }
     }
 
-    fn int_to_cube<B: Backend, R: CubeRuntime>(tensor: Tensor<B, 1, Int>) -> CubeTensor<R> {
-        let primitive: Box<dyn Any> = Box::new(tensor.into_primitive());
-        *primitive
-            .downcast()
-            .expect("a cubecl backend's int tensors are cubecl tensors too")
-    }
-
     pub(super) fn row_stats<B: Backend, R: CubeRuntime>(
         logits: Tensor<B, 2>,
         targets: Tensor<B, 1, Int>,
     ) -> RowStats<B> {
         let [n, width] = logits.dims();
         let logits = into_contiguous(into_cube::<B, R, 2>(logits));
-        let targets = into_contiguous(int_to_cube::<B, R>(targets));
+        let targets = into_contiguous(int_into_cube::<B, R, 1>(targets));
         let client = logits.client.clone();
         let out = || {
             empty_device_dtype(

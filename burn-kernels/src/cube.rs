@@ -5,7 +5,7 @@
 use std::any::{Any, TypeId};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Int, Tensor, TensorPrimitive};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 
@@ -14,25 +14,33 @@ pub(crate) fn holds<B: Backend, R: CubeRuntime>() -> bool {
     TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<CubeTensor<R>>()
 }
 
+/// `value` as the type it is known to be: a primitive of the runtime [`holds`] found.
+fn same<T: 'static, U: 'static>(value: T) -> U {
+    let value: Box<dyn Any> = Box::new(value);
+    *value
+        .downcast()
+        .expect("called only for the runtime that holds the backend's tensors")
+}
+
 /// `tensor`'s cubecl tensor; only after [`holds`] said yes.
 pub(crate) fn into_cube<B: Backend, R: CubeRuntime, const D: usize>(
     tensor: Tensor<B, D>,
 ) -> CubeTensor<R> {
-    let primitive: Box<dyn Any> = Box::new(tensor.into_primitive().tensor());
-    *primitive
-        .downcast()
-        .expect("into_cube is called only for the runtime that holds the backend's tensors")
+    same(tensor.into_primitive().tensor())
+}
+
+/// An int tensor's cubecl tensor (the backend's int tensors live on the same runtime).
+pub(crate) fn int_into_cube<B: Backend, R: CubeRuntime, const D: usize>(
+    tensor: Tensor<B, D, Int>,
+) -> CubeTensor<R> {
+    same(tensor.into_primitive())
 }
 
 /// The burn tensor of a cubecl tensor of `B`'s runtime.
 pub(crate) fn from_cube<B: Backend, R: CubeRuntime, const D: usize>(
     tensor: CubeTensor<R>,
 ) -> Tensor<B, D> {
-    let primitive: Box<dyn Any> = Box::new(tensor);
-    let primitive = *primitive
-        .downcast::<B::FloatTensorPrimitive>()
-        .expect("from_cube is called only for the runtime that holds the backend's tensors");
-    Tensor::from_primitive(TensorPrimitive::Float(primitive))
+    Tensor::from_primitive(TensorPrimitive::Float(same(tensor)))
 }
 
 /// Calls `$kernel::<B, R>($args)` and returns its result from the enclosing function when `B`

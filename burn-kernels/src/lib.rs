@@ -26,13 +26,6 @@ use burn::tensor::backend::Backend;
 /// Whether `B`'s float tensors live on a cubecl runtime this build has kernels for (else the
 /// fallbacks run).
 pub fn has_kernels<B: Backend>() -> bool {
-    #[cfg(feature = "cuda")]
-    if cube::holds::<B, cubecl::cuda::CudaRuntime>() {
-        return true;
-    }
-    #[cfg(feature = "wgpu")]
-    if cube::holds::<B, cubecl::wgpu::WgpuRuntime>() {
-        return true;
-    }
+    on_cube!(B, cube::holds());
     false
 }

@@ -49,10 +49,14 @@ impl Stream {
     }
 }
 
-struct Inner {
-    group: Arc<Group>,
+pub(crate) struct Inner {
+    pub(crate) group: Arc<Group>,
     /// This rank's index in the group.
-    rank: usize,
+    pub(crate) rank: usize,
+    /// The NCCL communicator that moves this group's data, when it is on NCCL; else the local
+    /// transport does.
+    #[cfg(feature = "cuda")]
+    pub(crate) nccl: Option<crate::nccl::Nccl>,
     jobs: Mutex<mpsc::Sender<Job>>,
     /// The stream's state; whoever runs a call (the worker, or a blocking caller while the
     /// stream is idle) holds it.
@@ -71,9 +75,26 @@ struct Inner {
 /// and kind (float, int) work; results come back on the device of the input.
 #[derive(Clone)]
 pub struct Communicator {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
     /// Set on the handle that blocking calls use: they may run on the caller's thread.
     inline: bool,
+}
+
+impl Inner {
+    /// Send and recv are buffered here; NCCL's wait for their peer, so a schedule written for
+    /// buffered messages (the pipeline's) could deadlock on them. Refused until that is solved.
+    fn refuse_point_to_point(&self, op: &str) -> Result<(), CommError> {
+        #[cfg(feature = "cuda")]
+        if self.nccl.is_some() {
+            return Err(CommError::InvalidArgument {
+                op: op.to_string(),
+                group: self.group.name().to_string(),
+                reason: "send and recv are not available on the NCCL transport yet (NCCL's wait for their peer, these are buffered); run pipeline stages on the local transport".to_string(),
+            });
+        }
+        let _ = op;
+        Ok(())
+    }
 }
 
 impl fmt::Debug for Communicator {
@@ -110,7 +131,22 @@ impl<T> Work<T> {
 }
 
 impl Communicator {
+    /// Rank `rank` of `group`, on the local transport.
     pub(crate) fn new(group: Arc<Group>, rank: usize) -> Self {
+        Self::spawn(
+            group,
+            rank,
+            #[cfg(feature = "cuda")]
+            None,
+        )
+    }
+
+    /// Rank `rank` of `group`, whose data NCCL moves when `nccl` is given.
+    pub(crate) fn spawn(
+        group: Arc<Group>,
+        rank: usize,
+        #[cfg(feature = "cuda")] nccl: Option<crate::nccl::Nccl>,
+    ) -> Self {
         let (jobs, queue) = mpsc::channel::<Job>();
         let name = format!("comm-{}-{}", group.name(), group.members()[rank]);
         let stream = Arc::new(Mutex::new(Stream {
@@ -139,6 +175,8 @@ impl Communicator {
             inner: Arc::new(Inner {
                 group,
                 rank,
+                #[cfg(feature = "cuda")]
+                nccl,
                 jobs: Mutex::new(jobs),
                 stream,
                 queued: AtomicUsize::new(0),
@@ -182,6 +220,15 @@ impl Communicator {
     /// Starts counting [`Communicator::stats`] from zero.
     pub fn reset_stats(&self) {
         *lock(&self.inner.stats) = CommStats::default();
+    }
+
+    /// Whether NCCL moves this group's data (see [`Communicator::nccl`]); else the local
+    /// transport does.
+    pub fn is_nccl(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.inner.nccl.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
     }
 
     /// The handle blocking calls use: their call may run on the caller's thread.
@@ -282,6 +329,13 @@ impl Communicator {
             }
             if inner.group.members().len() == 1 {
                 return Ok(tensor);
+            }
+            #[cfg(feature = "cuda")]
+            if let Some(nccl) = &inner.nccl {
+                let size = inner.group.members().len();
+                return nccl
+                    .collective(call.op, size, tensor)
+                    .map_err(|failure| inner.nccl_error(&call.to_string(), failure));
             }
             body(inner, stream, call, tensor)
         })
@@ -631,6 +685,13 @@ impl Communicator {
     pub fn barrier_async(&self) -> Work<()> {
         let call = Call::bare(Op::Barrier);
         self.submit(call.to_string(), move |inner, stream| {
+            #[cfg(feature = "cuda")]
+            if let Some(nccl) = &inner.nccl {
+                let size = inner.group.members().len();
+                return nccl
+                    .barrier(size)
+                    .map_err(|failure| inner.nccl_error(&call.to_string(), failure));
+            }
             let post = Post::bare(call);
             inner
                 .group
@@ -662,8 +723,9 @@ impl Communicator {
             let bytes = tensor.shape().num_elements() * tensor.dtype().size();
             lock(&self.inner.stats).record_send(bytes as u64);
         }
-        self.submit(op, move |inner, _| {
+        self.submit(op.clone(), move |inner, _| {
             checked?;
+            inner.refuse_point_to_point(&op)?;
             inner.group.send(inner.rank, dst, tensor.into_data())
         })
     }
@@ -693,6 +755,7 @@ impl Communicator {
         let checked = self.check_peer(&op, src);
         self.submit(op.clone(), move |inner, _| {
             checked?;
+            inner.refuse_point_to_point(&op)?;
             let data = inner.group.recv(inner.rank, src, &op)?;
             if data.dtype != dtype || data.shape.as_slice() != shape {
                 return Err(CommError::Mismatch {
@@ -713,6 +776,11 @@ impl Communicator {
         let call = Call::bare(Op::Split);
         let name = name.to_string();
         self.submit(call.to_string(), move |inner, stream| {
+            #[cfg(feature = "cuda")]
+            if let Some(nccl) = &inner.nccl {
+                return crate::nccl::split(inner, nccl, name, color)
+                    .map_err(|failure| inner.nccl_error(&call.to_string(), failure));
+            }
             let seq = stream.next_seq();
             let post = Post {
                 color,
@@ -766,6 +834,11 @@ fn refuse<T>(
     call: Call,
     error: CommError,
 ) -> Result<T, CommError> {
+    // NCCL has no way to post a bare call: every rank that made this call refuses it alike.
+    #[cfg(feature = "cuda")]
+    if inner.nccl.is_some() {
+        return Err(error);
+    }
     inner
         .group
         .rendezvous(inner.rank, stream.next_seq(), Post::bare(call), |_| ())?;

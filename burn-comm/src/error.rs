@@ -67,6 +67,20 @@ pub enum CommError {
         reason: String,
     },
 
+    /// The device or its communication library failed the call (an NCCL error, a CUDA error,
+    /// or a call that outlived the timeout and aborted the NCCL communicator).
+    #[error("{op} on group '{group}' failed on rank {rank}: {reason}")]
+    Transport {
+        /// The call.
+        op: String,
+        /// Its group.
+        group: String,
+        /// The rank reporting it.
+        rank: usize,
+        /// What failed, and what to do about it.
+        reason: String,
+    },
+
     /// A wrong configuration, rejected when it is built (a mesh whose sizes do not multiply to
     /// the world size, an unknown mesh dimension, ...).
     #[error("{0}")]

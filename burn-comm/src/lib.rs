@@ -30,6 +30,8 @@ mod kernels;
 mod launch;
 mod local;
 mod mesh;
+#[cfg(feature = "cuda")]
+mod nccl;
 pub mod parallel;
 mod shared;
 mod stats;

@@ -59,6 +59,12 @@ impl World {
         })
     }
 
+    /// How long a rank waits for its peers in one call (the NCCL watchdog's limit too).
+    #[cfg(feature = "cuda")]
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     pub fn job_started(&self, rank: usize) {
         lock(&self.pending)[rank] += 1;
     }
@@ -250,7 +256,7 @@ impl Group {
         &self.members
     }
 
-    pub fn world(&self) -> &World {
+    pub fn world(&self) -> &Arc<World> {
         &self.world
     }
 

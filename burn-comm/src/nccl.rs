@@ -1,0 +1,730 @@
+//! The NCCL transport (feature `cuda`): the collectives run in the device memory of burn's CUDA
+//! tensors, so gradients and shards never leave the GPU.
+//!
+//! Ordering against burn's own work: before a call, the calling thread's cubecl stream is made
+//! to wait for the input's writer and is synchronised, so the input is complete; NCCL then runs
+//! on this communicator's own CUDA stream, and the result is handed back once that stream is
+//! done. A blocking call therefore costs one host synchronisation; the `_async` forms run on
+//! the communicator's thread, which is what lets them overlap the caller's computation.
+//!
+//! A call that does not finish within the group's timeout (a peer died, or called another
+//! collective) aborts the NCCL communicator, as torch's watchdog does: the call and every
+//! later one on the group fail instead of hanging.
+
+use std::any::{Any, TypeId};
+use std::ffi::{CStr, c_void};
+use std::mem::MaybeUninit;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use burn::backend::Autodiff;
+use burn::backend::cuda::CudaDevice;
+use burn::tensor::backend::{AutodiffBackend, Backend, BackendTypes};
+use burn::tensor::{
+    BasicOps, DType, Int, Shape, Tensor, TensorMetadata, TensorPrimitive, bf16, f16,
+};
+use burn_cubecl::cubecl::cuda::CudaRuntime;
+use burn_cubecl::cubecl::future::block_on;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, FloatElement};
+use cudarc::driver::result as cu;
+use cudarc::driver::sys::{CUcontext, CUdevice, CUresult, CUstream, cuStreamQuery};
+use cudarc::nccl::sys::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t};
+
+use crate::call::Op;
+use crate::communicator::Inner;
+use crate::local::{World, lock};
+use crate::store::Store;
+use crate::{CommError, Communicator, ProcessEnv, ReduceOp};
+
+/// burn's CUDA backend at float precision `F` (and its default int and bool types).
+type Cuda<F> = CubeBackend<CudaRuntime, F, i32, u8>;
+
+/// The float tensor of `Autodiff<Cuda<F>>` (whatever its checkpointing).
+type AutodiffFloat<F> = <Autodiff<Cuda<F>> as BackendTypes>::FloatTensorPrimitive;
+
+impl Communicator {
+    /// This group on NCCL: a new handle on the same ranks, whose collectives run in the device
+    /// memory of burn's CUDA tensors (`Cuda`, or `Autodiff<Cuda>`) on `device`, instead of
+    /// through host memory. Like a collective, every rank of the group calls it, each with the
+    /// GPU it drives; two ranks may share one GPU when `NCCL_MULTI_RANK_GPU_ENABLE=1` is set.
+    ///
+    /// [`Communicator::split`] and the device mesh work on the new handle as on this one.
+    /// `send` and `recv` do not yet: they are refused with an error.
+    pub fn nccl(&self, device: &CudaDevice) -> Result<Communicator, CommError> {
+        if self.is_nccl() {
+            return Ok(self.clone());
+        }
+        let failed = |reason: String| CommError::Transport {
+            op: "nccl".to_string(),
+            group: self.group_name().to_string(),
+            rank: self.global_rank(),
+            reason,
+        };
+        // Rank 0's id reaches every rank; a leading 0 says rank 0 could not make one, so that no
+        // rank is left waiting in NCCL's start-up for it.
+        let mine = match self.rank() {
+            0 => unique_id(),
+            _ => Ok([0; 128]),
+        };
+        let mut message = vec![i64::from(mine.is_ok())];
+        message.extend(mine.as_ref().map_or([0; 128], |id| *id).map(i64::from));
+        let message = Tensor::<burn::backend::Flex, 1, Int>::from_data(
+            burn::tensor::TensorData::new(message, [129]),
+            &Default::default(),
+        );
+        let shared = self.broadcast(message, 0)?.into_data().convert::<i64>();
+        let shared = shared.as_slice::<i64>().expect("converted to i64");
+        if shared[0] == 0 {
+            return Err(failed(match mine {
+                Err(reason) => reason,
+                Ok(_) => "rank 0 could not start NCCL (its error says why)".to_string(),
+            }));
+        }
+        let id = std::array::from_fn(|i| shared[i + 1] as u8);
+        let group = &self.inner.group;
+        let nccl = Nccl::init(
+            device,
+            id,
+            self.rank(),
+            self.size(),
+            group.world().timeout(),
+        )
+        .map_err(failed)?;
+        let twin = group
+            .world()
+            .new_group(self.group_name().to_string(), self.ranks().to_vec());
+        Ok(Communicator::spawn(twin, self.rank(), Some(nccl)))
+    }
+
+    /// The world of a multi-process job on NCCL, one process per rank as `burn-launch` (or
+    /// torchrun) starts them: rank 0 makes NCCL's id and hands it out through the job's
+    /// `store` (see [`ProcessEnv::rendezvous`]). Every process calls it once, with the GPU it
+    /// drives (usually `CudaDevice::new(env.local_rank)`). Calls time out after the store's
+    /// timeout.
+    pub fn nccl_world(
+        env: &ProcessEnv,
+        store: &mut Store,
+        device: &CudaDevice,
+    ) -> Result<Communicator, CommError> {
+        const KEY: &str = "burn-comm/nccl-id/world";
+        let failed = |reason: String| CommError::Transport {
+            op: "nccl_world".to_string(),
+            group: "world".to_string(),
+            rank: env.rank,
+            reason,
+        };
+        let store_failed = |e: crate::StoreError| failed(e.to_string());
+        let id = if env.rank == 0 {
+            match unique_id() {
+                Ok(id) => {
+                    store.set(KEY, &id).map_err(store_failed)?;
+                    id
+                }
+                Err(reason) => {
+                    // Anything but 128 bytes tells the others that rank 0 failed.
+                    store.set(KEY, b"failed").map_err(store_failed)?;
+                    return Err(failed(reason));
+                }
+            }
+        } else {
+            let value = store.get(KEY).map_err(store_failed)?;
+            <[u8; 128]>::try_from(value.as_slice()).map_err(|_| {
+                failed("rank 0 could not start NCCL (its error says why)".to_string())
+            })?
+        };
+        let timeout = store.timeout();
+        let nccl = Nccl::init(device, id, env.rank, env.world_size, timeout).map_err(failed)?;
+        let world = World::new(env.world_size, timeout);
+        let group = world.new_group("world".to_string(), (0..env.world_size).collect());
+        Ok(Communicator::spawn(group, env.rank, Some(nccl)))
+    }
+}
+
+impl Inner {
+    /// The error of `op` that failed on NCCL.
+    pub(crate) fn nccl_error(&self, op: &str, failure: Failure) -> CommError {
+        match failure {
+            Failure::Now(reason) => CommError::Transport {
+                op: op.to_string(),
+                group: self.group.name().to_string(),
+                rank: self.group.members()[self.rank],
+                reason,
+            },
+            Failure::Earlier(cause) => CommError::GroupBroken {
+                group: self.group.name().to_string(),
+                cause,
+            },
+        }
+    }
+}
+
+/// [`Communicator::split`] on NCCL: the ranks learn each other's colours (to know the members
+/// of their new group), then NCCL splits its communicator.
+pub(crate) fn split(
+    inner: &Inner,
+    nccl: &Nccl,
+    name: String,
+    color: usize,
+) -> Result<Communicator, Failure> {
+    let colors = nccl.all_gather_value(color, inner.group.members().len())?;
+    let members = colors
+        .iter()
+        .zip(inner.group.members())
+        .filter(|(c, _)| **c == color)
+        .map(|(_, &rank)| rank)
+        .collect();
+    let rank = colors[..inner.rank].iter().filter(|&&c| c == color).count();
+    let part = nccl.split(color, inner.rank)?;
+    let group = inner.group.world().new_group(name, members);
+    Ok(Communicator::spawn(group, rank, Some(part)))
+}
+
+/// Why an NCCL call failed.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// This call failed (the reason).
+    Now(String),
+    /// An earlier call failed and aborted the communicator (its reason).
+    Earlier(String),
+}
+
+/// One rank's NCCL communicator, with the CUDA stream its calls run on.
+pub(crate) struct Nccl {
+    comm: ncclComm_t,
+    stream: CUstream,
+    device: CudaDevice,
+    cu_device: CUdevice,
+    context: CUcontext,
+    timeout: Duration,
+    /// Why the communicator was aborted, once it has been.
+    aborted: Mutex<Option<String>>,
+}
+
+// SAFETY: the handles are plain pointers that NCCL and CUDA allow to be used from any thread;
+// the communicator's stream lock lets only one thread issue calls at a time.
+unsafe impl Send for Nccl {}
+unsafe impl Sync for Nccl {}
+
+/// A fresh NCCL unique id (rank 0 makes it; every rank of the new communicator needs it).
+pub(crate) fn unique_id() -> Result<[u8; 128], String> {
+    check_libraries()?;
+    let id = cudarc::nccl::result::get_uniqueid()
+        .map_err(|e| format!("ncclGetUniqueId failed: {}", describe(e.0)))?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+/// The libraries are loaded at run time: say how to provide them instead of panicking inside
+/// cudarc.
+fn check_libraries() -> Result<(), String> {
+    // SAFETY: only tries to load the libraries.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("the CUDA driver library (libcuda.so) could not be loaded: this machine needs an NVIDIA driver, and the directory holding libcuda.so on LD_LIBRARY_PATH".into());
+    }
+    // SAFETY: as above.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("the NCCL library could not be loaded: install NCCL (the nvidia-nccl-cu13 pip package or the libnccl2 system package) and put the directory holding it on LD_LIBRARY_PATH; the loader looks for libnccl.so, so where only libnccl.so.2 exists, link it as libnccl.so there".into());
+    }
+    Ok(())
+}
+
+fn describe(result: ncclResult_t) -> String {
+    // SAFETY: NCCL returns a static string for every result code.
+    let text = unsafe { CStr::from_ptr(sys::ncclGetErrorString(result)) };
+    format!("{result:?} ({})", text.to_string_lossy())
+}
+
+impl Nccl {
+    /// Joins the communicator of `size` ranks named by `id`, as `rank`, on `device`. Every rank
+    /// must call it: it returns once all have.
+    pub fn init(
+        device: &CudaDevice,
+        id: [u8; 128],
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<Self, String> {
+        check_libraries()?;
+        let cuda = |e: cudarc::driver::DriverError| format!("CUDA on {device:?}: {e:?}");
+        cu::init().map_err(cuda)?;
+        let cu_device = cu::device::get(device.index as i32).map_err(cuda)?;
+        // burn's CUDA runtime works in the primary context: so must NCCL.
+        // SAFETY: `cu_device` is a device the driver just handed out.
+        let context = unsafe { cu::primary_ctx::retain(cu_device) }.map_err(cuda)?;
+        // SAFETY: the context was just retained.
+        unsafe { cu::ctx::set_current(context) }.map_err(cuda)?;
+        let release = || {
+            // SAFETY: retained above, released once on this failure path.
+            let _ = unsafe { cu::primary_ctx::release(cu_device) };
+        };
+        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| {
+            release();
+            cuda(e)
+        })?;
+        let id = sys::ncclUniqueId {
+            internal: id.map(|b| b as std::ffi::c_char),
+        };
+        let mut comm = MaybeUninit::uninit();
+        // SAFETY: `comm` is written by NCCL on success; the context is current.
+        let joined =
+            unsafe { sys::ncclCommInitRank(comm.as_mut_ptr(), size as i32, id, rank as i32) };
+        if joined != ncclResult_t::ncclSuccess {
+            // SAFETY: created above and used by nothing else.
+            let _ = unsafe { cu::stream::destroy(stream) };
+            release();
+            return Err(format!(
+                "ncclCommInitRank (rank {rank} of {size}) failed: {}. Several ranks on one GPU need NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30 or later, at most 2 ranks per GPU); NCCL_DEBUG=INFO says more",
+                describe(joined)
+            ));
+        }
+        Ok(Self {
+            // SAFETY: initialised by the successful call above.
+            comm: unsafe { comm.assume_init() },
+            stream,
+            device: device.clone(),
+            cu_device,
+            context,
+            timeout,
+            aborted: Mutex::new(None),
+        })
+    }
+
+    /// The communicator of the ranks that pass the same `color`, ordered by `key`. Every rank of
+    /// this communicator must call it.
+    pub fn split(&self, color: usize, key: usize) -> Result<Self, Failure> {
+        self.usable()?;
+        let color = i32::try_from(color)
+            .map_err(|_| Failure::Now(format!("colour {color} does not fit NCCL's int")))?;
+        self.make_current()?;
+        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map_err(|e| Failure::Now(format!("cuStreamCreate: {e:?}")))?;
+        let mut comm = MaybeUninit::uninit();
+        // SAFETY: a live communicator; a null config inherits the parent's.
+        let split = unsafe {
+            sys::ncclCommSplit(
+                self.comm,
+                color,
+                key as i32,
+                comm.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        if split != ncclResult_t::ncclSuccess {
+            // SAFETY: created above and used by nothing else.
+            let _ = unsafe { cu::stream::destroy(stream) };
+            return Err(Failure::Now(format!("ncclCommSplit: {}", describe(split))));
+        }
+        // A second retain, released by the new communicator's drop.
+        // SAFETY: the device is valid; retaining the primary context again is counted.
+        let context = unsafe { cu::primary_ctx::retain(self.cu_device) }
+            .map_err(|e| Failure::Now(format!("{e:?}")))?;
+        Ok(Self {
+            // SAFETY: initialised by the successful call above.
+            comm: unsafe { comm.assume_init() },
+            stream,
+            device: self.device.clone(),
+            cu_device: self.cu_device,
+            context,
+            timeout: self.timeout,
+            aborted: Mutex::new(None),
+        })
+    }
+
+    fn usable(&self) -> Result<(), Failure> {
+        match lock(&self.aborted).as_ref() {
+            Some(cause) => Err(Failure::Earlier(cause.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn make_current(&self) -> Result<(), Failure> {
+        // SAFETY: the context is retained for this communicator's life.
+        unsafe { cu::ctx::set_current(self.context) }
+            .map_err(|e| Failure::Now(format!("cuCtxSetCurrent: {e:?}")))
+    }
+
+    /// Runs collective `op` of this communicator's `size` ranks.
+    pub fn collective<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        op: Op,
+        size: usize,
+        tensor: Tensor<B, D, K>,
+    ) -> Result<Tensor<B, D, K>, Failure> {
+        self.usable()?;
+        let dims = tensor.dims();
+        if tensor.shape().num_elements() == 0 {
+            // Nothing to move: only the result's shape depends on the call.
+            return Ok(match op {
+                Op::AllGather { dim } => tensor.repeat_dim(dim, size),
+                Op::ReduceScatter { dim, .. } => tensor.narrow(dim, 0, dims[dim] / size),
+                Op::AllToAll {
+                    split_dim,
+                    concat_dim,
+                } => tensor
+                    .narrow(split_dim, 0, dims[split_dim] / size)
+                    .repeat_dim(concat_dim, size),
+                _ => tensor,
+            });
+        }
+        let (comm, stream) = (self.comm, self.stream as sys::cudaStream_t);
+        match op {
+            Op::AllReduce(reduce) => {
+                let input = to_cube(tensor)?;
+                let (dtype, count) = (reducible(input.dtype)?, input.shape().num_elements());
+                let out = self.launch(input, Shape::from(dims), |src, dst| unsafe {
+                    sys::ncclAllReduce(src, dst, count, dtype, red_op(reduce), comm, stream)
+                })?;
+                Ok(from_cube(out))
+            }
+            Op::AllGather { dim } => {
+                // NCCL concatenates flat buffers: bring `dim` to the front and back again.
+                let input = to_cube(tensor.swap_dims(0, dim))?;
+                let bytes = byte_len(&input);
+                let mut out = input.shape();
+                out[0] *= size;
+                let out = self.launch(input, out, |src, dst| unsafe {
+                    sys::ncclAllGather(src, dst, bytes, ncclDataType_t::ncclUint8, comm, stream)
+                })?;
+                Ok(from_cube::<B, D, K>(out).swap_dims(0, dim))
+            }
+            Op::ReduceScatter { op: reduce, dim } => {
+                let input = to_cube(tensor.swap_dims(0, dim))?;
+                let dtype = reducible(input.dtype)?;
+                let mut out = input.shape();
+                out[0] /= size;
+                let count = out.num_elements();
+                let out = self.launch(input, out, |src, dst| unsafe {
+                    sys::ncclReduceScatter(src, dst, count, dtype, red_op(reduce), comm, stream)
+                })?;
+                Ok(from_cube::<B, D, K>(out).swap_dims(0, dim))
+            }
+            Op::Broadcast { root } => {
+                let input = to_cube(tensor)?;
+                let bytes = byte_len(&input);
+                let out = self.launch(input, Shape::from(dims), |src, dst| unsafe {
+                    sys::ncclBroadcast(
+                        src,
+                        dst,
+                        bytes,
+                        ncclDataType_t::ncclUint8,
+                        root as i32,
+                        comm,
+                        stream,
+                    )
+                })?;
+                Ok(from_cube(out))
+            }
+            Op::AllToAll {
+                split_dim,
+                concat_dim,
+            } => {
+                // Part k of the input (along `split_dim`, brought to the front) goes to rank k;
+                // the part from rank k lands in block k of the output.
+                let input = to_cube(tensor.swap_dims(0, split_dim))?;
+                let (chunk, shape) = (byte_len(&input) / size, input.shape());
+                let out = self.launch(input, shape, |src, dst| unsafe {
+                    let status = sys::ncclGroupStart();
+                    if status != ncclResult_t::ncclSuccess {
+                        return status;
+                    }
+                    for peer in 0..size {
+                        let offset = peer * chunk;
+                        let (from, to) = (
+                            src.cast::<u8>().add(offset).cast(),
+                            dst.cast::<u8>().add(offset).cast(),
+                        );
+                        let u8 = ncclDataType_t::ncclUint8;
+                        let sent = sys::ncclSend(from, chunk, u8, peer as i32, comm, stream);
+                        if sent != ncclResult_t::ncclSuccess {
+                            sys::ncclGroupEnd();
+                            return sent;
+                        }
+                        let got = sys::ncclRecv(to, chunk, u8, peer as i32, comm, stream);
+                        if got != ncclResult_t::ncclSuccess {
+                            sys::ncclGroupEnd();
+                            return got;
+                        }
+                    }
+                    sys::ncclGroupEnd()
+                })?;
+                let blocks = from_cube::<B, D, K>(out).swap_dims(0, split_dim);
+                let part = dims[split_dim] / size;
+                if concat_dim == split_dim {
+                    return Ok(blocks);
+                }
+                let parts = (0..size)
+                    .map(|k| blocks.clone().narrow(split_dim, k * part, part))
+                    .collect();
+                Ok(Tensor::cat(parts, concat_dim))
+            }
+            Op::Barrier | Op::Split => unreachable!("{op} is not a data collective"),
+        }
+    }
+
+    /// Waits until every rank of the communicator's `size` has called it.
+    pub fn barrier(&self, size: usize) -> Result<(), Failure> {
+        let token = Tensor::<Cuda<f32>, 1, Int>::zeros([1], &self.device);
+        self.collective(Op::AllReduce(ReduceOp::Sum), size, token)
+            .map(drop)
+    }
+
+    /// Every rank's `value`, in rank order.
+    pub fn all_gather_value(&self, value: usize, size: usize) -> Result<Vec<usize>, Failure> {
+        let mine = Tensor::<Cuda<f32>, 1, Int>::from_data([value as i64], &self.device);
+        let all = self.collective(Op::AllGather { dim: 0 }, size, mine)?;
+        let values = all
+            .into_data()
+            .convert::<i64>()
+            .into_vec::<i64>()
+            .map_err(|e| Failure::Now(format!("{e:?}")))?;
+        Ok(values.into_iter().map(|v| v as usize).collect())
+    }
+
+    /// Runs `call(input, output)` on this communicator's stream, into a new contiguous tensor of
+    /// `out_shape`, once `input` is complete; returns when the call has finished.
+    fn launch(
+        &self,
+        input: CubeTensor<CudaRuntime>,
+        out_shape: Shape,
+        call: impl FnOnce(*const c_void, *mut c_void) -> ncclResult_t,
+    ) -> Result<CubeTensor<CudaRuntime>, Failure> {
+        if input.device != self.device {
+            return Err(Failure::Now(format!(
+                "the tensor is on {:?}, but this communicator drives {:?}",
+                input.device, self.device
+            )));
+        }
+        let input = if input.is_contiguous() {
+            input
+        } else {
+            into_contiguous(input)
+        };
+        let client = input.client.clone();
+        let bytes = out_shape.num_elements() * input.dtype.size();
+        let output = CubeTensor::new_contiguous(
+            client.clone(),
+            input.device.clone(),
+            out_shape,
+            client.empty(bytes),
+            input.dtype,
+        );
+        let cubecl = |e: &dyn std::fmt::Debug| Failure::Now(format!("cubecl: {e:?}"));
+        // Held to the end: they keep both allocations bound while NCCL uses them.
+        let src = client
+            .get_resource(input.handle.clone())
+            .map_err(|e| cubecl(&e))?;
+        let dst = client
+            .get_resource(output.handle.clone())
+            .map_err(|e| cubecl(&e))?;
+        // The resources' stream now waits for the input's writer; finishing it finishes that.
+        block_on(client.sync()).map_err(|e| cubecl(&e))?;
+        self.make_current()?;
+        let issued = call(
+            src.resource().ptr as *const c_void,
+            dst.resource().ptr as *mut c_void,
+        );
+        if issued != ncclResult_t::ncclSuccess {
+            return Err(Failure::Now(self.abort(describe(issued))));
+        }
+        self.finish()?;
+        drop((src, dst, input));
+        Ok(output)
+    }
+
+    /// Waits for this communicator's stream, aborting the communicator when NCCL reports an
+    /// error or the call outlives the timeout.
+    fn finish(&self) -> Result<(), Failure> {
+        let started = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            // SAFETY: the stream lives as long as `self`.
+            match unsafe { cuStreamQuery(self.stream) } {
+                CUresult::CUDA_SUCCESS => return Ok(()),
+                CUresult::CUDA_ERROR_NOT_READY => {}
+                error => {
+                    return Err(Failure::Now(
+                        self.abort(format!("the CUDA stream failed: {error:?}")),
+                    ));
+                }
+            }
+            let mut state = ncclResult_t::ncclSuccess;
+            // SAFETY: a live communicator.
+            unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+            if !matches!(
+                state,
+                ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress
+            ) {
+                return Err(Failure::Now(self.abort(format!(
+                    "NCCL reported {}: {}",
+                    describe(state),
+                    self.last_error()
+                ))));
+            }
+            if started.elapsed() > self.timeout {
+                return Err(Failure::Now(self.abort(format!(
+                    "the call did not finish within {:?}: a peer failed, is stuck, or called another collective; the NCCL communicator was aborted",
+                    self.timeout
+                ))));
+            }
+            // Short calls finish within microseconds: poll hot first, then back off.
+            polls += 1;
+            if polls < 2000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    fn last_error(&self) -> String {
+        // SAFETY: NCCL returns a string it owns, valid until its next call on this thread.
+        let text = unsafe { sys::ncclGetLastError(self.comm) };
+        if text.is_null() {
+            return String::new();
+        }
+        // SAFETY: non-null, NUL-terminated.
+        unsafe { CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// Aborts the communicator (its pending calls end, on every rank that still waits on them)
+    /// and remembers why; returns the reason.
+    fn abort(&self, reason: String) -> String {
+        let mut aborted = lock(&self.aborted);
+        if aborted.is_none() {
+            // SAFETY: a live communicator, aborted once.
+            unsafe { sys::ncclCommAbort(self.comm) };
+            *aborted = Some(reason.clone());
+        }
+        reason
+    }
+}
+
+impl Drop for Nccl {
+    fn drop(&mut self) {
+        // SAFETY: each handle is released once; an aborted communicator is already freed.
+        unsafe {
+            let _ = cu::ctx::set_current(self.context);
+            if lock(&self.aborted).is_none() {
+                sys::ncclCommDestroy(self.comm);
+            }
+            let _ = cu::stream::destroy(self.stream);
+            let _ = cu::primary_ctx::release(self.cu_device);
+        }
+    }
+}
+
+fn red_op(op: ReduceOp) -> ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => ncclRedOp_t::ncclMax,
+        ReduceOp::Min => ncclRedOp_t::ncclMin,
+    }
+}
+
+/// NCCL's type for reducing `dtype`; moves that do not reduce go as bytes.
+fn reducible(dtype: DType) -> Result<ncclDataType_t, Failure> {
+    use ncclDataType_t::*;
+    Ok(match dtype {
+        DType::F64 => ncclFloat64,
+        DType::F32 | DType::Flex32 => ncclFloat32,
+        DType::F16 => ncclFloat16,
+        DType::BF16 => ncclBfloat16,
+        DType::I64 => ncclInt64,
+        DType::I32 => ncclInt32,
+        DType::I8 => ncclInt8,
+        DType::U64 => ncclUint64,
+        DType::U32 => ncclUint32,
+        DType::U8 => ncclUint8,
+        other => {
+            return Err(Failure::Now(format!(
+                "NCCL cannot reduce {other:?} tensors; cast them to a 32-bit type first"
+            )));
+        }
+    })
+}
+
+fn byte_len(tensor: &CubeTensor<CudaRuntime>) -> usize {
+    tensor.shape().num_elements() * tensor.dtype.size()
+}
+
+/// `value` as type `U`, or back as itself when it is not one.
+fn cast<T: 'static, U: 'static>(value: T) -> Result<U, T> {
+    let boxed: Box<dyn Any> = Box::new(value);
+    boxed.downcast::<U>().map(|u| *u).map_err(|back| {
+        *back
+            .downcast::<T>()
+            .expect("a box that is not a U holds the T it was made of")
+    })
+}
+
+fn is<T: 'static, U: 'static>() -> bool {
+    TypeId::of::<T>() == TypeId::of::<U>()
+}
+
+/// The CUDA tensor behind a tensor of burn's CUDA backend, with or without autodiff (whose
+/// graph a collective does not extend: the result is a new leaf, as on the local transport).
+fn to_cube<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+    tensor: Tensor<B, D, K>,
+) -> Result<CubeTensor<CudaRuntime>, Failure> {
+    let unsupported = || {
+        Failure::Now(format!(
+            "the NCCL transport moves tensors of burn's CUDA backend (Cuda, or Autodiff<Cuda>), not {}; use the local transport for other backends",
+            std::any::type_name::<B>()
+        ))
+    };
+    let primitive = match cast::<K::Primitive, CubeTensor<CudaRuntime>>(tensor.into_primitive()) {
+        Ok(cube) => return Ok(cube),
+        Err(other) => other,
+    };
+    match cast::<K::Primitive, TensorPrimitive<B>>(primitive) {
+        Ok(TensorPrimitive::Float(float)) => float_to_cube::<B>(float).ok_or_else(unsupported),
+        Ok(TensorPrimitive::QFloat(_)) => Err(Failure::Now(
+            "quantized tensors cannot be communicated; dequantize them first".into(),
+        )),
+        Err(_) => Err(unsupported()),
+    }
+}
+
+fn float_to_cube<B: Backend>(float: B::FloatTensorPrimitive) -> Option<CubeTensor<CudaRuntime>> {
+    fn inner<P: 'static, F: FloatElement>(p: P) -> Result<CubeTensor<CudaRuntime>, P> {
+        cast::<P, AutodiffFloat<F>>(p).map(<Autodiff<Cuda<F>> as AutodiffBackend>::inner)
+    }
+    cast::<_, CubeTensor<CudaRuntime>>(float)
+        .or_else(inner::<_, f32>)
+        .or_else(inner::<_, f16>)
+        .or_else(inner::<_, bf16>)
+        .ok()
+}
+
+/// The tensor of `B` and kind `K` holding `cube`; `B` is one [`to_cube`] accepted.
+fn from_cube<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+    cube: CubeTensor<CudaRuntime>,
+) -> Tensor<B, D, K> {
+    let primitive = if is::<K::Primitive, CubeTensor<CudaRuntime>>() {
+        cast::<_, K::Primitive>(cube).ok()
+    } else {
+        let float = TensorPrimitive::<B>::Float(float_from_cube::<B>(cube));
+        cast::<_, K::Primitive>(float).ok()
+    };
+    Tensor::from_primitive(primitive.expect("to_cube accepted this backend and kind"))
+}
+
+fn float_from_cube<B: Backend>(cube: CubeTensor<CudaRuntime>) -> B::FloatTensorPrimitive {
+    fn leaf<F: FloatElement>(cube: CubeTensor<CudaRuntime>) -> Box<dyn Any> {
+        Box::new(<Autodiff<Cuda<F>> as AutodiffBackend>::from_inner(cube))
+    }
+    let float: Box<dyn Any> = match TypeId::of::<B::FloatTensorPrimitive>() {
+        t if t == TypeId::of::<CubeTensor<CudaRuntime>>() => Box::new(cube),
+        t if t == TypeId::of::<AutodiffFloat<f32>>() => leaf::<f32>(cube),
+        t if t == TypeId::of::<AutodiffFloat<f16>>() => leaf::<f16>(cube),
+        t if t == TypeId::of::<AutodiffFloat<bf16>>() => leaf::<bf16>(cube),
+        _ => unreachable!("to_cube accepted this backend"),
+    };
+    *float
+        .downcast()
+        .expect("the primitive of the type just matched")
+}

@@ -10,16 +10,24 @@ rm -rf "$bundle" && mkdir -p "$bundle"
 cargo build --release --features cuda -p llama -p benches --bin llama --bin adamw
 cp target/release/llama target/release/adamw "$bundle"/
 
-# The kernel tests, compared against their fallbacks on CUDA.
-tests=$(cargo test --release -p burn-kernels --features cuda --no-run --message-format=json 2>/dev/null |
-    python3 -c 'import json,sys
+# Test binaries of `cargo test --features cuda $@`, copied as $prefix-<test name>.
+bundle_tests() {
+    local prefix=$1
+    shift
+    cargo test --release --features cuda "$@" --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m["target"]["kind"] == ["test"] and m.get("executable"):
-        print(m["target"]["name"], m["executable"])')
-while read -r name path; do
-    cp "$path" "$bundle/kernel-test-$name"
-done <<< "$tests"
+        print(m["target"]["name"], m["executable"])' |
+        while read -r name path; do
+            cp "$path" "$bundle/$prefix-$name"
+        done
+}
+# The kernel tests, compared against their fallbacks on CUDA.
+bundle_tests kernel-test -p burn-kernels
+# The NCCL transport, compared against the local transport.
+bundle_tests comm-test -p burn-comm --test nccl
 
 strip "$bundle"/* 2>/dev/null || true
 cp scripts/gpu/run.sh scripts/gpu/torch_llama.py "$bundle"/

@@ -2,13 +2,14 @@
 # GPU validation, part 2, on a machine with one NVIDIA GPU (no cargo needed): runs what
 # scripts/gpu/build.sh bundled and writes every result under ${OUT:-gpu-results}:
 #   gpu.txt          the GPU model, driver and memory (nvidia-smi)
+#   nccl.txt         the NCCL transport's collectives (1 and 2 ranks sharing the GPU) checked
+#                    against the local transport
 #   kernels.txt      the cubecl kernel tests on CUDA, each against its plain-burn fallback
-#   llama-*.txt      the Llama example on CUDA: one device, and 2 ranks sharing the GPU
+#   llama-*.txt      the Llama example on CUDA: one device, and 2 ranks sharing the GPU, their
+#                    data moved through host memory (local transport) or by NCCL (*-nccl)
 #   adamw.txt        the fused AdamW kernel against burn's AdamW
 #   torch.json       PyTorch eager training the same model shape (when torch imports)
 #   summary.txt      tokens/s, peak GPU memory and MFU of each training run
-# Not yet here: the NCCL transport's collectives (issue 7); ranks sharing the GPU communicate
-# through host memory (the local transport).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-gpu-results}
@@ -28,6 +29,22 @@ case "$gpu" in
 esac
 
 status=0
+# cudarc loads libnccl.so; the nvidia-nccl pip package ships only libnccl.so.2.
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+    lib=$(find / -name 'libnccl.so*' -not -path '/proc/*' 2>/dev/null | head -1)
+    if [ -n "$lib" ]; then
+        links=$(mktemp -d)
+        ln -s "$lib" "$links/libnccl.so"
+        export LD_LIBRARY_PATH="$links:${LD_LIBRARY_PATH:-}"
+        echo "NCCL: $lib" | tee -a "$out/gpu.txt"
+    fi
+fi
+# Two ranks share the one GPU.
+export NCCL_MULTI_RANK_GPU_ENABLE=1
+for test in "$here"/comm-test-*; do
+    echo "== $(basename "$test")" | tee -a "$out/nccl.txt"
+    BURN_COMM_REQUIRE_GPU=1 "$test" --test-threads=1 2>&1 | tee -a "$out/nccl.txt" || status=1
+done
 for test in "$here"/kernel-test-*; do
     echo "== $(basename "$test")" | tee -a "$out/kernels.txt"
     "$test" --test-threads=1 2>&1 | tee -a "$out/kernels.txt" || status=1
@@ -54,6 +71,9 @@ runs=(
     "zero3:--dp 2 --zero 3"
     "tp2:--tp 2"
     "pp2:--pp 2 --grad-accum 4"
+    "ddp2-nccl:--dp 2 --nccl"
+    "zero3-nccl:--dp 2 --zero 3 --nccl"
+    "tp2-nccl:--tp 2 --nccl"
 )
 for run in "${runs[@]}"; do
     name=${run%%:*}
@@ -76,21 +96,21 @@ fi
 python3 - "$out" "$peak" > "$out/summary.txt" <<'PY'
 import glob, json, os, re, sys
 out, peak = sys.argv[1], float(sys.argv[2])
-print(f"{'run':<8} {'tokens/s':>10} {'peak MiB':>9} {'MFU':>7}")
+print(f"{'run':<10} {'tokens/s':>10} {'peak MiB':>9} {'MFU':>7}")
 for path in sorted(glob.glob(os.path.join(out, "llama-*.txt"))):
     text = open(path).read()
     params = re.search(r"\(([\d.]+)M parameters\)", text)
     tps = re.search(r"median (\d+) tokens/s", text)
     mem = re.search(r"peak GPU memory: (\d+) MiB", text)
     if not (params and tps):
-        print(f"{os.path.basename(path)[6:-4]:<8} failed")
+        print(f"{os.path.basename(path)[6:-4]:<10} failed")
         continue
     tps_v = float(tps.group(1))
     mfu = tps_v * 6 * float(params.group(1)) * 1e6 / (peak * 1e12) if peak else float("nan")
-    print(f"{os.path.basename(path)[6:-4]:<8} {tps_v:>10.0f} {mem.group(1) if mem else '?':>9} {mfu:>7.2%}")
+    print(f"{os.path.basename(path)[6:-4]:<10} {tps_v:>10.0f} {mem.group(1) if mem else '?':>9} {mfu:>7.2%}")
 try:
     torch = json.loads(open(os.path.join(out, "torch.json")).read())
-    print(f"{'pytorch':<8} {torch['tokens_per_s']:>10.0f} {torch['peak_memory_mb']:>9} {torch['mfu'] or float('nan'):>7.2%}")
+    print(f"{'pytorch':<10} {torch['tokens_per_s']:>10.0f} {torch['peak_memory_mb']:>9} {torch['mfu'] or float('nan'):>7.2%}")
 except (ValueError, KeyError, TypeError):
     pass
 PY

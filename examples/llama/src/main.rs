@@ -177,6 +177,10 @@ struct TrainArgs {
     /// Clip the gradients to this global L2 norm before each step (1.0 is usual).
     #[arg(long)]
     clip_grad_norm: Option<f64>,
+    /// With --device cuda: move the ranks' gradients, shards and activations with NCCL in GPU
+    /// memory, instead of through host memory. Not yet with --pp.
+    #[arg(long)]
+    nccl: bool,
     /// Train on this file's bytes instead of the synthetic source.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -338,6 +342,10 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     if args.offload && args.device == Device::Cpu {
         return Err("--offload moves the optimizer state from GPU to host memory; with --device cpu it is in host memory already, so drop --offload (or train with --device cuda)".into());
     }
+    if args.nccl && args.device == Device::Cpu {
+        return Err("--nccl moves CUDA tensors between GPUs; use it with --device cuda".into());
+    }
+    config.nccl = args.nccl;
     config.init_from = args.init_from.clone();
     let layout = config.layout().map_err(|e| e.to_string())?;
 

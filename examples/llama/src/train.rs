@@ -100,6 +100,9 @@ pub struct TrainConfig {
     pub max_grad_norm: Option<f64>,
     /// Start from these weights (a directory written by `save`) instead of the seed.
     pub init_from: Option<std::path::PathBuf>,
+    /// Move the ranks' data with NCCL, in GPU memory (builds with the `cuda` feature, CUDA
+    /// tensors only); else through host memory (the local transport).
+    pub nccl: bool,
 }
 
 impl TrainConfig {
@@ -130,6 +133,7 @@ impl TrainConfig {
             zero_config: ZeroConfig::new(),
             max_grad_norm: None,
             init_from: None,
+            nccl: false,
         }
     }
 
@@ -151,6 +155,11 @@ impl TrainConfig {
         if self.tp == 0 || self.pp == 0 {
             return Err(TrainError::Config(
                 "--tp and --pp must be at least 1".into(),
+            ));
+        }
+        if self.nccl && self.pp > 1 {
+            return Err(TrainError::Config(
+                "--nccl does not carry the pipeline's sends and receives yet; drop --nccl with --pp (its stages then talk through host memory)".into(),
             ));
         }
         if self.pp > 1 && self.strategy == Strategy::ParameterServer {
@@ -728,17 +737,18 @@ where
     if config.strategy == Strategy::Single && config.tp == 1 {
         return Ok(train_rank(config, data, None, init()?, device, on_step)?.valid());
     }
-    let mut results = launch_ranks(config.dp * config.tp, on_step, |ctx, forward| {
+    let ranks = config.dp * config.tp;
+    let mut results = launch_ranks(ranks, config.nccl, on_step, |world, forward| {
         let model = init()?;
         let data_parallel =
             |group: &Communicator| (config.strategy != Strategy::Single).then_some(group.clone());
         if config.tp == 1 {
-            let dp = data_parallel(ctx.world());
+            let dp = data_parallel(world);
             return train_rank(config, data, dp.as_ref(), model, device, forward)
                 .map(|model| model.valid());
         }
         // Tensor-parallel peers are neighbours on the mesh (tp varies fastest).
-        let mesh = DeviceMesh::new(ctx.world(), &[("dp", config.dp), ("tp", config.tp)])?;
+        let mesh = DeviceMesh::new(world, &[("dp", config.dp), ("tp", config.tp)])?;
         let dp = data_parallel(mesh.group("dp")?);
         let tp = TensorParallel::new(mesh.group("tp")?.clone())
             .with_sequence_parallel(config.sequence_parallel);
@@ -749,24 +759,40 @@ where
     Ok(results.remove(0))
 }
 
-/// Runs `rank` on `ranks` threads, each with its context and a reporter that hands rank 0's
-/// step metrics to `on_step`; returns every rank's result, or the error that caused the run to
-/// fail (see [`first_cause`]).
+/// Runs `rank` on `ranks` threads, each with its world communicator (on NCCL with `nccl`) and a
+/// reporter that hands rank 0's step metrics to `on_step`; returns every rank's result, or the
+/// error that caused the run to fail (see [`first_cause`]).
 pub(crate) fn launch_ranks<T: Send>(
     ranks: usize,
+    nccl: bool,
     on_step: &mut (dyn FnMut(&StepMetrics) + Send),
-    rank: impl Fn(&burn_comm::RankContext, &mut dyn FnMut(&StepMetrics)) -> Result<T, TrainError> + Sync,
+    rank: impl Fn(&Communicator, &mut dyn FnMut(&StepMetrics)) -> Result<T, TrainError> + Sync,
 ) -> Result<Vec<T>, TrainError> {
     let on_step = std::sync::Mutex::new(on_step);
     let results = burn_comm::launch(ranks, |ctx| {
+        let world = world_of(&ctx, nccl)?;
         let mut forward = |m: &StepMetrics| {
             if ctx.rank() == 0 {
                 (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
             }
         };
-        rank(&ctx, &mut forward)
+        rank(&world, &mut forward)
     });
     first_cause(results)
+}
+
+/// The rank's world: the launched one, or the same ranks on NCCL over the default GPU (the one
+/// the trainer's CUDA device is).
+fn world_of(ctx: &burn_comm::RankContext, nccl: bool) -> Result<Communicator, TrainError> {
+    if !nccl {
+        return Ok(ctx.world().clone());
+    }
+    #[cfg(feature = "cuda")]
+    return Ok(ctx.world().nccl(&Default::default())?);
+    #[cfg(not(feature = "cuda"))]
+    Err(TrainError::Config(
+        "--nccl needs a build with --features cuda".into(),
+    ))
 }
 
 /// Every rank's result, or the error that caused the run to fail: a rank's own failure rather
@@ -803,10 +829,10 @@ where
     B::InnerBackend: CommBackend,
 {
     let ranks = config.dp * config.pp * config.tp;
-    let results = launch_ranks(ranks, on_step, |ctx, forward| {
+    let results = launch_ranks(ranks, config.nccl, on_step, |world, forward| {
         // Tensor-parallel peers are neighbours on the mesh, then the stages of a pipeline.
         let mesh = DeviceMesh::new(
-            ctx.world(),
+            world,
             &[("dp", config.dp), ("pp", config.pp), ("tp", config.tp)],
         )?;
         let dp = (config.strategy != Strategy::Single).then(|| mesh.group("dp").cloned());

@@ -127,8 +127,9 @@ pub(crate) fn train_fully_sharded<B: BackwardHooks + CommBackend>(
 where
     B::InnerBackend: CommBackend,
 {
-    let mut results = launch_ranks(config.dp * config.tp, on_step, |ctx, forward| {
-        let mesh = DeviceMesh::new(ctx.world(), &[("dp", config.dp), ("tp", config.tp)])?;
+    let ranks = config.dp * config.tp;
+    let mut results = launch_ranks(ranks, config.nccl, on_step, |world, forward| {
+        let mesh = DeviceMesh::new(world, &[("dp", config.dp), ("tp", config.tp)])?;
         let dp = mesh.group("dp")?;
         let units = units(init()?, config);
         if config.tp == 1 {

@@ -62,27 +62,30 @@ impl Communicator {
             rank: self.global_rank(),
             reason,
         };
-        // Rank 0's id reaches every rank; a leading 0 says rank 0 could not make one, so that no
-        // rank is left waiting in NCCL's start-up for it.
-        let mine = match self.rank() {
+        // NCCL's start-up waits for every rank, so all agree first that they can start it: each
+        // posts a readiness flag, rank 0 also its id, and everyone sees everyone's.
+        let mine = check_device(device).and_then(|()| match self.rank() {
             0 => unique_id(),
             _ => Ok([0; 128]),
-        };
+        });
         let mut message = vec![i64::from(mine.is_ok())];
         message.extend(mine.as_ref().map_or([0; 128], |id| *id).map(i64::from));
         let message = Tensor::<burn::backend::Flex, 1, Int>::from_data(
             burn::tensor::TensorData::new(message, [129]),
             &Default::default(),
         );
-        let shared = self.broadcast(message, 0)?.into_data().convert::<i64>();
-        let shared = shared.as_slice::<i64>().expect("converted to i64");
-        if shared[0] == 0 {
-            return Err(failed(match mine {
-                Err(reason) => reason,
-                Ok(_) => "rank 0 could not start NCCL (its error says why)".to_string(),
-            }));
+        let all = self.all_gather(message, 0)?.into_data().convert::<i64>();
+        let all = all.as_slice::<i64>().expect("converted to i64");
+        let unready: Vec<usize> = (0..self.size()).filter(|r| all[r * 129] == 0).collect();
+        if let Err(reason) = mine {
+            return Err(failed(reason));
         }
-        let id = std::array::from_fn(|i| shared[i + 1] as u8);
+        if !unready.is_empty() {
+            return Err(failed(format!(
+                "group ranks {unready:?} could not start NCCL (their errors say why)"
+            )));
+        }
+        let id = std::array::from_fn(|i| all[i + 1] as u8);
         let group = &self.inner.group;
         let nccl = Nccl::init(
             device,
@@ -116,6 +119,23 @@ impl Communicator {
             reason,
         };
         let store_failed = |e: crate::StoreError| failed(e.to_string());
+        // As in `nccl`: every rank says whether it can start NCCL before any waits in it.
+        let ready = check_device(device);
+        let flag: &[u8] = if ready.is_ok() { b"ok" } else { b"failed" };
+        store
+            .set(&format!("{KEY}/ready/{}", env.rank), flag)
+            .map_err(store_failed)?;
+        ready.map_err(failed)?;
+        for rank in 0..env.world_size {
+            let flag = store
+                .get(&format!("{KEY}/ready/{rank}"))
+                .map_err(store_failed)?;
+            if flag != b"ok" {
+                return Err(failed(format!(
+                    "rank {rank} could not start NCCL (its error says why)"
+                )));
+            }
+        }
         let id = if env.rank == 0 {
             match unique_id() {
                 Ok(id) => {
@@ -215,6 +235,20 @@ pub(crate) fn unique_id() -> Result<[u8; 128], String> {
     Ok(id.internal.map(|c| c as u8))
 }
 
+/// Whether NCCL can start on `device`: the libraries load and the driver knows the device.
+fn check_device(device: &CudaDevice) -> Result<(), String> {
+    check_libraries()?;
+    let cuda = |e: cudarc::driver::DriverError| format!("CUDA on {device:?}: {e:?}");
+    cu::init().map_err(cuda)?;
+    let count = cu::device::get_count().map_err(cuda)?;
+    if device.index >= count as usize {
+        return Err(format!(
+            "{device:?} does not exist: this machine has {count} CUDA device(s)"
+        ));
+    }
+    Ok(())
+}
+
 /// The libraries are loaded at run time: say how to provide them instead of panicking inside
 /// cudarc.
 fn check_libraries() -> Result<(), String> {
@@ -252,12 +286,15 @@ impl Nccl {
         // burn's CUDA runtime works in the primary context: so must NCCL.
         // SAFETY: `cu_device` is a device the driver just handed out.
         let context = unsafe { cu::primary_ctx::retain(cu_device) }.map_err(cuda)?;
-        // SAFETY: the context was just retained.
-        unsafe { cu::ctx::set_current(context) }.map_err(cuda)?;
         let release = || {
             // SAFETY: retained above, released once on this failure path.
             let _ = unsafe { cu::primary_ctx::release(cu_device) };
         };
+        // SAFETY: the context was just retained.
+        unsafe { cu::ctx::set_current(context) }.map_err(|e| {
+            release();
+            cuda(e)
+        })?;
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| {
             release();
             cuda(e)
@@ -357,13 +394,19 @@ impl Nccl {
             // Nothing to move: only the result's shape depends on the call.
             return Ok(match op {
                 Op::AllGather { dim } => tensor.repeat_dim(dim, size),
+                // burn refuses a zero-length narrow: an empty `dim` is its own part.
+                Op::ReduceScatter { dim, .. } if dims[dim] == 0 => tensor,
                 Op::ReduceScatter { dim, .. } => tensor.narrow(dim, 0, dims[dim] / size),
                 Op::AllToAll {
                     split_dim,
                     concat_dim,
-                } => tensor
-                    .narrow(split_dim, 0, dims[split_dim] / size)
-                    .repeat_dim(concat_dim, size),
+                } => {
+                    let part = match dims[split_dim] {
+                        0 => tensor,
+                        n => tensor.narrow(split_dim, 0, n / size),
+                    };
+                    part.repeat_dim(concat_dim, size)
+                }
                 _ => tensor,
             });
         }
@@ -524,10 +567,15 @@ impl Nccl {
             src.resource().ptr as *const c_void,
             dst.resource().ptr as *mut c_void,
         );
-        if issued != ncclResult_t::ncclSuccess {
-            return Err(Failure::Now(self.abort(describe(issued))));
+        let finished = match issued {
+            ncclResult_t::ncclSuccess => self.finish(),
+            _ => Err(Failure::Now(self.abort(describe(issued)))),
+        };
+        if let Err(failure) = finished {
+            // An aborted kernel may still touch them: never give them back to cubecl.
+            std::mem::forget((src, dst, input, output));
+            return Err(failure);
         }
-        self.finish()?;
         drop((src, dst, input));
         Ok(output)
     }
@@ -589,8 +637,8 @@ impl Nccl {
             .into_owned()
     }
 
-    /// Aborts the communicator (its pending calls end, on every rank that still waits on them)
-    /// and remembers why; returns the reason.
+    /// Aborts this rank's communicator (its pending calls end; peers stop at their own
+    /// timeout) and remembers why; returns the reason.
     fn abort(&self, reason: String) -> String {
         let mut aborted = lock(&self.aborted);
         if aborted.is_none() {

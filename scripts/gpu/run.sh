@@ -43,7 +43,8 @@ fi
 export NCCL_MULTI_RANK_GPU_ENABLE=1
 for test in "$here"/comm-test-*; do
     echo "== $(basename "$test")" | tee -a "$out/nccl.txt"
-    BURN_COMM_REQUIRE_GPU=1 "$test" --test-threads=1 2>&1 | tee -a "$out/nccl.txt" || status=1
+    # Bounded: a blocking NCCL start-up that hangs must not eat the rest of the run.
+    BURN_COMM_REQUIRE_GPU=1 timeout 180 "$test" --test-threads=1 2>&1 | tee -a "$out/nccl.txt" || status=1
 done
 for test in "$here"/kernel-test-*; do
     echo "== $(basename "$test")" | tee -a "$out/kernels.txt"

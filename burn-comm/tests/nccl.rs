@@ -127,8 +127,18 @@ fn every_collective_matches_the_local_transport() {
             let empty = Tensor::<G, 2>::zeros([0, 6], &device());
             same(
                 nccl.all_gather(empty.clone(), 1)?,
-                local.all_gather(empty, 1)?,
+                local.all_gather(empty.clone(), 1)?,
                 "all_gather of an empty tensor",
+            );
+            same(
+                nccl.reduce_scatter(empty.clone(), ReduceOp::Sum, 0)?,
+                local.reduce_scatter(empty.clone(), ReduceOp::Sum, 0)?,
+                "reduce_scatter along an empty dimension",
+            );
+            same(
+                nccl.all_to_all(empty.clone(), 0, 1)?,
+                local.all_to_all(empty, 0, 1)?,
+                "all_to_all along an empty dimension",
             );
             nccl.barrier()?;
             Ok(())

@@ -279,51 +279,22 @@ impl Nccl {
         size: usize,
         timeout: Duration,
     ) -> Result<Self, String> {
-        check_libraries()?;
-        let cuda = |e: cudarc::driver::DriverError| format!("CUDA on {device:?}: {e:?}");
-        cu::init().map_err(cuda)?;
-        let cu_device = cu::device::get(device.index as i32).map_err(cuda)?;
-        // burn's CUDA runtime works in the primary context: so must NCCL.
-        // SAFETY: `cu_device` is a device the driver just handed out.
-        let context = unsafe { cu::primary_ctx::retain(cu_device) }.map_err(cuda)?;
-        let release = || {
-            // SAFETY: retained above, released once on this failure path.
-            let _ = unsafe { cu::primary_ctx::release(cu_device) };
-        };
-        // SAFETY: the context was just retained.
-        unsafe { cu::ctx::set_current(context) }.map_err(|e| {
-            release();
-            cuda(e)
-        })?;
-        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| {
-            release();
-            cuda(e)
-        })?;
+        // `check_device` has loaded the libraries and initialised the driver.
+        let cu_device = cu::device::get(device.index as i32)
+            .map_err(|e| format!("CUDA on {device:?}: {e:?}"))?;
         let id = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
-        let mut comm = MaybeUninit::uninit();
-        // SAFETY: `comm` is written by NCCL on success; the context is current.
-        let joined =
-            unsafe { sys::ncclCommInitRank(comm.as_mut_ptr(), size as i32, id, rank as i32) };
-        if joined != ncclResult_t::ncclSuccess {
-            // SAFETY: created above and used by nothing else.
-            let _ = unsafe { cu::stream::destroy(stream) };
-            release();
-            return Err(format!(
-                "ncclCommInitRank (rank {rank} of {size}) failed: {}. Several ranks on one GPU need NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30 or later, at most 2 ranks per GPU); NCCL_DEBUG=INFO says more",
-                describe(joined)
-            ));
-        }
-        Ok(Self {
-            // SAFETY: initialised by the successful call above.
-            comm: unsafe { comm.assume_init() },
-            stream,
-            device: device.clone(),
-            cu_device,
-            context,
-            timeout,
-            aborted: Mutex::new(None),
+        Self::create(device, cu_device, timeout, |comm| {
+            // SAFETY: the context is current; NCCL writes `comm` on success.
+            let joined = unsafe { sys::ncclCommInitRank(comm, size as i32, id, rank as i32) };
+            match joined {
+                ncclResult_t::ncclSuccess => Ok(()),
+                _ => Err(format!(
+                    "ncclCommInitRank (rank {rank} of {size}) failed: {}. Several ranks on one GPU need NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30 or later, at most 2 ranks per GPU); NCCL_DEBUG=INFO says more",
+                    describe(joined)
+                )),
+            }
         })
     }
 
@@ -333,37 +304,58 @@ impl Nccl {
         self.usable()?;
         let color = i32::try_from(color)
             .map_err(|_| Failure::Now(format!("colour {color} does not fit NCCL's int")))?;
-        self.make_current()?;
-        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
-            .map_err(|e| Failure::Now(format!("cuStreamCreate: {e:?}")))?;
-        let mut comm = MaybeUninit::uninit();
-        // SAFETY: a live communicator; a null config inherits the parent's.
-        let split = unsafe {
-            sys::ncclCommSplit(
-                self.comm,
-                color,
-                key as i32,
-                comm.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
+        Self::create(&self.device, self.cu_device, self.timeout, |comm| {
+            // SAFETY: a live communicator; a null config inherits the parent's.
+            let split = unsafe {
+                sys::ncclCommSplit(self.comm, color, key as i32, comm, std::ptr::null_mut())
+            };
+            match split {
+                ncclResult_t::ncclSuccess => Ok(()),
+                _ => Err(format!("ncclCommSplit: {}", describe(split))),
+            }
+        })
+        .map_err(Failure::Now)
+    }
+
+    /// A communicator on `device` with its own stream, in the primary context (burn's CUDA
+    /// runtime works there, so must NCCL), made by `make` once the context is current; what was
+    /// acquired is released when any step fails.
+    fn create(
+        device: &CudaDevice,
+        cu_device: CUdevice,
+        timeout: Duration,
+        make: impl FnOnce(*mut ncclComm_t) -> Result<(), String>,
+    ) -> Result<Self, String> {
+        let cuda = |e: cudarc::driver::DriverError| format!("CUDA on {device:?}: {e:?}");
+        // SAFETY: `cu_device` is a device the driver handed out; each retain is released by
+        // the drop of the communicator it makes, or below.
+        let context = unsafe { cu::primary_ctx::retain(cu_device) }.map_err(cuda)?;
+        let release = || {
+            // SAFETY: retained above, released once on a failure path.
+            let _ = unsafe { cu::primary_ctx::release(cu_device) };
         };
-        if split != ncclResult_t::ncclSuccess {
+        // SAFETY: the context was just retained.
+        let stream = unsafe { cu::ctx::set_current(context) }
+            .and_then(|()| cu::stream::create(cu::stream::StreamKind::NonBlocking))
+            .map_err(|e| {
+                release();
+                cuda(e)
+            })?;
+        let mut comm = MaybeUninit::uninit();
+        if let Err(reason) = make(comm.as_mut_ptr()) {
             // SAFETY: created above and used by nothing else.
             let _ = unsafe { cu::stream::destroy(stream) };
-            return Err(Failure::Now(format!("ncclCommSplit: {}", describe(split))));
+            release();
+            return Err(reason);
         }
-        // A second retain, released by the new communicator's drop.
-        // SAFETY: the device is valid; retaining the primary context again is counted.
-        let context = unsafe { cu::primary_ctx::retain(self.cu_device) }
-            .map_err(|e| Failure::Now(format!("{e:?}")))?;
         Ok(Self {
-            // SAFETY: initialised by the successful call above.
+            // SAFETY: `make` succeeded, so NCCL initialised it.
             comm: unsafe { comm.assume_init() },
             stream,
-            device: self.device.clone(),
-            cu_device: self.cu_device,
+            device: device.clone(),
+            cu_device,
             context,
-            timeout: self.timeout,
+            timeout,
             aborted: Mutex::new(None),
         })
     }

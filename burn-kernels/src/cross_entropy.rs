@@ -3,10 +3,11 @@
 //! when this rank holds the target's column. On a cubecl device one kernel reads the logits once
 //! (an online softmax: the running sum is rescaled whenever the maximum grows), where plain burn
 //! reads them three times (max, exp-sum, gather). Elsewhere the same three come from burn's
-//! tensor operations.
+//! tensor operations. [`row_stats_backward`] is their gradient, in one pass over the logits on a
+//! cubecl device.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor};
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor};
 
 use crate::on_cube;
 
@@ -54,6 +55,44 @@ pub fn fallback_row_stats<B: Backend>(
         sum_exp: sum_exp.reshape([n]),
         target,
     }
+}
+
+/// The gradient of `logits` (`[n, part]`) from `grad` (`[n, 2]`), the gradients of the row
+/// statistics' `sum_exp` (column 0) and `target` (column 1), with the row maximum `max` held
+/// constant: `grad[r, 0] * exp(logits[r, j] - max[r])`, plus `grad[r, 1]` in the target's column
+/// where this part holds it (`targets` as in [`row_stats`]).
+pub fn row_stats_backward<B: Backend>(
+    logits: Tensor<B, 2>,
+    max: Tensor<B, 1>,
+    targets: Tensor<B, 1, Int>,
+    grad: Tensor<B, 2>,
+) -> Tensor<B, 2> {
+    let [n, part] = logits.dims();
+    assert_eq!(max.dims()[0], n, "one maximum per row of logits");
+    assert_eq!(targets.dims()[0], n, "one target per row of logits");
+    assert_eq!(grad.dims(), [n, 2], "a (sum_exp, target) gradient per row");
+    let fp32 = [logits.dtype(), max.dtype(), grad.dtype()] == [DType::F32; 3];
+    assert!(fp32, "the statistics' gradient is taken in fp32");
+    if n * part > 0 && targets.dtype() == DType::I32 {
+        on_cube!(B, kernel::row_stats_backward(logits, max, targets, grad));
+    }
+    fallback_row_stats_backward(logits, max, targets, grad)
+}
+
+/// [`row_stats_backward`] in burn's tensor operations.
+pub fn fallback_row_stats_backward<B: Backend>(
+    logits: Tensor<B, 2>,
+    max: Tensor<B, 1>,
+    targets: Tensor<B, 1, Int>,
+    grad: Tensor<B, 2>,
+) -> Tensor<B, 2> {
+    let n = logits.dims()[0];
+    let sum_exp_grad = grad.clone().narrow(1, 0, 1);
+    let from_sum = (logits - max.reshape([n, 1])).exp() * sum_exp_grad;
+    let held = targets.clone().greater_equal_elem(0).reshape([n, 1]);
+    let target_grad = grad.narrow(1, 1, 1).mask_fill(held.bool_not(), 0.0);
+    let column = targets.clamp_min(0).reshape([n, 1]);
+    from_sum.scatter(1, column, target_grad, IndexingUpdateOp::Add)
 }
 
 #[cfg(feature = "cubecl")]
@@ -140,6 +179,72 @@ mod kernel {
             max[row] = maxes[0];
             sum_exp[row] = sums[0];
         }
+    }
+
+    /// One unit per element of the logits' gradient.
+    #[cube(launch, address_type = "dynamic")]
+    fn row_stats_backward_kernel(
+        logits: &Array<f32>,
+        max: &Array<f32>,
+        targets: &Array<i32>,
+        grad: &Array<f32>,
+        output: &mut Array<f32>,
+        width: usize,
+    ) {
+        let i = ABSOLUTE_POS;
+        if i >= output.len() {
+            terminate!();
+        }
+        let row = i / width;
+        let column = i % width;
+        let mut value = grad[2 * row] * f32::exp(logits[i] - max[row]);
+        let wanted = targets[row];
+        if wanted >= 0 && column == wanted as usize {
+            value += grad[2 * row + 1];
+        }
+        output[i] = value;
+    }
+
+    pub(super) fn row_stats_backward<B: Backend, R: CubeRuntime>(
+        logits: Tensor<B, 2>,
+        max: Tensor<B, 1>,
+        targets: Tensor<B, 1, Int>,
+        grad: Tensor<B, 2>,
+    ) -> Tensor<B, 2> {
+        let [n, width] = logits.dims();
+        let logits = into_contiguous(into_cube::<B, R, 2>(logits));
+        let max = into_contiguous(into_cube::<B, R, 1>(max));
+        let targets = into_contiguous(int_into_cube::<B, R, 1>(targets));
+        let grad = into_contiguous(into_cube::<B, R, 2>(grad));
+        let client = logits.client.clone();
+        let output = empty_device_dtype(
+            client.clone(),
+            logits.device.clone(),
+            [n, width].into(),
+            burn::tensor::DType::F32,
+        );
+        let len = n * width;
+        let cube_dim = CubeDim::new(&client, len);
+        let cube_count = calculate_cube_count_elemwise(&client, len, cube_dim);
+        let address = [&logits, &output]
+            .into_iter()
+            .map(|t| t.required_address_type())
+            .max()
+            .expect("two tensors");
+        let array = |t: &CubeTensor<R>| t.clone().into_array_arg();
+        row_stats_backward_kernel::launch(
+            &client,
+            cube_count,
+            cube_dim,
+            address,
+            array(&logits),
+            array(&max),
+            array(&targets),
+            array(&grad),
+            array(&output),
+            width,
+        );
+        from_cube(output)
     }
 
     pub(super) fn row_stats<B: Backend, R: CubeRuntime>(

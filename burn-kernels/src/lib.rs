@@ -3,6 +3,7 @@
 //! the kernels are tested without an NVIDIA GPU); every other backend takes the fallback.
 
 pub mod adamw;
+pub mod backend;
 pub mod cross_entropy;
 
 #[cfg(feature = "cubecl")]
@@ -19,7 +20,8 @@ macro_rules! on_cube {
 use on_cube;
 
 pub use adamw::{AdamWStep, FusedAdamW};
-pub use cross_entropy::{RowStats, row_stats};
+pub use backend::{CrossEntropyStats, KernelBackend};
+pub use cross_entropy::{RowStats, row_stats, row_stats_backward};
 
 use burn::tensor::backend::Backend;
 

@@ -1,13 +1,15 @@
-//! The cross-entropy row statistics: the fallback against a float64 reading on CPU, and the
-//! kernel against the fallback on every cubecl runtime this build has.
+//! The cross-entropy row statistics and their gradient: the fallbacks against a float64
+//! reading on CPU, the kernels against the fallbacks on every cubecl runtime this build has, and
+//! the hand-written backward on `Autodiff` against burn's autodiff of the same formula.
 
 mod common;
 
-use burn::backend::Flex;
+use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
-use burn_kernels::cross_entropy::fallback_row_stats;
-use common::values;
+use burn_kernels::KernelBackend;
+use burn_kernels::cross_entropy::{fallback_row_stats, fallback_row_stats_backward};
+use common::{assert_close, values};
 
 /// Logits `[n, part]` spread over about ±10, and targets: every third row's target held
 /// elsewhere (-1), the others spread over the part.
@@ -55,6 +57,92 @@ fn the_fallback_is_the_definition() {
         let expected = if t[r] < 0 { 0.0 } else { row[t[r] as usize] };
         assert_eq!(target[r], expected, "row {r}'s target logit");
     }
+}
+
+/// The gradient `[n, 2]` flowing into the statistics: spread over ±1, different per row.
+fn upstream<B: Backend>(n: usize, device: &B::Device) -> Tensor<B, 2> {
+    Tensor::<B, 1>::from_floats(values(2 * n, 8).as_slice(), device).reshape([n, 2])
+}
+
+#[test]
+fn the_backward_fallback_is_the_definition() {
+    let (n, part) = (12, 50);
+    let device = Default::default();
+    let (logits, targets) = inputs::<Flex>(n, part, &device);
+    let grad = upstream::<Flex>(n, &device);
+    let max = logits.clone().max_dim(1).reshape([n]);
+    let x = logits.to_data().to_vec::<f32>().unwrap();
+    let m = read(max.clone());
+    let t = targets.to_data().to_vec::<i32>().unwrap();
+    let g = grad.to_data().to_vec::<f32>().unwrap();
+    let got = fallback_row_stats_backward(logits, max, targets, grad);
+    let got = got.into_data().to_vec::<f32>().unwrap();
+    for r in 0..n {
+        for j in 0..part {
+            let mut want = g[2 * r] as f64 * ((x[r * part + j] - m[r]) as f64).exp();
+            if t[r] == j as i32 {
+                want += g[2 * r + 1] as f64;
+            }
+            let have = got[r * part + j] as f64;
+            assert!(
+                (have - want).abs() <= 1e-6 * want.abs().max(1e-3),
+                "row {r}, column {j}: {have} against {want}"
+            );
+        }
+    }
+}
+
+/// The statistics of [`KernelBackend::cross_entropy_stats`] on `Autodiff<B>` and the logits'
+/// gradient, against burn's autodiff of the plain formula (max detached, exp-sum, gather).
+/// The maxima match exactly; the sums are added in different orders (within `sum_ulps`); the
+/// gradients are computed by the same operations (within `ulps`).
+fn autodiff_matches_formula<B: KernelBackend>(sum_ulps: u32, ulps: u32) {
+    type A<B> = Autodiff<B>;
+    let device = Default::default();
+    for (n, part) in [(1, 1), (3, 7), (5, 256), (64, 1000), (2, 5003)] {
+        let what = format!("{n} rows of {part}");
+        let (logits, targets) = inputs::<B>(n, part, &device);
+        let grad = upstream::<B>(n, &device);
+        let leaf = || Tensor::<A<B>, 2>::from_inner(logits.clone()).require_grad();
+
+        let fused = leaf();
+        let stats = A::<B>::cross_entropy_stats(fused.clone(), Tensor::from_inner(targets.clone()));
+        let weighted = stats.sums.clone() * Tensor::from_inner(grad.clone());
+        let fused_grad = fused.grad(&weighted.sum().backward()).unwrap();
+
+        let plain = leaf();
+        let max = plain.clone().detach().max_dim(1);
+        let sum_exp = (plain.clone() - max.clone()).exp().sum_dim(1);
+        let held = targets.clone().greater_equal_elem(0).reshape([n, 1]);
+        let column = targets.clone().clamp_min(0).reshape([n, 1]);
+        let target = plain
+            .clone()
+            .gather(1, Tensor::from_inner(column))
+            .mask_fill(Tensor::from_inner(held.bool_not()), 0.0);
+        let sums = Tensor::cat(vec![sum_exp, target], 1);
+        let weighted = sums.clone() * Tensor::from_inner(grad.clone());
+        let plain_grad = plain.grad(&weighted.sum().backward()).unwrap();
+
+        assert_eq!(
+            read(stats.max.inner()),
+            read(max.inner().reshape([n])),
+            "maxima of {what}"
+        );
+        let flat = |t: Tensor<B, 2>| t.into_data().to_vec::<f32>().unwrap();
+        let (got, want) = (flat(stats.sums.inner()), flat(sums.inner()));
+        assert_close(&got, &want, sum_ulps, &format!("sums of {what}"));
+        assert_close(
+            &flat(fused_grad),
+            &flat(plain_grad),
+            ulps,
+            &format!("logits' gradient of {what}"),
+        );
+    }
+}
+
+#[test]
+fn the_backward_on_autodiff_is_autodiffs_of_the_formula() {
+    autodiff_matches_formula::<Flex>(0, 0);
 }
 
 /// Each row's sum of exponentials in float64, from the logits `[n, part]` (row-major).
@@ -114,16 +202,68 @@ fn kernel_matches_fallback<B: Backend>(tolerance: f64) {
     }
 }
 
+/// The backward kernel on `B` against the fallback on the same device, within `ulps` (both
+/// compute each element by the same three operations).
+#[cfg(feature = "cubecl")]
+fn backward_kernel_matches_fallback<B: Backend>(ulps: u32) {
+    assert!(burn_kernels::has_kernels::<B>());
+    let device = Default::default();
+    for (n, part) in [(1, 1), (3, 7), (64, 1000), (2, 5003)] {
+        let (logits, targets) = inputs::<B>(n, part, &device);
+        let grad = upstream::<B>(n, &device);
+        let max = logits.clone().max_dim(1).reshape([n]);
+        let run = |backward: fn(_, _, _, _) -> Tensor<B, 2>| {
+            let out = backward(logits.clone(), max.clone(), targets.clone(), grad.clone());
+            out.into_data().to_vec::<f32>().unwrap()
+        };
+        let kernel = run(burn_kernels::row_stats_backward);
+        let fallback = run(fallback_row_stats_backward);
+        assert_close(&kernel, &fallback, ulps, &format!("{n} rows of {part}"));
+    }
+}
+
 #[cfg(feature = "wgpu")]
-#[test]
-fn wgpu_kernel_matches_fallback() {
-    common::require_device::<burn::backend::Wgpu>();
-    kernel_matches_fallback::<burn::backend::Wgpu>(1e-6);
+mod wgpu {
+    type B = burn::backend::Wgpu;
+
+    #[test]
+    fn kernel_matches_fallback() {
+        super::common::require_device::<B>();
+        super::kernel_matches_fallback::<B>(1e-6);
+    }
+
+    #[test]
+    fn backward_kernel_matches_fallback() {
+        super::common::require_device::<B>();
+        super::backward_kernel_matches_fallback::<B>(0);
+    }
+
+    #[test]
+    fn the_backward_on_autodiff_is_autodiffs_of_the_formula() {
+        super::common::require_device::<B>();
+        super::autodiff_matches_formula::<B>(64, 4);
+    }
 }
 
 #[cfg(feature = "cuda")]
-#[test]
-fn cuda_kernel_matches_fallback() {
-    common::require_device::<burn::backend::Cuda>();
-    kernel_matches_fallback::<burn::backend::Cuda>(1e-6);
+mod cuda {
+    type B = burn::backend::Cuda;
+
+    #[test]
+    fn kernel_matches_fallback() {
+        super::common::require_device::<B>();
+        super::kernel_matches_fallback::<B>(1e-6);
+    }
+
+    #[test]
+    fn backward_kernel_matches_fallback() {
+        super::common::require_device::<B>();
+        super::backward_kernel_matches_fallback::<B>(4);
+    }
+
+    #[test]
+    fn the_backward_on_autodiff_is_autodiffs_of_the_formula() {
+        super::common::require_device::<B>();
+        super::autodiff_matches_formula::<B>(64, 4);
+    }
 }

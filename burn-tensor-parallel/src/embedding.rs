@@ -3,7 +3,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, ElementConversion, Int, Tensor};
+use burn::tensor::{Bool, ElementConversion, Int, Tensor};
 use burn_comm::parallel::CommBackend;
 
 use crate::linear::param;
@@ -44,8 +44,10 @@ impl<B: CommBackend> VocabParallelEmbedding<B> {
         check_tokens(&tokens, self.vocab_size)?;
         let start = self.tp.part(self.vocab_size).start;
         let table = self.weight.val();
-        let (ids, keep) = local_ids(tokens.reshape([batch * seq]), start, rows, table.dtype());
-        let rows = table.select(0, ids) * keep;
+        let (ids, outside) = local_ids(tokens.reshape([batch * seq]), start, rows);
+        // Rows looked up for the other ranks' tokens are zeroed.
+        let keep = outside.clone().bool_not().float().cast(table.dtype());
+        let rows = table.select(0, ids.mask_fill(outside, 0)) * keep.unsqueeze_dim::<2>(1);
         self.tp.exit(rows.reshape([batch, seq, hidden]))
     }
 
@@ -55,27 +57,18 @@ impl<B: CommBackend> VocabParallelEmbedding<B> {
     }
 }
 
-/// The ids of `ids` that fall in this rank's range `start..start + len`, shifted to it (0
-/// elsewhere), and `[n, 1]` ones where they fall in it and zeros elsewhere (in `dtype`), to
-/// mask the rows looked up for the others.
+/// `ids` shifted to this rank's range `start..start + len`, and where they fall outside it.
 pub(crate) fn local_ids<B: Backend>(
     ids: Tensor<B, 1, Int>,
     start: usize,
     len: usize,
-    dtype: DType,
-) -> (Tensor<B, 1, Int>, Tensor<B, 2>) {
+) -> (Tensor<B, 1, Int>, Tensor<B, 1, Bool>) {
     let local = ids - start as i64;
     let outside = local
         .clone()
         .lower_elem(0)
         .bool_or(local.clone().greater_equal_elem(len as i64));
-    let keep = outside
-        .clone()
-        .bool_not()
-        .float()
-        .cast(dtype)
-        .unsqueeze_dim::<2>(1);
-    (local.mask_fill(outside, 0), keep)
+    (local, outside)
 }
 
 /// Fails unless every token is in `0..vocab_size`: a parallel lookup would otherwise give a

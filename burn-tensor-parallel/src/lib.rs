@@ -10,7 +10,8 @@
 //! Every layer is built from the full weight by slicing (so training starts exactly where one
 //! device starts), gives the full weight back for export, and is generic over any
 //! [`CommBackend`](burn_comm::parallel::CommBackend): on `Autodiff<_>` the communication is
-//! differentiated, on a plain backend only the forward runs.
+//! differentiated, on a plain backend only the forward runs. The cross-entropy also needs
+//! [`KernelBackend`] for its fused statistics; [`TpBackend`] names the two together.
 //!
 //! | file | what |
 //! |---|---|
@@ -36,3 +37,13 @@ pub use error::TpError;
 pub use group::{SEQ_DIM, TensorParallel};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::ParallelSwiGlu;
+
+use burn_comm::parallel::CommBackend;
+use burn_kernels::KernelBackend;
+
+/// A backend the whole of tensor parallelism runs on: the region operations of
+/// [`CommBackend`] and the fused cross-entropy of [`KernelBackend`]. Every backend that has
+/// both has it.
+pub trait TpBackend: CommBackend + KernelBackend {}
+
+impl<B: CommBackend + KernelBackend> TpBackend for B {}

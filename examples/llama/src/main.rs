@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
-use burn_comm::parallel::CommBackend;
 use burn_ddp::{BackwardHooks, DdpConfig};
 use burn_pipeline::ScheduleKind;
+use burn_tensor_parallel::TpBackend;
 use burn_zero::{MixedPrecision, Precision, ZeroConfig, ZeroStage};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -427,14 +427,14 @@ fn train_on_cuda(_: &TrainConfig, _: &dyn Dataset, _: &TrainArgs) -> Result<(), 
     Err("this binary was built without CUDA; rebuild with `--features cuda`".into())
 }
 
-fn train_on<B: BackwardHooks + CommBackend>(
+fn train_on<B: BackwardHooks + TpBackend>(
     config: &TrainConfig,
     data: &dyn Dataset,
     device: &B::Device,
     args: &TrainArgs,
 ) -> Result<(), String>
 where
-    B::InnerBackend: CommBackend,
+    B::InnerBackend: TpBackend,
 {
     let mut metrics = match &args.metrics {
         Some(path) => {

@@ -12,13 +12,13 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Int, Tensor};
-use burn_comm::parallel::CommBackend;
 use burn_comm::{CommError, Communicator, ReduceOp};
 use burn_ddp::BackwardHooks;
 use burn_pipeline::{
     Message, PipelineExecutor, PipelineStage, Schedule, Span, StageOutput, balance,
 };
 use burn_tensor_parallel::TensorParallel;
+use burn_tensor_parallel::TpBackend;
 use burn_zero::{ShardedDataParallel, ZeroStage};
 use serde::Serialize;
 
@@ -344,7 +344,7 @@ impl Groups<'_> {
 }
 
 /// Trains this rank's stages of `model` in `groups`.
-pub fn train_rank<B: BackwardHooks + CommBackend>(
+pub fn train_rank<B: BackwardHooks + TpBackend>(
     config: &TrainConfig,
     data: &dyn crate::data::Dataset,
     model: Llama<B>,
@@ -353,7 +353,7 @@ pub fn train_rank<B: BackwardHooks + CommBackend>(
     on_step: &mut dyn FnMut(&StepMetrics),
 ) -> Result<RankResult<B::InnerBackend>, TrainError>
 where
-    B::InnerBackend: CommBackend,
+    B::InnerBackend: TpBackend,
 {
     let layout = config.layout()?;
     let schedule = Schedule::new(

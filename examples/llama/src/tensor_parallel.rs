@@ -7,6 +7,7 @@ use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use burn_comm::parallel::CommBackend;
+use burn_tensor_parallel::TpBackend;
 use burn_tensor_parallel::attention::{AttentionWeights, check_heads};
 use burn_tensor_parallel::group::divisors;
 use burn_tensor_parallel::{
@@ -114,7 +115,7 @@ fn norm<B: CommBackend>(
 /// Mean next-token cross-entropy of `targets` (`[batch, seq]`) from the last block's output
 /// `x`: the final norm, the vocab-parallel head, and the vocab-parallel cross-entropy, so the
 /// logits are never gathered. The same on every rank of the group.
-pub fn head_loss<B: CommBackend>(
+pub fn head_loss<B: TpBackend>(
     final_norm: &RmsNorm<B>,
     lm_head: &ColumnParallelLinear<B>,
     x: Tensor<B, 3>,
@@ -182,7 +183,7 @@ pub fn check_split(
     Ok(())
 }
 
-impl<B: CommBackend> TpLlama<B> {
+impl<B: TpBackend> TpLlama<B> {
     /// This rank's part of `model`, whose shape is `config`. A collective over `tp`.
     pub fn from_full(
         model: Llama<B>,

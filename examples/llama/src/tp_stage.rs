@@ -7,8 +7,8 @@
 use burn::module::Module;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn_comm::parallel::CommBackend;
 use burn_pipeline::{PipelineStage, StageOutput};
+use burn_tensor_parallel::TpBackend;
 use burn_tensor_parallel::{ColumnParallelLinear, TensorParallel, TpError, VocabParallelEmbedding};
 
 use crate::config::LlamaConfig;
@@ -35,7 +35,7 @@ pub struct TpLlamaStage<B: Backend> {
     tp: TensorParallel,
 }
 
-impl<B: CommBackend> TpLlamaStage<B> {
+impl<B: TpBackend> TpLlamaStage<B> {
     /// This rank's part of `stage`. A collective over `tp`.
     pub fn from_stage(stage: LlamaStage<B>, tp: &TensorParallel) -> Result<Self, TpError> {
         let config = stage.config().clone();
@@ -80,7 +80,7 @@ impl<B: CommBackend> TpLlamaStage<B> {
     }
 }
 
-impl<B: AutodiffBackend + CommBackend> PipelineStage<B> for TpLlamaStage<B> {
+impl<B: AutodiffBackend + TpBackend> PipelineStage<B> for TpLlamaStage<B> {
     type Batch = MicroBatch<B>;
     type Error = TrainError;
 

@@ -13,13 +13,13 @@ use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData, backend::Backend};
-use burn_comm::parallel::CommBackend;
 use burn_comm::{CommError, Communicator, DeviceMesh, ReduceOp};
 use burn_ddp::{
     BackwardHooks, DataParallel, DdpConfig, DdpError, DistributedDataParallel, DistributedSampler,
     per_rank_batch,
 };
 use burn_pipeline::{PipelineError, ScheduleKind};
+use burn_tensor_parallel::TpBackend;
 use burn_tensor_parallel::{TensorParallel, TpError};
 use burn_zero::{ZeroConfig, ZeroError, ZeroStage};
 use serde::Serialize;
@@ -366,9 +366,9 @@ impl<B: AutodiffBackend> Trainable<B> for Llama<B> {
     }
 }
 
-impl<B: AutodiffBackend + CommBackend> Trainable<B> for TpLlama<B>
+impl<B: AutodiffBackend + TpBackend> Trainable<B> for TpLlama<B>
 where
-    B::InnerBackend: CommBackend,
+    B::InnerBackend: TpBackend,
 {
     fn loss(
         &self,
@@ -702,14 +702,14 @@ impl<'a> Batches<'a> {
 
 /// Runs `config` on `config.dp * config.tp` ranks (threads) and returns the final weights,
 /// whole; `on_step` sees rank 0's metrics.
-pub fn train<B: BackwardHooks + CommBackend>(
+pub fn train<B: BackwardHooks + TpBackend>(
     config: &TrainConfig,
     data: &dyn Dataset,
     device: &B::Device,
     on_step: &mut (dyn FnMut(&StepMetrics) + Send),
 ) -> Result<Llama<B::InnerBackend>, TrainError>
 where
-    B::InnerBackend: CommBackend,
+    B::InnerBackend: TpBackend,
 {
     config.layout()?;
     let init = || -> Result<Llama<B>, TrainError> {
@@ -818,7 +818,7 @@ fn first_cause<T>(
 
 /// Runs `config` on a `dp x pp x tp` mesh (tp fastest) and returns the whole model, joined
 /// from the stages of the first replica.
-fn train_pipeline<B: BackwardHooks + CommBackend>(
+fn train_pipeline<B: BackwardHooks + TpBackend>(
     config: &TrainConfig,
     data: &dyn Dataset,
     device: &B::Device,
@@ -826,7 +826,7 @@ fn train_pipeline<B: BackwardHooks + CommBackend>(
     on_step: &mut (dyn FnMut(&StepMetrics) + Send),
 ) -> Result<Llama<B::InnerBackend>, TrainError>
 where
-    B::InnerBackend: CommBackend,
+    B::InnerBackend: TpBackend,
 {
     let ranks = config.dp * config.pp * config.tp;
     let results = launch_ranks(ranks, config.nccl, on_step, |world, forward| {

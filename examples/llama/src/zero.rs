@@ -8,11 +8,11 @@ use std::time::Instant;
 use burn::module::AutodiffModule;
 use burn::tensor::ElementConversion;
 use burn::tensor::backend::AutodiffBackend;
-use burn_comm::parallel::CommBackend;
 use burn_comm::{Communicator, DeviceMesh, ReduceOp};
 use burn_ddp::BackwardHooks;
 use burn_pipeline::PipelineStage;
 use burn_tensor_parallel::TensorParallel;
+use burn_tensor_parallel::TpBackend;
 use burn_zero::{FullyShardedDataParallel, ShardedDataParallel, StepOutcome};
 
 use crate::model::Llama;
@@ -117,7 +117,7 @@ pub(crate) fn train_sharded<B: BackwardHooks, M: Trainable<B>>(
 }
 
 /// Runs ZeRO-3 on `config.dp * config.tp` ranks (threads) and returns the final weights, whole.
-pub(crate) fn train_fully_sharded<B: BackwardHooks + CommBackend>(
+pub(crate) fn train_fully_sharded<B: BackwardHooks + TpBackend>(
     config: &TrainConfig,
     data: &dyn crate::data::Dataset,
     device: &B::Device,
@@ -125,7 +125,7 @@ pub(crate) fn train_fully_sharded<B: BackwardHooks + CommBackend>(
     on_step: &mut (dyn FnMut(&StepMetrics) + Send),
 ) -> Result<Llama<B::InnerBackend>, TrainError>
 where
-    B::InnerBackend: CommBackend,
+    B::InnerBackend: TpBackend,
 {
     let ranks = config.dp * config.tp;
     let mut results = launch_ranks(ranks, config.nccl, on_step, |world, forward| {

@@ -1,7 +1,8 @@
 //! [`KernelBackend`]: the fused operations that take part in training, with their backward
 //! written by hand on `Autodiff` (burn's backend-extension pattern). Below `Autodiff` each runs
-//! as a kernel where the backend's tensors live on a cubecl runtime this build has, and as
-//! plain burn everywhere else, so implementing the trait takes no code.
+//! as a kernel where the backend's tensors are a cubecl runtime's own (`CubeBackend`, not
+//! `Fusion`) and the build has that runtime, and as plain burn everywhere else, so
+//! implementing the trait takes no code.
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;

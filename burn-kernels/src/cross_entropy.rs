@@ -14,7 +14,7 @@ use crate::on_cube;
 /// One rank's per-row statistics of logits `[n, part]`, each `[n]`, fp32.
 #[derive(Debug, Clone)]
 pub struct RowStats<B: Backend> {
-    /// The row's largest logit.
+    /// The row's largest logit, or `f32::MIN` where all are -inf (its sum is then 0).
     pub max: Tensor<B, 1>,
     /// `sum_j exp(logit_j - max)` over the row.
     pub sum_exp: Tensor<B, 1>,
@@ -44,7 +44,8 @@ pub fn fallback_row_stats<B: Backend>(
     targets: Tensor<B, 1, Int>,
 ) -> RowStats<B> {
     let n = logits.dims()[0];
-    let max = logits.clone().max_dim(1);
+    // The kernel's floor: a part that is all -inf (masked columns) sums to 0, not NaN.
+    let max = logits.clone().max_dim(1).clamp_min(f32::MIN);
     let sum_exp = (logits.clone() - max.clone()).exp().sum_dim(1);
     let held = targets.clone().greater_equal_elem(0);
     let column = targets.clamp_min(0).reshape([n, 1]);

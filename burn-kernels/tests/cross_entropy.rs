@@ -7,8 +7,8 @@ mod common;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
-use burn_kernels::KernelBackend;
 use burn_kernels::cross_entropy::{fallback_row_stats, fallback_row_stats_backward};
+use burn_kernels::{KernelBackend, RowStats};
 use common::{assert_close, values};
 
 /// Logits `[n, part]` spread over about ±10, and targets: every third row's target held
@@ -57,6 +57,38 @@ fn the_fallback_is_the_definition() {
         let expected = if t[r] < 0 { 0.0 } else { row[t[r] as usize] };
         assert_eq!(target[r], expected, "row {r}'s target logit");
     }
+}
+
+/// A part that is all -inf (masked columns) gives the floor `f32::MIN` as its maximum, a zero
+/// sum and a zero gradient, not NaN: on the kernel and on the fallback.
+fn minus_infinity_part<B: Backend>(
+    stats: fn(Tensor<B, 2>, Tensor<B, 1, Int>) -> RowStats<B>,
+    backward: Backward<B>,
+) {
+    let device = Default::default();
+    let inf = f32::NEG_INFINITY;
+    let logits =
+        Tensor::<B, 1>::from_floats([inf, inf, inf, 1.0, 2.0, 3.0], &device).reshape([2, 3]);
+    let targets = Tensor::<B, 1, Int>::from_ints([-1, 2], &device);
+    let got = stats(logits.clone(), targets.clone());
+    assert_eq!(
+        read(got.max.clone())[0],
+        f32::MIN,
+        "the masked row's maximum"
+    );
+    assert_eq!(read(got.sum_exp)[0], 0.0, "the masked row's sum");
+    let grad = backward(logits, got.max, targets, upstream::<B>(2, &device));
+    let grad = grad.into_data().to_vec::<f32>().unwrap();
+    assert_eq!(&grad[..3], &[0.0; 3], "the masked row's gradient");
+    assert!(grad.iter().all(|g| g.is_finite()), "{grad:?}");
+}
+
+/// A `row_stats_backward`.
+type Backward<B> = fn(Tensor<B, 2>, Tensor<B, 1>, Tensor<B, 1, Int>, Tensor<B, 2>) -> Tensor<B, 2>;
+
+#[test]
+fn a_part_of_minus_infinity_sums_to_zero() {
+    minus_infinity_part::<Flex>(fallback_row_stats, fallback_row_stats_backward);
 }
 
 /// The gradient `[n, 2]` flowing into the statistics: spread over ±1, different per row.
@@ -203,7 +235,7 @@ fn kernel_matches_fallback<B: Backend>(tolerance: f64) {
 }
 
 /// The backward kernel on `B` against the fallback on the same device, within `ulps` (both
-/// compute each element by the same three operations).
+/// compute each element by the same operations; a compiler may fuse the multiply-add).
 #[cfg(feature = "cubecl")]
 fn backward_kernel_matches_fallback<B: Backend>(ulps: u32) {
     assert!(burn_kernels::has_kernels::<B>());
@@ -235,7 +267,13 @@ mod wgpu {
     #[test]
     fn backward_kernel_matches_fallback() {
         super::common::require_device::<B>();
-        super::backward_kernel_matches_fallback::<B>(0);
+        super::backward_kernel_matches_fallback::<B>(2);
+    }
+
+    #[test]
+    fn a_part_of_minus_infinity_sums_to_zero() {
+        super::common::require_device::<B>();
+        super::minus_infinity_part::<B>(burn_kernels::row_stats, burn_kernels::row_stats_backward);
     }
 
     #[test]
@@ -259,6 +297,12 @@ mod cuda {
     fn backward_kernel_matches_fallback() {
         super::common::require_device::<B>();
         super::backward_kernel_matches_fallback::<B>(4);
+    }
+
+    #[test]
+    fn a_part_of_minus_infinity_sums_to_zero() {
+        super::common::require_device::<B>();
+        super::minus_infinity_part::<B>(burn_kernels::row_stats, burn_kernels::row_stats_backward);
     }
 
     #[test]

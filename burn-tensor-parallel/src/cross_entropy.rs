@@ -54,7 +54,7 @@ pub fn vocab_parallel_cross_entropy<B: TpBackend>(
     let rescale = Tensor::cat(
         vec![
             (stats.max - max.clone()).exp().reshape([n, 1]),
-            Tensor::ones([n, 1], &max.device()),
+            Tensor::ones([n, 1], (&max.device(), DType::F32)),
         ],
         1,
     );

@@ -5,8 +5,9 @@
 //! compare with), and `vocab_parallel_cross_entropy` (the fused statistics and their
 //! hand-written backward; on a CPU backend both run as plain burn).
 //!
-//! Per rank: the time of forward plus backward, the heap bytes the forward leaves held for
-//! backward, and the most held during the pass, both beyond the logits themselves.
+//! Rank 0's figures (the ranks are symmetric): the time of forward plus backward, the heap
+//! bytes the forward leaves held for backward, and the most held during the pass, both beyond
+//! the logits themselves.
 //!
 //! `cargo run --release -p benches --bin cross_entropy -- --help`
 
@@ -179,7 +180,7 @@ fn run(args: &Args, method: Method, tp: usize) -> Measured {
                     vocab_parallel_cross_entropy(logits.clone(), targets.clone(), &group)?.mean()
                 }
             };
-            let held = slot_live_bytes(ctx.rank() + 1) - before;
+            let held = slot_live_bytes(ctx.rank() + 1).saturating_sub(before);
             let grad = logits.grad(&loss.backward()).expect("the logits' gradient");
             drop(grad);
             let elapsed = begun.elapsed().as_secs_f64();
@@ -187,7 +188,7 @@ fn run(args: &Args, method: Method, tp: usize) -> Measured {
             if step > 0 {
                 measured.pass_s.push(elapsed);
                 measured.held = held;
-                measured.peak = slot_peak_bytes(ctx.rank() + 1) - before;
+                measured.peak = slot_peak_bytes(ctx.rank() + 1).saturating_sub(before);
             }
         }
         Ok::<_, TpError>(measured)

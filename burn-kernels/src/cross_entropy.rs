@@ -7,7 +7,7 @@
 //! cubecl device.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor};
+use burn::tensor::{Bool, DType, IndexingUpdateOp, Int, Tensor};
 
 use crate::on_cube;
 
@@ -47,15 +47,23 @@ pub fn fallback_row_stats<B: Backend>(
     // The kernel's floor: a part that is all -inf (masked columns) sums to 0, not NaN.
     let max = logits.clone().max_dim(1).clamp_min(f32::MIN);
     let sum_exp = (logits.clone() - max.clone()).exp().sum_dim(1);
-    let held = targets.clone().greater_equal_elem(0);
-    let column = targets.clamp_min(0).reshape([n, 1]);
-    let picked = logits.gather(1, column).reshape([n]);
-    let target = picked.mask_fill(held.bool_not(), 0.0);
+    let (elsewhere, column) = target_columns(targets);
+    let target = logits.gather(1, column).mask_fill(elsewhere, 0.0);
     RowStats {
         max: max.reshape([n]),
         sum_exp: sum_exp.reshape([n]),
-        target,
+        target: target.reshape([n]),
     }
+}
+
+/// `[n, 1]`: where another rank holds the target (`targets` -1), and the target's column (0
+/// there, so that a gather or scatter stays in range).
+fn target_columns<B: Backend>(
+    targets: Tensor<B, 1, Int>,
+) -> (Tensor<B, 2, Bool>, Tensor<B, 2, Int>) {
+    let n = targets.dims()[0];
+    let elsewhere = targets.clone().lower_elem(0).reshape([n, 1]);
+    (elsewhere, targets.clamp_min(0).reshape([n, 1]))
 }
 
 /// The gradient of `logits` (`[n, part]`) from `grad` (`[n, 2]`), the gradients of the row
@@ -90,9 +98,8 @@ pub fn fallback_row_stats_backward<B: Backend>(
     let n = logits.dims()[0];
     let sum_exp_grad = grad.clone().narrow(1, 0, 1);
     let from_sum = (logits - max.reshape([n, 1])).exp() * sum_exp_grad;
-    let held = targets.clone().greater_equal_elem(0).reshape([n, 1]);
-    let target_grad = grad.narrow(1, 1, 1).mask_fill(held.bool_not(), 0.0);
-    let column = targets.clamp_min(0).reshape([n, 1]);
+    let (elsewhere, column) = target_columns(targets);
+    let target_grad = grad.narrow(1, 1, 1).mask_fill(elsewhere, 0.0);
     from_sum.scatter(1, column, target_grad, IndexingUpdateOp::Add)
 }
 

@@ -1,8 +1,9 @@
 //! Cross-entropy over logits split by vocabulary, without ever gathering them: each rank
 //! finds its local maximum, sum of exponentials and (if it holds it) the target's logit, and
 //! the group combines three numbers per token instead of `vocab` of them. The local part is
-//! [`KernelBackend::cross_entropy_stats`](burn_kernels::KernelBackend::cross_entropy_stats): on a cubecl device one kernel reads the logits once
-//! forward and one writes their gradient backward.
+//! burn-kernels' [`cross_entropy_stats`](burn_kernels::KernelBackend::cross_entropy_stats): on
+//! a cubecl device one kernel reads the logits once forward and one writes their gradient
+//! backward.
 
 use burn::tensor::{DType, Int, Tensor};
 use burn_comm::ReduceOp;

@@ -17,8 +17,7 @@ use burn_ddp::BackwardHooks;
 use burn_pipeline::{
     Message, PipelineExecutor, PipelineStage, Schedule, Span, StageOutput, balance,
 };
-use burn_tensor_parallel::TensorParallel;
-use burn_tensor_parallel::TpBackend;
+use burn_tensor_parallel::{TensorParallel, TpBackend};
 use burn_zero::{ShardedDataParallel, ZeroStage};
 use serde::Serialize;
 

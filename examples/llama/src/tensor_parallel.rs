@@ -7,11 +7,10 @@ use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use burn_comm::parallel::CommBackend;
-use burn_tensor_parallel::TpBackend;
 use burn_tensor_parallel::attention::{AttentionWeights, check_heads};
 use burn_tensor_parallel::group::divisors;
 use burn_tensor_parallel::{
-    ColumnParallelLinear, ParallelAttention, ParallelSwiGlu, TensorParallel, TpError,
+    ColumnParallelLinear, ParallelAttention, ParallelSwiGlu, TensorParallel, TpBackend, TpError,
     VocabParallelEmbedding, vocab_parallel_cross_entropy,
 };
 

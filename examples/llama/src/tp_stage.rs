@@ -8,8 +8,9 @@ use burn::module::Module;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn_pipeline::{PipelineStage, StageOutput};
-use burn_tensor_parallel::TpBackend;
-use burn_tensor_parallel::{ColumnParallelLinear, TensorParallel, TpError, VocabParallelEmbedding};
+use burn_tensor_parallel::{
+    ColumnParallelLinear, TensorParallel, TpBackend, TpError, VocabParallelEmbedding,
+};
 
 use crate::config::LlamaConfig;
 use crate::model::RmsNorm;

@@ -23,6 +23,7 @@
 //! `burn-launch`) and [`Store`] is the TCP key-value store through which they meet.
 
 mod call;
+mod collective_matmul;
 mod communicator;
 mod env;
 mod error;

@@ -11,6 +11,9 @@
 //! | [`gather_from_sequence_parallel_region`] | all-gather along `dim` | reduce-scatter (sum) |
 //! | [`reduce_scatter_to_sequence_parallel_region`] | reduce-scatter (sum) along `dim` | all-gather |
 //!
+//! [`region_matmul`] fuses `Copy`, `Reduce` and the two sequence ops with the matmul beside
+//! them, cut into chunks so the communication overlaps the multiplication.
+//!
 //! On a backend without autodiff only the forward runs. In the backward pass a failed
 //! collective cannot return an error (burn's backward returns nothing), so it panics with the
 //! error's message; under [`crate::launch`] that becomes [`CommError::PeerFailed`] on the peers.
@@ -27,7 +30,8 @@ use burn::backend::{Flex, NdArray};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use crate::{CommError, Communicator, ReduceOp};
+pub use crate::collective_matmul::matmul;
+use crate::{CommError, Communicator, ReduceOp, collective_matmul};
 
 /// One of the six region operations, by what its forward does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,6 +130,20 @@ pub trait CommBackend: Backend {
     ) -> Result<Tensor<Self, D>, CommError> {
         op.forward(x, comm)
     }
+
+    /// `op` fused with the matmul `x @ w` (`w` is `[in, out]`), cut into `chunks` so the
+    /// collective of one chunk overlaps the matmul of the next: `enter(x) @ w` for `Copy` and
+    /// `SequenceGather`, `exit(x @ w)` for `Reduce` and `SequenceReduceScatter`. See
+    /// [`region_matmul`].
+    fn region_matmul<const D: usize>(
+        x: Tensor<Self, D>,
+        w: Tensor<Self, 2>,
+        comm: &Communicator,
+        op: RegionOp,
+        chunks: usize,
+    ) -> Result<Tensor<Self, D>, CommError> {
+        collective_matmul::forward(x, w, comm, op, chunks)
+    }
 }
 
 impl CommBackend for Flex {}
@@ -199,6 +217,16 @@ impl<B: Backend, C: CheckpointStrategy> CommBackend for Autodiff<B, C> {
         };
         Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
     }
+
+    fn region_matmul<const D: usize>(
+        x: Tensor<Self, D>,
+        w: Tensor<Self, 2>,
+        comm: &Communicator,
+        op: RegionOp,
+        chunks: usize,
+    ) -> Result<Tensor<Self, D>, CommError> {
+        collective_matmul::autodiff(x, w, comm, op, chunks)
+    }
 }
 
 /// Identity forward, all-reduce backward: enters a column-parallel region.
@@ -251,6 +279,31 @@ pub fn reduce_scatter_to_sequence_parallel_region<B: CommBackend, const D: usize
     dim: usize,
 ) -> Result<Tensor<B, D>, CommError> {
     B::region_op(x, comm, RegionOp::SequenceReduceScatter { dim })
+}
+
+/// `op` fused with `x @ w` (`w` is `[in, out]`, `x` has the features last) and cut into
+/// `chunks`, so the communication of one chunk runs while the next is multiplied; differentiated
+/// on `Autodiff`, whose backward overlaps the same way.
+///
+/// | `op` | forward | backward: `x`'s gradient |
+/// |---|---|---|
+/// | `Copy` | `x @ w` | all-reduce of `g @ wᵀ`, chunked |
+/// | `SequenceGather { dim }` | all-gather of `x` along `dim`, `@ w`, chunked | reduce-scatter of `g @ wᵀ`, chunked |
+/// | `Reduce` | all-reduce of `x @ w`, chunked | `g @ wᵀ` |
+/// | `SequenceReduceScatter { dim }` | reduce-scatter of `x @ w` along `dim`, chunked | all-gather of `g`, `@ wᵀ`, chunked |
+///
+/// The same result as the region op and the matmul one after the other, up to the rounding of
+/// a matmul cut into rows. `chunks` is clamped to the rows there are; with one chunk, the
+/// all-gather still overlaps the multiplication of this rank's own rows. `Scatter` and
+/// `Gather` are refused.
+pub fn region_matmul<B: CommBackend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+    comm: &Communicator,
+    op: RegionOp,
+    chunks: usize,
+) -> Result<Tensor<B, D>, CommError> {
+    B::region_matmul(x, w, comm, op, chunks)
 }
 
 #[cfg(all(test, feature = "cuda"))]

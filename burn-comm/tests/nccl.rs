@@ -184,6 +184,41 @@ fn autodiff_tensors_and_async_calls_work() {
 }
 
 #[test]
+fn collective_matmuls_overlap_on_the_nccl_stream() {
+    use burn_comm::parallel::{RegionOp, region_matmul};
+    type A = Autodiff<G>;
+    let ops = [
+        RegionOp::Copy,
+        RegionOp::Reduce,
+        RegionOp::SequenceGather { dim: 1 },
+        RegionOp::SequenceReduceScatter { dim: 1 },
+    ];
+    on_nccl(2, MINUTE, |ctx, nccl| {
+        let seed = 10 * ctx.rank() as u64;
+        for op in ops {
+            // Whole numbers: every product and sum is exact, so both transports agree bit for bit.
+            let run = |comm: &Communicator| -> Result<_, CommError> {
+                let x = Tensor::<A, 3>::from_inner(whole(seed, [2, 6, 4])).require_grad();
+                let w = Tensor::<A, 2>::from_inner(whole(seed + 1, [4, 3])).require_grad();
+                let y = region_matmul(x.clone(), w.clone(), comm, op, 2)?;
+                let probe = Tensor::<A, 3>::from_inner(whole(seed + 2, y.dims()));
+                let grads = (y.clone() * probe).sum().backward();
+                Ok((
+                    y.inner().into_data(),
+                    x.grad(&grads).unwrap().into_data(),
+                    w.grad(&grads).unwrap().into_data(),
+                ))
+            };
+            let (on_nccl, local) = (run(nccl)?, run(ctx.world())?);
+            assert_bits_eq(&on_nccl.0, &local.0, &format!("{op:?} output"));
+            assert_bits_eq(&on_nccl.1, &local.1, &format!("{op:?} input grad"));
+            assert_bits_eq(&on_nccl.2, &local.2, &format!("{op:?} weight grad"));
+        }
+        Ok(())
+    });
+}
+
+#[test]
 fn a_mesh_splits_on_nccl() {
     on_nccl(2, MINUTE, |ctx, nccl| {
         let mesh = burn_comm::DeviceMesh::new(nccl, &[("dp", 1), ("tp", 2)])?;

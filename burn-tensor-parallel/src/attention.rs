@@ -124,15 +124,19 @@ impl<B: CommBackend> ParallelAttention<B> {
         x: Tensor<B, 3>,
         attend: impl FnOnce(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) -> Tensor<B, 4>,
     ) -> Result<Tensor<B, 3>, TpError> {
-        let x = self.tp.enter(x)?;
-        let [batch, seq, _] = x.dims();
+        let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let [q, k, v] = ColumnParallelLinear::forward_many(projections, x)?;
+        // The whole sequence: under SP, entering the region gathered it.
+        let [batch, seq, _] = q.dims();
         let heads = |y: Tensor<B, 3>, count: usize| {
             y.reshape([batch, seq, count, self.head_dim])
                 .swap_dims(1, 2)
         };
-        let q = heads(self.q_proj.forward_entered(x.clone())?, self.local_heads);
-        let k = heads(self.k_proj.forward_entered(x.clone())?, self.local_kv_heads);
-        let v = heads(self.v_proj.forward_entered(x)?, self.local_kv_heads);
+        let (q, k, v) = (
+            heads(q, self.local_heads),
+            heads(k, self.local_kv_heads),
+            heads(v, self.local_kv_heads),
+        );
         let context =
             attend(q, k, v)
                 .swap_dims(1, 2)

@@ -7,10 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use burn::tensor::Tensor;
 use burn_comm::Communicator;
-use burn_comm::parallel::{
-    CommBackend, copy_to_parallel_region, gather_from_sequence_parallel_region,
-    reduce_from_parallel_region, reduce_scatter_to_sequence_parallel_region,
-};
+use burn_comm::parallel::{CommBackend, RegionOp, copy_to_parallel_region, matmul, region_matmul};
 
 use crate::TpError;
 
@@ -24,6 +21,9 @@ pub const SEQ_DIM: usize = 1;
 pub struct TensorParallel {
     comm: Communicator,
     sequence_parallel: bool,
+    /// Chunks of the collective matmuls, or 0 for the region op and the matmul one after the
+    /// other.
+    overlap_chunks: usize,
     /// The groups of ranks that share a block, by block count (see
     /// [`TensorParallel::replica_group`]), shared by the clones.
     replicas: Arc<Mutex<HashMap<usize, Communicator>>>,
@@ -36,6 +36,7 @@ impl TensorParallel {
         Self {
             comm,
             sequence_parallel: false,
+            overlap_chunks: 0,
             replicas: Arc::default(),
         }
     }
@@ -44,6 +45,20 @@ impl TensorParallel {
     pub fn with_sequence_parallel(mut self, enabled: bool) -> Self {
         self.sequence_parallel = enabled;
         self
+    }
+
+    /// With `chunks` > 0, the communication at the edges of the parallel regions is fused with
+    /// the matmul beside it and cut into `chunks`, so it overlaps the multiplication
+    /// ([`region_matmul`]; Megatron's `tp_comm_overlap`). 0, the default, runs them one after
+    /// the other.
+    pub fn with_comm_overlap(mut self, chunks: usize) -> Self {
+        self.overlap_chunks = chunks;
+        self
+    }
+
+    /// The chunks of the collective matmuls; 0 when communication does not overlap.
+    pub fn comm_overlap(&self) -> usize {
+        self.overlap_chunks
     }
 
     /// The group.
@@ -100,32 +115,76 @@ impl TensorParallel {
         self.rank() * part..(self.rank() + 1) * part
     }
 
-    /// Enters a column-parallel region: the activations every rank needs in full. Plain TP
-    /// copies them (the gradient is all-reduced on the way back); SP all-gathers the sequence
-    /// (the gradient is reduce-scattered).
+    /// The operation that enters a column-parallel region: copy (the gradient is all-reduced
+    /// on the way back), or under SP an all-gather of the sequence (the gradient is
+    /// reduce-scattered).
+    pub fn enter_op(&self) -> RegionOp {
+        match self.sequence_parallel {
+            true => RegionOp::SequenceGather { dim: SEQ_DIM },
+            false => RegionOp::Copy,
+        }
+    }
+
+    /// The operation that leaves a row-parallel region by summing the ranks' partial results:
+    /// all-reduce, or under SP reduce-scatter along the sequence, so each rank keeps its part.
+    pub fn exit_op(&self) -> RegionOp {
+        match self.sequence_parallel {
+            true => RegionOp::SequenceReduceScatter { dim: SEQ_DIM },
+            false => RegionOp::Reduce,
+        }
+    }
+
+    /// Enters a column-parallel region ([`enter_op`](Self::enter_op)): the activations every
+    /// rank needs in full.
     pub fn enter<B: CommBackend, const D: usize>(
         &self,
         x: Tensor<B, D>,
     ) -> Result<Tensor<B, D>, TpError> {
-        Ok(if self.sequence_parallel {
-            gather_from_sequence_parallel_region(x, &self.comm, SEQ_DIM)?
-        } else {
-            copy_to_parallel_region(x, &self.comm)?
-        })
+        Ok(B::region_op(x, &self.comm, self.enter_op())?)
     }
 
-    /// Leaves a row-parallel region: sums the partial results of the ranks. Plain TP
-    /// all-reduces them; SP reduce-scatters along the sequence, so each rank keeps its part.
+    /// Leaves a row-parallel region ([`exit_op`](Self::exit_op)).
     pub fn exit<B: CommBackend, const D: usize>(
         &self,
         x: Tensor<B, D>,
     ) -> Result<Tensor<B, D>, TpError> {
-        Ok(if self.sequence_parallel {
-            self.check_divides("the sequence length", x.dims()[SEQ_DIM])?;
-            reduce_scatter_to_sequence_parallel_region(x, &self.comm, SEQ_DIM)?
-        } else {
-            reduce_from_parallel_region(x, &self.comm)?
-        })
+        self.check_exit(&x.dims())?;
+        Ok(B::region_op(x, &self.comm, self.exit_op())?)
+    }
+
+    /// `enter(x) @ w` for a `[in, out]` weight: fused and chunked when communication overlaps.
+    pub fn enter_matmul<B: CommBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        w: Tensor<B, 2>,
+    ) -> Result<Tensor<B, D>, TpError> {
+        match self.overlap_chunks {
+            0 => Ok(matmul(self.enter(x)?, w)),
+            chunks => Ok(region_matmul(x, w, &self.comm, self.enter_op(), chunks)?),
+        }
+    }
+
+    /// `exit(x @ w)` for a `[in, out]` weight: fused and chunked when communication overlaps.
+    pub fn matmul_exit<B: CommBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        w: Tensor<B, 2>,
+    ) -> Result<Tensor<B, D>, TpError> {
+        match self.overlap_chunks {
+            0 => self.exit(matmul(x, w)),
+            chunks => {
+                self.check_exit(&x.dims())?;
+                Ok(region_matmul(x, w, &self.comm, self.exit_op(), chunks)?)
+            }
+        }
+    }
+
+    /// Under SP, what leaves a region is split along the sequence, which must divide.
+    fn check_exit<const D: usize>(&self, dims: &[usize; D]) -> Result<(), TpError> {
+        match self.sequence_parallel {
+            true => self.check_divides("the sequence length", dims[SEQ_DIM]),
+            false => Ok(()),
+        }
     }
 
     /// A weight every rank holds in full (a norm's scale, a row-parallel bias), as the

@@ -10,21 +10,12 @@ use burn::module::{Module, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use burn_comm::Communicator;
+pub use burn_comm::parallel::matmul;
 use burn_comm::parallel::{
     CommBackend, copy_to_parallel_region, gather_from_parallel_region, scatter_to_parallel_region,
 };
 
 use crate::{TensorParallel, TpError};
-
-/// `x @ w` for `x` of any rank and a `[in, out]` weight.
-pub fn matmul<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>) -> Tensor<B, D> {
-    let dims = x.dims();
-    let [d_in, d_out] = w.dims();
-    let rows = dims[..D - 1].iter().product();
-    let mut out = dims;
-    out[D - 1] = d_out;
-    x.reshape([rows, d_in]).matmul(w).reshape(out)
-}
 
 /// A parameter holding a copy of `part` of a weight: a slice would be a view that keeps the
 /// whole weight alive (and, for columns, strided), and the weight may itself be a tracked
@@ -126,9 +117,11 @@ impl<B: CommBackend> ColumnParallelLinear<B> {
         })
     }
 
-    /// Enters the parallel region, then [`forward_entered`](Self::forward_entered).
+    /// `enter(x) @ weight (+ bias)`: enters the parallel region, as one collective matmul when
+    /// the group overlaps communication; all-gathers the features when `gather_output`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, TpError> {
-        self.forward_entered(self.tp.enter(x)?)
+        let y = self.tp.enter_matmul(x, self.shared(self.weight.val())?)?;
+        self.finish(y)
     }
 
     /// `x @ weight (+ bias)` for an input already in the parallel region; all-gathers the
@@ -137,7 +130,50 @@ impl<B: CommBackend> ColumnParallelLinear<B> {
         &self,
         x: Tensor<B, D>,
     ) -> Result<Tensor<B, D>, TpError> {
-        let mut y = matmul(x, self.shared(self.weight.val())?);
+        self.finish(matmul(x, self.shared(self.weight.val())?))
+    }
+
+    /// Several column-parallel layers of one group on one input (attention's q, k and v, the
+    /// MLP's gate and up): the input enters the region once. When the group overlaps
+    /// communication, their weights are joined so that one collective matmul serves them all.
+    pub fn forward_many<const D: usize, const N: usize>(
+        layers: [&Self; N],
+        x: Tensor<B, D>,
+    ) -> Result<[Tensor<B, D>; N], TpError> {
+        let Some(tp) = layers.first().map(|layer| &layer.tp) else {
+            return Ok(std::array::from_fn(|_| unreachable!("no layers")));
+        };
+        let outputs = if tp.comm_overlap() == 0 {
+            let x = tp.enter(x)?;
+            layers
+                .iter()
+                .map(|layer| layer.forward_entered(x.clone()))
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            let weights = layers
+                .iter()
+                .map(|layer| layer.shared(layer.weight.val()))
+                .collect::<Result<Vec<_>, _>>()?;
+            let widths: Vec<usize> = weights.iter().map(|w| w.dims()[1]).collect();
+            let y = tp.enter_matmul(x, Tensor::cat(weights, 1))?;
+            let mut start = 0;
+            layers
+                .iter()
+                .zip(widths)
+                .map(|(layer, width)| {
+                    let part = y.clone().narrow(D - 1, start, width);
+                    start += width;
+                    layer.finish(part)
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        Ok(outputs
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one output per layer")))
+    }
+
+    /// Adds the bias to this rank's columns, and all-gathers them when `gather_output`.
+    fn finish<const D: usize>(&self, mut y: Tensor<B, D>) -> Result<Tensor<B, D>, TpError> {
         if let Some(bias) = &self.bias {
             y = add_bias(y, self.shared(bias.val())?);
         }
@@ -227,14 +263,15 @@ impl<B: CommBackend> RowParallelLinear<B> {
         })
     }
 
-    /// `x @ weight`, summed over the group, `+ bias`.
+    /// `x @ weight`, summed over the group (one collective matmul when the group overlaps
+    /// communication), `+ bias`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, TpError> {
         let x = if self.input_is_parallel {
             x
         } else {
             scatter_to_parallel_region(x, self.tp.comm(), D - 1)?
         };
-        let y = self.tp.exit(matmul(x, self.weight.val()))?;
+        let y = self.tp.matmul_exit(x, self.weight.val())?;
         Ok(match &self.bias {
             Some(bias) => add_bias(y, self.tp.replicated(bias.val())?),
             None => y,

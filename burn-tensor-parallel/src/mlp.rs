@@ -43,10 +43,8 @@ impl<B: CommBackend> ParallelSwiGlu<B> {
 
     /// `[batch, seq, hidden]` (under SP, this rank's part of the sequence) to the same shape.
     pub fn forward(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, TpError> {
-        let x = self.tp.enter(x)?;
-        let gate = silu(self.gate_proj.forward_entered(x.clone())?);
-        let up = self.up_proj.forward_entered(x)?;
-        self.down_proj.forward(gate * up)
+        let [gate, up] = ColumnParallelLinear::forward_many([&self.gate_proj, &self.up_proj], x)?;
+        self.down_proj.forward(silu(gate) * up)
     }
 
     /// The full `gate`, `up` and `down`, gathered from the group (a collective).

@@ -5,7 +5,11 @@
 //! The loss is `sum(output * r)` for a fixed random `r`, so every output element gets its own
 //! gradient. Tolerance: a shard computes each output as the dense layer does, but row-parallel
 //! sums and the sums of gradients add partial results in another order, so float32 rounding
-//! differs: |a - b| <= 1e-5 + 1e-4 |b|.
+//! differs: |a - b| <= 1e-5 max|b| + 1e-4 |b|. The first term is relative to the largest
+//! element, because where a gradient sums terms that cancel (attention's input gradient), a
+//! small element carries the rounding of the large terms: joining q, k and v into one matmul
+//! moves one such element by 1.5e-5 of 0.023 (float64 puts both float32 results 2e-5 and
+//! 3.6e-5 from the truth).
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::Param;
@@ -42,21 +46,29 @@ fn assert_close<const D: usize>(got: Tensor<Inner, D>, want: Tensor<Inner, D>, w
     assert_eq!(got.dims(), want.dims(), "{what}: shape");
     let got: Vec<f32> = got.into_data().to_vec().unwrap();
     let want: Vec<f32> = want.into_data().to_vec().unwrap();
+    let largest = want.iter().fold(0f32, |m, b| m.max(b.abs()));
     for (i, (a, b)) in got.iter().zip(&want).enumerate() {
         assert!(
-            (a - b).abs() <= 1e-5 + 1e-4 * b.abs(),
+            (a - b).abs() <= 1e-5 * largest + 1e-4 * b.abs(),
             "{what}: element {i} is {a}, the dense layer gives {b}"
         );
     }
 }
 
-/// Runs `f` on `tp` ranks with sequence parallelism `sp`; panics with the first failure.
+/// Runs `f` on `tp` ranks with sequence parallelism `sp`, once with the region ops and the
+/// matmuls one after the other and once as collective matmuls of 3 chunks (which cut the
+/// sequence unevenly); panics with the first failure.
 fn on_ranks(tp: usize, sp: bool, f: impl Fn(&TensorParallel) -> Result<(), TpError> + Sync) {
-    for result in launch(tp, |ctx| {
-        f(&TensorParallel::new(ctx.world().clone()).with_sequence_parallel(sp))
-    }) {
-        if let Err(error) = result {
-            panic!("tp {tp}, sp {sp}: {error}");
+    for overlap in [0, 3] {
+        for result in launch(tp, |ctx| {
+            let group = TensorParallel::new(ctx.world().clone())
+                .with_sequence_parallel(sp)
+                .with_comm_overlap(overlap);
+            f(&group)
+        }) {
+            if let Err(error) = result {
+                panic!("tp {tp}, sp {sp}, overlap {overlap}: {error}");
+            }
         }
     }
 }

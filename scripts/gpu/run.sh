@@ -75,6 +75,8 @@ runs=(
     "ddp2-nccl:--dp 2 --nccl"
     "zero3-nccl:--dp 2 --zero 3 --nccl"
     "tp2-nccl:--tp 2 --nccl"
+    "tp2-sp-nccl:--tp 2 --sp --nccl"
+    "tp2-sp-overlap-nccl:--tp 2 --sp --tp-overlap 2 --nccl"
 )
 for run in "${runs[@]}"; do
     name=${run%%:*}

@@ -130,6 +130,10 @@ struct TrainArgs {
     /// tensor-parallel ranks (needs --tp 2 or more).
     #[arg(long)]
     sp: bool,
+    /// Overlap the tensor-parallel communication with the linears' matmuls, each cut into this
+    /// many chunks (Megatron's --tp-comm-overlap); 0: one after the other.
+    #[arg(long, default_value_t = 0)]
+    tp_overlap: usize,
     /// Pipeline ranks per replica: the blocks are cut into stages (see --balance); the run uses
     /// dp x pp x tp threads.
     #[arg(long, default_value_t = 1)]
@@ -306,6 +310,7 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     config.dp = args.dp;
     config.tp = args.tp;
     config.sequence_parallel = args.sp;
+    config.tp_overlap = args.tp_overlap;
     config.pp = args.pp;
     config.schedule = args.schedule;
     config.virtual_stages = args.virtual_stages;
@@ -383,11 +388,7 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         config.dp,
         strategy,
         config.tp,
-        if config.sequence_parallel {
-            " with sequence parallelism"
-        } else {
-            ""
-        },
+        describe_tp(&config),
         config.pp,
         if config.pp > 1 {
             format!(
@@ -587,6 +588,21 @@ fn eval_on<B: burn::tensor::backend::Backend>(
     });
     println!("{report}");
     Ok(())
+}
+
+/// Sequence parallelism and communication overlap of the tensor-parallel group, if any.
+fn describe_tp(config: &TrainConfig) -> String {
+    let mut text = String::new();
+    if config.sequence_parallel {
+        text += " with sequence parallelism";
+    }
+    if config.tp_overlap > 0 {
+        text += &format!(
+            " (communication overlapped, {} chunk(s))",
+            config.tp_overlap
+        );
+    }
+    text
 }
 
 /// The ZeRO stage and what it computes in, for the run's header.

@@ -71,6 +71,9 @@ pub struct TrainConfig {
     pub tp: usize,
     /// Sequence parallelism within the tensor-parallel group.
     pub sequence_parallel: bool,
+    /// Chunks of the collective matmuls that overlap the tensor-parallel communication with
+    /// the linears' multiplications (Megatron's `tp_comm_overlap`); 0: one after the other.
+    pub tp_overlap: usize,
     /// Pipeline ranks per replica.
     pub pp: usize,
     /// The pipeline schedule (with `pp > 1`); its micro-batches are the gradient-accumulation
@@ -121,6 +124,7 @@ impl TrainConfig {
             dp: 1,
             tp: 1,
             sequence_parallel: false,
+            tp_overlap: 0,
             pp: 1,
             schedule: ScheduleKind::OneFOneB,
             virtual_stages: 1,
@@ -135,6 +139,14 @@ impl TrainConfig {
             init_from: None,
             nccl: false,
         }
+    }
+
+    /// The tensor-parallel group over `group`, with this config's sequence parallelism and
+    /// communication overlap.
+    pub fn tensor_parallel(&self, group: &Communicator) -> TensorParallel {
+        TensorParallel::new(group.clone())
+            .with_sequence_parallel(self.sequence_parallel)
+            .with_comm_overlap(self.tp_overlap)
     }
 
     /// Samples per rank per step, micro-batch size and micro-batches per step, or a sentence
@@ -178,6 +190,12 @@ impl TrainConfig {
         if self.sequence_parallel && self.tp == 1 {
             return Err(TrainError::Config(
                 "--sp splits sequences over the tensor-parallel ranks; use it with --tp 2 or more"
+                    .into(),
+            ));
+        }
+        if self.tp_overlap > 0 && self.tp == 1 {
+            return Err(TrainError::Config(
+                "--tp-overlap overlaps the tensor-parallel ranks' communication; use it with --tp 2 or more"
                     .into(),
             ));
         }
@@ -750,8 +768,7 @@ where
         // Tensor-parallel peers are neighbours on the mesh (tp varies fastest).
         let mesh = DeviceMesh::new(world, &[("dp", config.dp), ("tp", config.tp)])?;
         let dp = data_parallel(mesh.group("dp")?);
-        let tp = TensorParallel::new(mesh.group("tp")?.clone())
-            .with_sequence_parallel(config.sequence_parallel);
+        let tp = config.tensor_parallel(mesh.group("tp")?);
         let model = TpLlama::from_full(model, &config.model, &tp)?;
         let model = train_rank(config, data, dp.as_ref(), model, device, forward)?;
         Ok(model.valid().full()?)
@@ -840,9 +857,7 @@ where
         let tp = (config.tp > 1)
             .then(|| mesh.group("tp").cloned())
             .transpose()?
-            .map(|group| {
-                TensorParallel::new(group).with_sequence_parallel(config.sequence_parallel)
-            });
+            .map(|group| config.tensor_parallel(&group));
         let groups = crate::pipeline::Groups {
             pp: mesh.group("pp")?,
             dp: dp.as_ref(),

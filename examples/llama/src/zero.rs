@@ -11,7 +11,6 @@ use burn::tensor::backend::AutodiffBackend;
 use burn_comm::{Communicator, DeviceMesh, ReduceOp};
 use burn_ddp::BackwardHooks;
 use burn_pipeline::PipelineStage;
-use burn_tensor_parallel::TensorParallel;
 use burn_tensor_parallel::TpBackend;
 use burn_zero::{FullyShardedDataParallel, ShardedDataParallel, StepOutcome};
 
@@ -138,8 +137,7 @@ where
                 units.into_iter().map(|u| u.valid()).collect(),
             ));
         }
-        let tp = TensorParallel::new(mesh.group("tp")?.clone())
-            .with_sequence_parallel(config.sequence_parallel);
+        let tp = config.tensor_parallel(mesh.group("tp")?);
         let units = units
             .into_iter()
             .map(|unit| TpLlamaStage::from_stage(unit, &tp))

@@ -203,7 +203,7 @@ fn plan_prints_every_stage_of_the_papers_example() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 23] = [
+    let cases: [(&[&str], &str); 24] = [
         (
             &["train", "--dp", "2", "--nccl"],
             "use it with --device cuda",
@@ -270,6 +270,10 @@ fn bad_input_gets_a_sentence() {
             "multiple of 2",
         ),
         (&["train", "--sp"], "use it with --tp 2 or more"),
+        (
+            &["train", "--tp-overlap", "2"],
+            "--tp-overlap overlaps the tensor-parallel ranks' communication; use it with --tp 2",
+        ),
         (
             &["train", "--dp", "3", "--batch-size", "8"],
             "multiple of 3",

@@ -1,7 +1,8 @@
 //! Tensor parallelism against the oracle: `tiny` (4 query heads, 2 key/value heads) trained 20
 //! steps on one device and split over 2 and 4 tensor-parallel ranks (at 4 the key/value heads
 //! are shared by pairs of ranks), with sequence parallelism, and on a 2 x 2 data x tensor
-//! mesh. The final weights are gathered from the shards.
+//! mesh, and with the communication overlapped by collective matmuls. The final weights are
+//! gathered from the shards.
 //!
 //! Tolerances are in `common`: row-parallel layers sum partial matmuls across ranks, a
 //! different order from one device's single matmul.
@@ -12,6 +13,10 @@ use common::*;
 use llama::train::Strategy;
 
 fn tensor_parallel(dp: usize, tp: usize, sequence_parallel: bool) -> Run {
+    overlapped(dp, tp, sequence_parallel, 0)
+}
+
+fn overlapped(dp: usize, tp: usize, sequence_parallel: bool, chunks: usize) -> Run {
     let strategy = if dp == 1 {
         Strategy::Single
     } else {
@@ -20,6 +25,7 @@ fn tensor_parallel(dp: usize, tp: usize, sequence_parallel: bool) -> Run {
     let mut config = config(strategy, dp);
     config.tp = tp;
     config.sequence_parallel = sequence_parallel;
+    config.tp_overlap = chunks;
     run(&config)
 }
 
@@ -47,4 +53,16 @@ fn data_times_tensor_parallel_matches_one_device() {
     let oracle = run(&config(Strategy::Single, 1));
     assert_close(&oracle, &tensor_parallel(2, 2, false), "dp 2 x tp 2");
     assert_close(&oracle, &tensor_parallel(2, 2, true), "dp 2 x tp 2 + sp");
+}
+
+#[test]
+fn overlapped_communication_matches_one_device() {
+    let oracle = run(&config(Strategy::Single, 1));
+    assert_close(&oracle, &overlapped(1, 2, false, 2), "tp 2, 2 chunks");
+    assert_close(&oracle, &overlapped(1, 4, true, 3), "tp 4 + sp, 3 chunks");
+    assert_close(
+        &oracle,
+        &overlapped(2, 2, true, 1),
+        "dp 2 x tp 2 + sp, 1 chunk",
+    );
 }

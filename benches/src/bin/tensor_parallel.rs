@@ -3,7 +3,9 @@
 //! without sequence parallelism; per rank, the parameter bytes, the activation bytes the
 //! forward pass leaves for backward, and the bytes communicated per step beside Megatron's
 //! count (per layer: two all-reduces of the activations forward and two backward; under SP
-//! an all-gather and a reduce-scatter in place of each all-reduce).
+//! an all-gather and a reduce-scatter in place of each all-reduce). At tp 2 the two are run
+//! again with `--overlap` chunks of collective matmuls, which overlap that communication with
+//! the linears' multiplications: the same bytes in more calls.
 //!
 //! Parameter bytes are the shards' sizes (each shard is its own copy). Activation bytes are
 //! heap bytes held after the first forward pass minus those held before
@@ -52,6 +54,9 @@ struct Args {
     /// Rounds over all configurations; the medians pool the rounds.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// Chunks of the collective matmuls in the overlapped tp 2 layouts.
+    #[arg(long, default_value_t = 2)]
+    overlap: usize,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/tensor_parallel.json")]
     json: String,
@@ -62,15 +67,27 @@ struct Args {
 struct Layout {
     tp: Option<usize>,
     sp: bool,
+    /// Chunks of the collective matmuls; 0: communication and matmul one after the other.
+    overlap: usize,
 }
 
 impl Layout {
+    fn new(tp: Option<usize>, sp: bool, overlap: usize) -> Self {
+        Self { tp, sp, overlap }
+    }
+
     fn name(&self) -> String {
-        match self.tp {
-            None => "single-device burn".into(),
-            Some(tp) if self.sp => format!("tp {tp} + sp"),
-            Some(tp) => format!("tp {tp}"),
+        let Some(tp) = self.tp else {
+            return "single-device burn".into();
+        };
+        let mut name = format!("tp {tp}");
+        if self.sp {
+            name += " + sp";
         }
+        if self.overlap > 0 {
+            name += &format!(", overlap {}", self.overlap);
+        }
+        name
     }
 }
 
@@ -117,30 +134,14 @@ fn main() {
         args.repeats
     );
     let layouts = [
-        Layout {
-            tp: None,
-            sp: false,
-        },
-        Layout {
-            tp: Some(1),
-            sp: false,
-        },
-        Layout {
-            tp: Some(2),
-            sp: false,
-        },
-        Layout {
-            tp: Some(2),
-            sp: true,
-        },
-        Layout {
-            tp: Some(4),
-            sp: false,
-        },
-        Layout {
-            tp: Some(4),
-            sp: true,
-        },
+        Layout::new(None, false, 0),
+        Layout::new(Some(1), false, 0),
+        Layout::new(Some(2), false, 0),
+        Layout::new(Some(2), false, args.overlap),
+        Layout::new(Some(2), true, 0),
+        Layout::new(Some(2), true, args.overlap),
+        Layout::new(Some(4), false, 0),
+        Layout::new(Some(4), true, 0),
     ];
     let mut measured: Vec<Vec<Measured>> = (0..layouts.len()).map(|_| Vec::new()).collect();
     for round in 0..args.repeats {
@@ -155,7 +156,7 @@ fn main() {
     let message = (tokens * config.hidden_size * 4) as f64;
     let layers = config.num_hidden_layers as f64;
     println!(
-        "{:<20} {:>5} {:>8} {:>7} {:>10} {:>10} {:>7} {:>6} {:>10} {:>10} {:>10} {:>9}",
+        "{:<22} {:>5} {:>8} {:>7} {:>10} {:>10} {:>7} {:>6} {:>10} {:>10} {:>10} {:>9}",
         "layout",
         "ranks",
         "step s",
@@ -202,7 +203,7 @@ fn main() {
             ring_wire_mb_per_step: stats.ring_bytes(tp) / 1e6,
         };
         println!(
-            "{:<20} {:>5} {:>8.3} {:>6.2}x {:>10.1} {:>10.1} {:>6.2}x {:>6} {:>10.2} {:>10.2} {:>10.2} {:>9.2}",
+            "{:<22} {:>5} {:>8.3} {:>6.2}x {:>10.1} {:>10.1} {:>6.2}x {:>6} {:>10.2} {:>10.2} {:>10.2} {:>9.2}",
             row.name,
             row.ranks,
             row.step_s,
@@ -319,7 +320,9 @@ fn run(args: &Args, config: &LlamaConfig, data: &MarkovSource, layout: Layout) -
         return steps(args, data, model, 1, None).unwrap_or_else(|e| panic!("{e}"));
     };
     let mut results = launch(tp, |ctx| {
-        let group = TensorParallel::new(ctx.world().clone()).with_sequence_parallel(layout.sp);
+        let group = TensorParallel::new(ctx.world().clone())
+            .with_sequence_parallel(layout.sp)
+            .with_comm_overlap(layout.overlap);
         let model = TpLlama::from_full(Llama::<B>::init(config, 42, &device), config, &group)
             .map_err(TrainError::from)?;
         steps(args, data, model, tp, Some(ctx.world()))

@@ -11,7 +11,8 @@
 //!
 //! The backward of an op that enters a region is the forward of the one that leaves it with
 //! the weight transposed, and the other way round. The weight's gradient, `inputᵀ @ g`, needs
-//! no communication: it is computed while the input's gradient is still in flight.
+//! no collective of its own: for the entering ops it is computed while the input's gradient is
+//! in flight; for the sequence reduce-scatter it waits for the gathered `g`.
 
 use std::ops::Range;
 
@@ -122,14 +123,14 @@ pub(crate) fn forward<B: Backend, const D: usize>(
 ) -> Result<Tensor<B, D>, CommError> {
     check_shapes(&x.dims(), &w.dims(), comm, op)?;
     if enters(op, comm)? {
-        Ok(enter_matmul(x, w, comm, op, chunks, false)?.1)
+        Ok(entering_matmul(x, w, comm, op, chunks, false)?.1)
     } else {
-        start_matmul_exit(x, w, comm, op, chunks)?.finish()
+        start_leaving_matmul(x, w, comm, op, chunks)?.finish()
     }
 }
 
 /// `enter(x) @ w`, and, with `keep_input`, `enter(x)` itself (the weight's gradient needs it).
-fn enter_matmul<B: Backend, const D: usize>(
+fn entering_matmul<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     w: Tensor<B, 2>,
     comm: &Communicator,
@@ -214,7 +215,7 @@ impl<B: Backend, const D: usize> Leaving<B, D> {
 }
 
 /// Multiplies `x @ w` chunk by chunk and starts each chunk's collective as soon as it is made.
-fn start_matmul_exit<B: Backend, const D: usize>(
+fn start_leaving_matmul<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     w: Tensor<B, 2>,
     comm: &Communicator,
@@ -272,35 +273,32 @@ fn start_matmul_exit<B: Backend, const D: usize>(
     Ok(Leaving::Sequence(works, dim))
 }
 
-/// The gradients of the input (when `need_input`) and of the weight, from the output's
-/// gradient and what the forward kept: the matmul's input (`enter(x)` or `x`) and the weight.
+/// The input's gradient and the weight's, each where it is wanted.
+type Grads<B, const D: usize> = (Option<Tensor<B, D>>, Option<Tensor<B, 2>>);
+
+/// The gradients of the input (when `need_input`) and of the weight (when the forward kept
+/// the matmul's input, `enter(x)` or `x`, for it), from the output's gradient.
 fn backward<B: Backend, const D: usize>(
     grad: Tensor<B, D>,
-    input: Tensor<B, D>,
+    input: Option<Tensor<B, D>>,
     w: Tensor<B, 2>,
     comm: &Communicator,
     op: RegionOp,
     chunks: usize,
     need_input: bool,
-) -> Result<(Option<Tensor<B, D>>, Tensor<B, 2>), CommError> {
+) -> Result<Grads<B, D>, CommError> {
     let w_t = w.transpose();
     if enters(op, comm)? {
-        let leaving = match need_input {
-            true => Some(start_matmul_exit(
-                grad.clone(),
-                w_t,
-                comm,
-                op.adjoint(),
-                chunks,
-            )?),
-            false => None,
-        };
-        let grad_w = weight_grad(input, grad);
+        let leaving = need_input
+            .then(|| start_leaving_matmul(grad.clone(), w_t, comm, op.adjoint(), chunks))
+            .transpose()?;
+        let grad_w = input.map(|input| weight_grad(input, grad));
         Ok((leaving.map(Leaving::finish).transpose()?, grad_w))
     } else {
-        let (grad_full, grad_x) = enter_matmul(grad, w_t, comm, op.adjoint(), chunks, true)?;
-        let grad_full = grad_full.expect("kept on request");
-        Ok((need_input.then_some(grad_x), weight_grad(input, grad_full)))
+        let (grad_full, grad_x) =
+            entering_matmul(grad, w_t, comm, op.adjoint(), chunks, input.is_some())?;
+        let grad_w = input.zip(grad_full).map(|(input, g)| weight_grad(input, g));
+        Ok((need_input.then_some(grad_x), grad_w))
     }
 }
 
@@ -309,12 +307,13 @@ fn backward<B: Backend, const D: usize>(
 struct CollectiveMatmulBackward<const D: usize>;
 
 impl<B: Backend, const D: usize> Backward<B, 2> for CollectiveMatmulBackward<D> {
-    /// The group, the op, the chunk count, the matmul's input and the weight.
+    /// The group, the op, the chunk count, the matmul's input (kept when the weight needs a
+    /// gradient) and the weight.
     type State = (
         Communicator,
         RegionOp,
         usize,
-        FloatTensor<B>,
+        Option<FloatTensor<B>>,
         FloatTensor<B>,
     );
 
@@ -325,15 +324,22 @@ impl<B: Backend, const D: usize> Backward<B, 2> for CollectiveMatmulBackward<D> 
         let grad = float(grads.consume::<B>(&ops.node));
         let weight = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(weight));
         let need_input = x_node.is_some();
-        let (grad_x, grad_w) =
-            match backward(grad, float(input), weight, &comm, op, chunks, need_input) {
-                Ok(grads) => grads,
-                Err(error) => panic!("backward of the collective matmul ({op:?}) failed: {error}"),
-            };
+        let (grad_x, grad_w) = match backward(
+            grad,
+            input.map(float),
+            weight,
+            &comm,
+            op,
+            chunks,
+            need_input,
+        ) {
+            Ok(grads) => grads,
+            Err(error) => panic!("backward of the collective matmul ({op:?}) failed: {error}"),
+        };
         if let (Some(node), Some(grad_x)) = (x_node, grad_x) {
             grads.register::<B>(node.id, grad_x.into_primitive().tensor());
         }
-        if let Some(node) = w_node {
+        if let (Some(node), Some(grad_w)) = (w_node, grad_w) {
             grads.register::<B>(node.id, grad_w.into_primitive().tensor());
         }
     }
@@ -357,18 +363,19 @@ pub(crate) fn autodiff<B: Backend, C: CheckpointStrategy, const D: usize>(
         .stateful()
     {
         OpsKind::Tracked(prep) => {
+            // The matmul's input is kept only for the weight's gradient.
+            let keep_input = !w.node.requirement.is_none();
             let (input, y) = if enters(op, comm)? {
-                let (input, y) = enter_matmul(inner_x, inner_w.clone(), comm, op, chunks, true)?;
-                (input.expect("kept on request"), y)
+                entering_matmul(inner_x, inner_w.clone(), comm, op, chunks, keep_input)?
             } else {
-                let y = start_matmul_exit(inner_x.clone(), inner_w.clone(), comm, op, chunks)?;
-                (inner_x, y.finish()?)
+                let y = start_leaving_matmul(inner_x.clone(), inner_w.clone(), comm, op, chunks)?;
+                (keep_input.then_some(inner_x), y.finish()?)
             };
             let state = (
                 comm.clone(),
                 op,
                 chunks,
-                input.into_primitive().tensor(),
+                input.map(|input| input.into_primitive().tensor()),
                 inner_w.into_primitive().tensor(),
             );
             prep.finish(state, y.into_primitive().tensor())

@@ -293,9 +293,10 @@ pub fn reduce_scatter_to_sequence_parallel_region<B: CommBackend, const D: usize
 /// | `SequenceReduceScatter { dim }` | reduce-scatter of `x @ w` along `dim`, chunked | all-gather of `g`, `@ wᵀ`, chunked |
 ///
 /// The same result as the region op and the matmul one after the other, up to the rounding of
-/// a matmul cut into rows. `chunks` is clamped to the rows there are; with one chunk, the
-/// all-gather still overlaps the multiplication of this rank's own rows. `Scatter` and
-/// `Gather` are refused.
+/// a matmul cut into rows. `chunks` is clamped to 1 ..= the rows that are cut (`x`'s length
+/// along `dim` for the gather, a rank's block of it for the reduce-scatter, all rows for the
+/// all-reduce), so 0 runs fused in one chunk. With one chunk the all-gather still overlaps the
+/// multiplication of this rank's own rows. `Scatter` and `Gather` are refused.
 pub fn region_matmul<B: CommBackend, const D: usize>(
     x: Tensor<B, D>,
     w: Tensor<B, 2>,

@@ -36,8 +36,10 @@ fn add_bias<B: Backend, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1>) -> 
 /// `r * out/tp .. (r+1) * out/tp` of the weight (and of the bias).
 ///
 /// The input must be entered into the parallel region ([`TensorParallel::enter`]), which
-/// [`forward`](Self::forward) does; several column-parallel layers that share one input enter
-/// it once and call [`forward_entered`](Self::forward_entered).
+/// [`forward`](Self::forward) does; several column-parallel layers that share one input go
+/// through [`forward_many`](Self::forward_many), which enters it once (and keeps the overlap
+/// of communication when the group has it, where `enter` then
+/// [`forward_entered`](Self::forward_entered) would not).
 #[derive(Module, Debug)]
 pub struct ColumnParallelLinear<B: Backend> {
     /// This rank's columns, `[in, out / tp]`.
@@ -143,6 +145,12 @@ impl<B: CommBackend> ColumnParallelLinear<B> {
         let Some(tp) = layers.first().map(|layer| &layer.tp) else {
             return Ok(std::array::from_fn(|_| unreachable!("no layers")));
         };
+        debug_assert!(
+            layers
+                .iter()
+                .all(|layer| layer.tp.comm().group_name() == tp.comm().group_name()),
+            "forward_many takes layers of one tensor-parallel group"
+        );
         let outputs = if tp.comm_overlap() == 0 {
             let x = tp.enter(x)?;
             layers

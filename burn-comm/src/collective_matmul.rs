@@ -122,11 +122,26 @@ pub(crate) fn forward<B: Backend, const D: usize>(
     chunks: usize,
 ) -> Result<Tensor<B, D>, CommError> {
     check_shapes(&x.dims(), &w.dims(), comm, op)?;
+    Ok(forward_keeping(x, w, comm, op, chunks, false)?.1)
+}
+
+/// The fused op's output, and, with `keep_input`, the matmul's input (`enter(x)` or `x`).
+fn forward_keeping<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+    comm: &Communicator,
+    op: RegionOp,
+    chunks: usize,
+    keep_input: bool,
+) -> Result<(Option<Tensor<B, D>>, Tensor<B, D>), CommError> {
     if enters(op, comm)? {
-        Ok(entering_matmul(x, w, comm, op, chunks, false)?.1)
-    } else {
-        start_leaving_matmul(x, w, comm, op, chunks)?.finish()
+        return entering_matmul(x, w, comm, op, chunks, keep_input);
     }
+    let input = keep_input.then(|| x.clone());
+    Ok((
+        input,
+        start_leaving_matmul(x, w, comm, op, chunks)?.finish()?,
+    ))
 }
 
 /// `enter(x) @ w`, and, with `keep_input`, `enter(x)` itself (the weight's gradient needs it).
@@ -195,21 +210,12 @@ enum Leaving<B: Backend, const D: usize> {
 
 impl<B: Backend, const D: usize> Leaving<B, D> {
     fn finish(self) -> Result<Tensor<B, D>, CommError> {
+        fn wait_all<T>(works: Vec<Work<T>>) -> Result<Vec<T>, CommError> {
+            works.into_iter().map(Work::wait).collect()
+        }
         match self {
-            Leaving::Rows(works, shape) => {
-                let chunks = works
-                    .into_iter()
-                    .map(Work::wait)
-                    .collect::<Result<_, _>>()?;
-                Ok(Tensor::cat(chunks, 0).reshape(shape))
-            }
-            Leaving::Sequence(works, dim) => {
-                let chunks = works
-                    .into_iter()
-                    .map(Work::wait)
-                    .collect::<Result<_, _>>()?;
-                Ok(Tensor::cat(chunks, dim))
-            }
+            Leaving::Rows(works, shape) => Ok(Tensor::cat(wait_all(works)?, 0).reshape(shape)),
+            Leaving::Sequence(works, dim) => Ok(Tensor::cat(wait_all(works)?, dim)),
         }
     }
 }
@@ -365,12 +371,8 @@ pub(crate) fn autodiff<B: Backend, C: CheckpointStrategy, const D: usize>(
         OpsKind::Tracked(prep) => {
             // The matmul's input is kept only for the weight's gradient.
             let keep_input = !w.node.requirement.is_none();
-            let (input, y) = if enters(op, comm)? {
-                entering_matmul(inner_x, inner_w.clone(), comm, op, chunks, keep_input)?
-            } else {
-                let y = start_leaving_matmul(inner_x.clone(), inner_w.clone(), comm, op, chunks)?;
-                (keep_input.then_some(inner_x), y.finish()?)
-            };
+            let (input, y) =
+                forward_keeping(inner_x, inner_w.clone(), comm, op, chunks, keep_input)?;
             let state = (
                 comm.clone(),
                 op,
@@ -381,7 +383,7 @@ pub(crate) fn autodiff<B: Backend, C: CheckpointStrategy, const D: usize>(
             prep.finish(state, y.into_primitive().tensor())
         }
         OpsKind::UnTracked(prep) => {
-            let y = forward(inner_x, inner_w, comm, op, chunks)?;
+            let (_, y) = forward_keeping(inner_x, inner_w, comm, op, chunks, false)?;
             prep.finish(y.into_primitive().tensor())
         }
     };

@@ -5,7 +5,7 @@ mod common;
 
 use burn::backend::Autodiff;
 use burn::tensor::{DType, Tensor, TensorData, Tolerance};
-use burn_comm::parallel::{self, RegionOp, matmul};
+use burn_comm::parallel::{self, CommBackend, RegionOp, matmul};
 use burn_comm::{CommError, Communicator};
 use common::*;
 
@@ -19,6 +19,21 @@ const FUSED: [RegionOp; 4] = [
     RegionOp::SequenceGather { dim: 1 },
     RegionOp::SequenceReduceScatter { dim: 1 },
 ];
+
+/// The region op and the matmul one after the other: what the fused op must equal.
+fn unfused<Be: CommBackend, const D: usize>(
+    x: Tensor<Be, D>,
+    w: Tensor<Be, 2>,
+    comm: &Communicator,
+    op: RegionOp,
+) -> Result<Tensor<Be, D>, CommError> {
+    match op {
+        RegionOp::Copy | RegionOp::SequenceGather { .. } => {
+            Ok(matmul(Be::region_op(x, comm, op)?, w))
+        }
+        _ => Be::region_op(matmul(x, w), comm, op),
+    }
+}
 
 /// The output, and the gradients of `x` and `w` (those tracked), for the loss `sum(y * probe)`.
 type Outcome = (TensorData, Option<TensorData>, Option<TensorData>);
@@ -49,13 +64,8 @@ fn outcome(
     let w = if track[1] { w.require_grad() } else { w };
     let y = if chunks > 0 {
         parallel::region_matmul(x.clone(), w.clone(), comm, op, chunks)?
-    } else if matches!(op, RegionOp::Copy | RegionOp::SequenceGather { .. }) {
-        matmul(
-            parallel::CommBackend::region_op(x.clone(), comm, op)?,
-            w.clone(),
-        )
     } else {
-        parallel::CommBackend::region_op(matmul(x.clone(), w.clone()), comm, op)?
+        unfused(x.clone(), w.clone(), comm, op)?
     };
     let probe = Tensor::<AD, 3>::from_inner(random(seed + 2, y.dims(), DType::F32));
     let grads = (y.clone() * probe).sum().backward();
@@ -136,10 +146,7 @@ fn a_two_dimensional_input_splits_its_rows() {
         ] {
             let x = random::<2>(5 + ctx.rank() as u64, [rows, 6], DType::F32);
             let fused = parallel::region_matmul(x.clone(), w.clone(), comm, op, 2)?;
-            let unfused = match op {
-                RegionOp::SequenceGather { .. } => matmul(op.forward(x, comm)?, w.clone()),
-                _ => op.forward(matmul(x, w.clone()), comm)?,
-            };
+            let unfused = unfused(x, w.clone(), comm, op)?;
             pairs.push((fused.into_data(), unfused.into_data()));
         }
         Ok(pairs)
@@ -182,12 +189,7 @@ fn without_autodiff_the_forward_matches() {
         let mut pairs = Vec::new();
         for op in FUSED {
             let fused = parallel::region_matmul(x.clone(), w.clone(), comm, op, 3)?;
-            let unfused = match op {
-                RegionOp::Copy | RegionOp::SequenceGather { .. } => {
-                    matmul(op.forward(x.clone(), comm)?, w.clone())
-                }
-                _ => op.forward(matmul(x.clone(), w.clone()), comm)?,
-            };
+            let unfused = unfused(x.clone(), w.clone(), comm, op)?;
             pairs.push((fused.into_data(), unfused.into_data()));
         }
         Ok(pairs)

@@ -1,5 +1,6 @@
 //! What the benches share: a heap counter for memory figures, the activations a forward keeps,
-//! the median, the model preset of `--model`, token batches, and the JSON file of results.
+//! the median, the model preset of `--model`, token batches, the JSON file of results, and the
+//! device a kernel bench runs on.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -8,6 +9,7 @@ use llama::data::{Dataset, MarkovSource};
 use serde::Serialize;
 
 pub mod activations;
+pub mod kernel_device;
 pub mod memory;
 
 /// The preset named by `--model`; a bad name stops the bench with the choices.

@@ -179,13 +179,9 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Loader<B> {
     }
 }
 
-/// Joins flat tensors end to end.
+/// Joins flat tensors end to end: one kernel launch on a cubecl device ([`burn_kernels::pack`]).
 pub fn concat<B: Backend>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
-    if parts.len() == 1 {
-        parts.into_iter().next().unwrap()
-    } else {
-        Tensor::cat(parts, 0)
-    }
+    burn_kernels::pack(parts)
 }
 
 /// Cuts `flat` into consecutive pieces of the given lengths.

@@ -5,6 +5,7 @@
 pub mod adamw;
 pub mod backend;
 pub mod cross_entropy;
+pub mod pack;
 
 #[cfg(feature = "cubecl")]
 mod cube;
@@ -22,6 +23,7 @@ use on_cube;
 pub use adamw::{AdamWStep, FusedAdamW};
 pub use backend::{CrossEntropyStats, KernelBackend};
 pub use cross_entropy::{RowStats, row_stats, row_stats_backward};
+pub use pack::pack;
 
 use burn::tensor::backend::Backend;
 

@@ -7,8 +7,8 @@ cd "$(dirname "$0")/../.."
 bundle=gpu-bundle
 rm -rf "$bundle" && mkdir -p "$bundle"
 
-cargo build --release --features cuda -p llama -p benches --bin llama --bin adamw
-cp target/release/llama target/release/adamw "$bundle"/
+cargo build --release --features cuda -p llama -p benches --bin llama --bin adamw --bin pack
+cp target/release/llama target/release/adamw target/release/pack "$bundle"/
 
 # Test binaries of `cargo test --features cuda $@`, copied as $prefix-<test name>.
 bundle_tests() {

@@ -8,6 +8,7 @@
 #   llama-*.txt      the Llama example on CUDA: one device, and 2 ranks sharing the GPU, their
 #                    data moved through host memory (local transport) or by NCCL (*-nccl)
 #   adamw.txt        the fused AdamW kernel against burn's AdamW
+#   pack.txt         the pack kernel against burn's cat
 #   torch.json       PyTorch eager training the same model shape (when torch imports)
 #   summary.txt      tokens/s, peak GPU memory and MFU of each training run
 set -uo pipefail
@@ -88,6 +89,7 @@ for run in "${runs[@]}"; do
 done
 
 "$here/adamw" --device cuda --json "$out/adamw.json" 2>&1 | tee "$out/adamw.txt" || status=1
+"$here/pack" --device cuda --json "$out/pack.json" 2>&1 | tee "$out/pack.txt" || status=1
 
 if python3 -c "import torch" 2>/dev/null; then
     python3 "$here/torch_llama.py" --model "$model" --batch-size 16 --seq-len 256 --steps "$steps" \

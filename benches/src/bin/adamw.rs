@@ -8,27 +8,20 @@
 
 use std::time::Instant;
 
+use benches::kernel_device::{KernelBench, KernelDevice};
 use benches::{median, write_json};
-use burn::backend::Flex;
 use burn::optim::{AdamWConfig, AdamWState, SimpleOptimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use burn_kernels::FusedAdamW;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use serde::Serialize;
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Device {
-    Cpu,
-    Wgpu,
-    Cuda,
-}
 
 #[derive(Parser)]
 #[command(about = "Fused AdamW kernel against burn's AdamW, time per step")]
 struct Args {
     #[arg(long, value_enum, default_value = "cpu")]
-    device: Device,
+    device: KernelDevice,
     /// Shard sizes, in elements.
     #[arg(long, value_delimiter = ',', default_value = "65536,1048576,16777216")]
     elements: Vec<usize>,
@@ -122,32 +115,16 @@ fn bench<B: Backend>(name: &str, args: &Args) -> Vec<Row> {
     rows
 }
 
+impl KernelBench for Args {
+    type Output = Vec<Row>;
+
+    fn run<B: Backend>(&self, name: &str) -> Vec<Row> {
+        bench::<B>(name, self)
+    }
+}
+
 fn main() {
     let args = Args::parse();
-    let rows = match args.device {
-        Device::Cpu => bench::<Flex>("cpu", &args),
-        Device::Wgpu => wgpu(&args),
-        Device::Cuda => cuda(&args),
-    };
+    let rows = args.device.run(&args);
     write_json(&args.json, &rows);
-}
-
-#[cfg(feature = "wgpu")]
-fn wgpu(args: &Args) -> Vec<Row> {
-    bench::<burn::backend::Wgpu>("wgpu", args)
-}
-
-#[cfg(not(feature = "wgpu"))]
-fn wgpu(_: &Args) -> Vec<Row> {
-    panic!("this binary was built without wgpu; rebuild with `--features wgpu`")
-}
-
-#[cfg(feature = "cuda")]
-fn cuda(args: &Args) -> Vec<Row> {
-    bench::<burn::backend::Cuda>("cuda", args)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda(_: &Args) -> Vec<Row> {
-    panic!("this binary was built without CUDA; rebuild with `--features cuda`")
 }

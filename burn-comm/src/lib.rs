@@ -33,6 +33,8 @@ mod local;
 mod mesh;
 #[cfg(feature = "cuda")]
 mod nccl;
+#[cfg(feature = "cuda")]
+mod nccl_tensor;
 pub mod parallel;
 mod shared;
 mod stats;

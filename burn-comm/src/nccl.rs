@@ -11,23 +11,18 @@
 //! collective) aborts the NCCL communicator, as torch's watchdog does: the call and every
 //! later one on the group fail instead of hanging.
 
-use std::any::{Any, TypeId};
 use std::ffi::{CStr, c_void};
 use std::mem::MaybeUninit;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use burn::backend::Autodiff;
 use burn::backend::cuda::CudaDevice;
-use burn::tensor::backend::{AutodiffBackend, Backend, BackendTypes};
-use burn::tensor::{
-    BasicOps, DType, Int, Shape, Tensor, TensorMetadata, TensorPrimitive, bf16, f16,
-};
+use burn::tensor::backend::Backend;
+use burn::tensor::{BasicOps, DType, Int, Shape, Tensor, TensorMetadata};
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::cubecl::future::block_on;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{CubeBackend, FloatElement};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::{CUcontext, CUdevice, CUresult, CUstream, cuStreamQuery};
 use cudarc::nccl::sys::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t};
@@ -35,20 +30,16 @@ use cudarc::nccl::sys::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResul
 use crate::call::Op;
 use crate::communicator::Inner;
 use crate::local::{World, lock};
+use crate::nccl_tensor::{Cuda, from_cube, to_cube};
 use crate::store::Store;
 use crate::{CommError, Communicator, ProcessEnv, ReduceOp};
 
-/// burn's CUDA backend at float precision `F` (and its default int and bool types).
-type Cuda<F> = CubeBackend<CudaRuntime, F, i32, u8>;
-
-/// The float tensor of `Autodiff<Cuda<F>>` (whatever its checkpointing).
-type AutodiffFloat<F> = <Autodiff<Cuda<F>> as BackendTypes>::FloatTensorPrimitive;
-
 impl Communicator {
     /// This group on NCCL: a new handle on the same ranks, whose collectives run in the device
-    /// memory of burn's CUDA tensors (`Cuda`, or `Autodiff<Cuda>`) on `device`, instead of
-    /// through host memory. Like a collective, every rank of the group calls it, each with the
-    /// GPU it drives; two ranks may share one GPU when `NCCL_MULTI_RANK_GPU_ENABLE=1` is set.
+    /// memory of burn's CUDA tensors (`Cuda`, with or without fusion and `Autodiff`) on
+    /// `device`, instead of through host memory. Like a collective, every rank of the group
+    /// calls it, each with the GPU it drives; two ranks may share one GPU when
+    /// `NCCL_MULTI_RANK_GPU_ENABLE=1` is set.
     ///
     /// [`Communicator::split`] and the device mesh work on the new handle as on this one.
     /// `send` and `recv` do not yet: they are refused with an error.
@@ -405,7 +396,7 @@ impl Nccl {
         let (comm, stream) = (self.comm, self.stream as sys::cudaStream_t);
         match op {
             Op::AllReduce(reduce) => {
-                let input = to_cube(tensor)?;
+                let input = to_cube(tensor).map_err(Failure::Now)?;
                 let (dtype, count) = (reducible(input.dtype)?, input.shape().num_elements());
                 let out = self.launch(input, Shape::from(dims), |src, dst| unsafe {
                     sys::ncclAllReduce(src, dst, count, dtype, red_op(reduce), comm, stream)
@@ -414,7 +405,7 @@ impl Nccl {
             }
             Op::AllGather { dim } => {
                 // NCCL concatenates flat buffers: bring `dim` to the front and back again.
-                let input = to_cube(tensor.swap_dims(0, dim))?;
+                let input = to_cube(tensor.swap_dims(0, dim)).map_err(Failure::Now)?;
                 let bytes = byte_len(&input);
                 let mut out = input.shape();
                 out[0] *= size;
@@ -424,7 +415,7 @@ impl Nccl {
                 Ok(from_cube::<B, D, K>(out).swap_dims(0, dim))
             }
             Op::ReduceScatter { op: reduce, dim } => {
-                let input = to_cube(tensor.swap_dims(0, dim))?;
+                let input = to_cube(tensor.swap_dims(0, dim)).map_err(Failure::Now)?;
                 let dtype = reducible(input.dtype)?;
                 let mut out = input.shape();
                 out[0] /= size;
@@ -435,7 +426,7 @@ impl Nccl {
                 Ok(from_cube::<B, D, K>(out).swap_dims(0, dim))
             }
             Op::Broadcast { root } => {
-                let input = to_cube(tensor)?;
+                let input = to_cube(tensor).map_err(Failure::Now)?;
                 let bytes = byte_len(&input);
                 let out = self.launch(input, Shape::from(dims), |src, dst| unsafe {
                     sys::ncclBroadcast(
@@ -456,7 +447,7 @@ impl Nccl {
             } => {
                 // Part k of the input (along `split_dim`, brought to the front) goes to rank k;
                 // the part from rank k lands in block k of the output.
-                let input = to_cube(tensor.swap_dims(0, split_dim))?;
+                let input = to_cube(tensor.swap_dims(0, split_dim)).map_err(Failure::Now)?;
                 let (chunk, shape) = (byte_len(&input) / size, input.shape());
                 let out = self.launch(input, shape, |src, dst| unsafe {
                     let status = sys::ncclGroupStart();
@@ -689,82 +680,4 @@ fn reducible(dtype: DType) -> Result<ncclDataType_t, Failure> {
 
 fn byte_len(tensor: &CubeTensor<CudaRuntime>) -> usize {
     tensor.shape().num_elements() * tensor.dtype.size()
-}
-
-/// `value` as type `U`, or back as itself when it is not one.
-fn cast<T: 'static, U: 'static>(value: T) -> Result<U, T> {
-    let boxed: Box<dyn Any> = Box::new(value);
-    boxed.downcast::<U>().map(|u| *u).map_err(|back| {
-        *back
-            .downcast::<T>()
-            .expect("a box that is not a U holds the T it was made of")
-    })
-}
-
-fn is<T: 'static, U: 'static>() -> bool {
-    TypeId::of::<T>() == TypeId::of::<U>()
-}
-
-/// The CUDA tensor behind a tensor of burn's CUDA backend, with or without autodiff (whose
-/// graph a collective does not extend: the result is a new leaf, as on the local transport).
-fn to_cube<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
-    tensor: Tensor<B, D, K>,
-) -> Result<CubeTensor<CudaRuntime>, Failure> {
-    let unsupported = || {
-        Failure::Now(format!(
-            "the NCCL transport moves tensors of burn's CUDA backend (Cuda, or Autodiff<Cuda>), not {}; use the local transport for other backends",
-            std::any::type_name::<B>()
-        ))
-    };
-    let primitive = match cast::<K::Primitive, CubeTensor<CudaRuntime>>(tensor.into_primitive()) {
-        Ok(cube) => return Ok(cube),
-        Err(other) => other,
-    };
-    match cast::<K::Primitive, TensorPrimitive<B>>(primitive) {
-        Ok(TensorPrimitive::Float(float)) => float_to_cube::<B>(float).ok_or_else(unsupported),
-        Ok(TensorPrimitive::QFloat(_)) => Err(Failure::Now(
-            "quantized tensors cannot be communicated; dequantize them first".into(),
-        )),
-        Err(_) => Err(unsupported()),
-    }
-}
-
-fn float_to_cube<B: Backend>(float: B::FloatTensorPrimitive) -> Option<CubeTensor<CudaRuntime>> {
-    fn inner<P: 'static, F: FloatElement>(p: P) -> Result<CubeTensor<CudaRuntime>, P> {
-        cast::<P, AutodiffFloat<F>>(p).map(<Autodiff<Cuda<F>> as AutodiffBackend>::inner)
-    }
-    cast::<_, CubeTensor<CudaRuntime>>(float)
-        .or_else(inner::<_, f32>)
-        .or_else(inner::<_, f16>)
-        .or_else(inner::<_, bf16>)
-        .ok()
-}
-
-/// The tensor of `B` and kind `K` holding `cube`; `B` is one [`to_cube`] accepted.
-fn from_cube<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
-    cube: CubeTensor<CudaRuntime>,
-) -> Tensor<B, D, K> {
-    let primitive = if is::<K::Primitive, CubeTensor<CudaRuntime>>() {
-        cast::<_, K::Primitive>(cube).ok()
-    } else {
-        let float = TensorPrimitive::<B>::Float(float_from_cube::<B>(cube));
-        cast::<_, K::Primitive>(float).ok()
-    };
-    Tensor::from_primitive(primitive.expect("to_cube accepted this backend and kind"))
-}
-
-fn float_from_cube<B: Backend>(cube: CubeTensor<CudaRuntime>) -> B::FloatTensorPrimitive {
-    fn leaf<F: FloatElement>(cube: CubeTensor<CudaRuntime>) -> Box<dyn Any> {
-        Box::new(<Autodiff<Cuda<F>> as AutodiffBackend>::from_inner(cube))
-    }
-    let float: Box<dyn Any> = match TypeId::of::<B::FloatTensorPrimitive>() {
-        t if t == TypeId::of::<CubeTensor<CudaRuntime>>() => Box::new(cube),
-        t if t == TypeId::of::<AutodiffFloat<f32>>() => leaf::<f32>(cube),
-        t if t == TypeId::of::<AutodiffFloat<f16>>() => leaf::<f16>(cube),
-        t if t == TypeId::of::<AutodiffFloat<bf16>>() => leaf::<bf16>(cube),
-        _ => unreachable!("to_cube accepted this backend"),
-    };
-    *float
-        .downcast()
-        .expect("the primitive of the type just matched")
 }

@@ -184,6 +184,64 @@ fn autodiff_tensors_and_async_calls_work() {
 }
 
 #[test]
+fn fusion_tensors_work() {
+    use burn_cubecl::CubeBackend;
+    use burn_cubecl::cubecl::cuda::CudaRuntime;
+    /// burn's `Cuda` as a build with burn's `fusion` feature names it.
+    type F = burn_fusion::Fusion<CubeBackend<CudaRuntime, f32, i32, u8>>;
+    on_nccl(2, MINUTE, |ctx, nccl| {
+        let (rank, local) = (ctx.rank(), ctx.world());
+        let x = whole::<2>(rank as u64, [4, 6]);
+        // Fused work still queued for the input runs before NCCL reads it, and the result
+        // feeds more fused work.
+        let fused = Tensor::<F, 2>::from_data(x.to_data(), &device())
+            .mul_scalar(2.0)
+            .add_scalar(1.0);
+        let reduced = nccl
+            .all_reduce(fused.clone(), ReduceOp::Sum)?
+            .mul_scalar(0.5);
+        let expected = local
+            .all_reduce(x.clone().mul_scalar(2.0).add_scalar(1.0), ReduceOp::Sum)?
+            .mul_scalar(0.5);
+        assert_bits_eq(
+            &reduced.into_data(),
+            &expected.into_data(),
+            "fused all_reduce",
+        );
+        assert_bits_eq(
+            &nccl.all_gather(fused.clone(), 1)?.into_data(),
+            &local
+                .all_gather(x.clone().mul_scalar(2.0).add_scalar(1.0), 1)?
+                .into_data(),
+            "fused all_gather",
+        );
+        let ints = Tensor::<F, 1, Int>::arange(0..12, &device()).mul_scalar(rank as i64 + 1);
+        let local_ints = Tensor::<G, 1, Int>::arange(0..12, &device()).mul_scalar(rank as i64 + 1);
+        assert_bits_eq(
+            &nccl.all_reduce(ints.clone(), ReduceOp::Sum)?.into_data(),
+            &local
+                .all_reduce(local_ints.clone(), ReduceOp::Sum)?
+                .into_data(),
+            "fused ints",
+        );
+        assert_bits_eq(
+            &nccl.broadcast(ints.greater_elem(5), 1)?.into_data(),
+            &local.broadcast(local_ints.greater_elem(5), 1)?.into_data(),
+            "fused bools",
+        );
+        let tracked = Tensor::<Autodiff<F>, 2>::from_inner(fused).require_grad();
+        assert_bits_eq(
+            &nccl.all_gather(tracked, 0)?.inner().into_data(),
+            &local
+                .all_gather(x.mul_scalar(2.0).add_scalar(1.0), 0)?
+                .into_data(),
+            "autodiff over fusion",
+        );
+        Ok(())
+    });
+}
+
+#[test]
 fn collective_matmuls_overlap_on_the_nccl_stream() {
     use burn_comm::parallel::{RegionOp, region_matmul};
     type A = Autodiff<G>;

@@ -218,6 +218,20 @@ pub(crate) struct Nccl {
 unsafe impl Send for Nccl {}
 unsafe impl Sync for Nccl {}
 
+/// A CUDA or NCCL handle handed to the start-up thread.
+struct Shared<T>(T);
+
+// SAFETY: CUDA contexts and NCCL communicators may be used from any thread; the sender leaves
+// the handle alone until the start-up thread is done with it.
+unsafe impl<T> Send for Shared<T> {}
+
+impl<T: Copy> Shared<T> {
+    /// The handle (a method, so that a closure takes the whole `Shared`, not its field).
+    fn get(&self) -> T {
+        self.0
+    }
+}
+
 /// A fresh NCCL unique id (rank 0 makes it; every rank of the new communicator needs it).
 pub(crate) fn unique_id() -> Result<[u8; 128], String> {
     check_libraries()?;
@@ -276,7 +290,7 @@ impl Nccl {
         let id = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
-        Self::create(device, cu_device, timeout, |comm| {
+        Self::create(device, cu_device, timeout, move |comm| {
             // SAFETY: the context is current; NCCL writes `comm` on success.
             let joined = unsafe { sys::ncclCommInitRank(comm, size as i32, id, rank as i32) };
             match joined {
@@ -295,10 +309,12 @@ impl Nccl {
         self.usable()?;
         let color = i32::try_from(color)
             .map_err(|_| Failure::Now(format!("colour {color} does not fit NCCL's int")))?;
-        Self::create(&self.device, self.cu_device, self.timeout, |comm| {
-            // SAFETY: a live communicator; a null config inherits the parent's.
+        let parent = Shared(self.comm);
+        Self::create(&self.device, self.cu_device, self.timeout, move |comm| {
+            // SAFETY: a live communicator, which its caller leaves alone until this returns; a
+            // null config inherits the parent's.
             let split = unsafe {
-                sys::ncclCommSplit(self.comm, color, key as i32, comm, std::ptr::null_mut())
+                sys::ncclCommSplit(parent.get(), color, key as i32, comm, std::ptr::null_mut())
             };
             match split {
                 ncclResult_t::ncclSuccess => Ok(()),
@@ -311,11 +327,15 @@ impl Nccl {
     /// A communicator on `device` with its own stream, in the primary context (burn's CUDA
     /// runtime works there, so must NCCL), made by `make` once the context is current; what was
     /// acquired is released when any step fails.
+    ///
+    /// NCCL's start-up returns only once every rank has joined, so `make` runs on a thread of its
+    /// own: a rank that never joins costs this call a timeout error, not a hang. The stuck
+    /// start-up keeps its thread, stream and context (NCCL may still use them).
     fn create(
         device: &CudaDevice,
         cu_device: CUdevice,
         timeout: Duration,
-        make: impl FnOnce(*mut ncclComm_t) -> Result<(), String>,
+        make: impl FnOnce(*mut ncclComm_t) -> Result<(), String> + Send + 'static,
     ) -> Result<Self, String> {
         let cuda = |e: cudarc::driver::DriverError| format!("CUDA on {device:?}: {e:?}");
         // SAFETY: `cu_device` is a device the driver handed out; each retain is released by
@@ -332,16 +352,43 @@ impl Nccl {
                 release();
                 cuda(e)
             })?;
-        let mut comm = MaybeUninit::uninit();
-        if let Err(reason) = make(comm.as_mut_ptr()) {
-            // SAFETY: created above and used by nothing else.
-            let _ = unsafe { cu::stream::destroy(stream) };
-            release();
-            return Err(reason);
-        }
+        let (done, outcome) = std::sync::mpsc::channel();
+        let current = Shared(context);
+        let started = std::thread::Builder::new()
+            .name("nccl-start-up".into())
+            .spawn(move || {
+                // SAFETY: the context stays retained while this thread may use it.
+                let made = unsafe { cu::ctx::set_current(current.get()) }
+                    .map_err(|e| format!("cuCtxSetCurrent: {e:?}"))
+                    .and_then(|()| {
+                        let mut comm = MaybeUninit::uninit();
+                        // SAFETY: `make` succeeded, so NCCL initialised it.
+                        make(comm.as_mut_ptr()).map(|()| Shared(unsafe { comm.assume_init() }))
+                    });
+                let _ = done.send(made);
+            });
+        let made = match started {
+            Ok(_) => outcome.recv_timeout(timeout),
+            Err(e) => Ok(Err(format!(
+                "could not start a thread for NCCL's start-up: {e}"
+            ))),
+        };
+        let comm = match made {
+            Ok(Ok(comm)) => comm.get(),
+            Ok(Err(reason)) => {
+                // SAFETY: created above and used by nothing else.
+                let _ = unsafe { cu::stream::destroy(stream) };
+                release();
+                return Err(reason);
+            }
+            Err(_) => {
+                return Err(format!(
+                    "NCCL's start-up did not finish within {timeout:?}: a rank of the group did not join (it failed, is stuck, or called something else)"
+                ));
+            }
+        };
         Ok(Self {
-            // SAFETY: `make` succeeded, so NCCL initialised it.
-            comm: unsafe { comm.assume_init() },
+            comm,
             stream,
             device: device.clone(),
             cu_device,

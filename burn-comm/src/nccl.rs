@@ -14,6 +14,7 @@
 use std::ffi::{CStr, c_void};
 use std::mem::MaybeUninit;
 use std::sync::Mutex;
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use burn::backend::cuda::CudaDevice;
@@ -218,12 +219,14 @@ pub(crate) struct Nccl {
 unsafe impl Send for Nccl {}
 unsafe impl Sync for Nccl {}
 
-/// A CUDA or NCCL handle handed to the start-up thread.
+/// A CUDA context or NCCL communicator handed between the start-up thread and its caller.
 struct Shared<T>(T);
 
-// SAFETY: CUDA contexts and NCCL communicators may be used from any thread; the sender leaves
-// the handle alone until the start-up thread is done with it.
-unsafe impl<T> Send for Shared<T> {}
+// SAFETY: CUDA contexts and NCCL communicators may be used from any thread; each is used by
+// one thread at a time (the start-up thread, then whoever receives it).
+unsafe impl Send for Shared<CUcontext> {}
+// SAFETY: as above.
+unsafe impl Send for Shared<ncclComm_t> {}
 
 impl<T: Copy> Shared<T> {
     /// The handle (a method, so that a closure takes the whole `Shared`, not its field).
@@ -290,7 +293,7 @@ impl Nccl {
         let id = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
-        Self::create(device, cu_device, timeout, move |comm| {
+        let join = move |comm: *mut ncclComm_t| {
             // SAFETY: the context is current; NCCL writes `comm` on success.
             let joined = unsafe { sys::ncclCommInitRank(comm, size as i32, id, rank as i32) };
             match joined {
@@ -300,6 +303,9 @@ impl Nccl {
                     describe(joined)
                 )),
             }
+        };
+        Self::create(device, cu_device, timeout, |context| {
+            start_up_timed(context, cu_device, timeout, join)
         })
     }
 
@@ -309,33 +315,41 @@ impl Nccl {
         self.usable()?;
         let color = i32::try_from(color)
             .map_err(|_| Failure::Now(format!("colour {color} does not fit NCCL's int")))?;
-        let parent = Shared(self.comm);
-        Self::create(&self.device, self.cu_device, self.timeout, move |comm| {
-            // SAFETY: a live communicator, which its caller leaves alone until this returns; a
-            // null config inherits the parent's.
+        // Not timed as a start-up is: a thread left inside `ncclCommSplit` would still use the
+        // parent, which this rank goes on using. The ranks have just met in an all-gather.
+        Self::create(&self.device, self.cu_device, self.timeout, |_| {
+            let mut comm = MaybeUninit::uninit();
+            // SAFETY: a live communicator; a null config inherits the parent's.
             let split = unsafe {
-                sys::ncclCommSplit(parent.get(), color, key as i32, comm, std::ptr::null_mut())
+                sys::ncclCommSplit(
+                    self.comm,
+                    color,
+                    key as i32,
+                    comm.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
             };
             match split {
-                ncclResult_t::ncclSuccess => Ok(()),
-                _ => Err(format!("ncclCommSplit: {}", describe(split))),
+                // SAFETY: NCCL initialised it.
+                ncclResult_t::ncclSuccess => Ok(unsafe { comm.assume_init() }),
+                _ => Err(StartUp::Failed(format!(
+                    "ncclCommSplit: {}",
+                    describe(split)
+                ))),
             }
         })
         .map_err(Failure::Now)
     }
 
     /// A communicator on `device` with its own stream, in the primary context (burn's CUDA
-    /// runtime works there, so must NCCL), made by `make` once the context is current; what was
-    /// acquired is released when any step fails.
-    ///
-    /// NCCL's start-up returns only once every rank has joined, so `make` runs on a thread of its
-    /// own: a rank that never joins costs this call a timeout error, not a hang. The stuck
-    /// start-up keeps its thread, stream and context (NCCL may still use them).
+    /// runtime works there, so must NCCL), made by `start` once the context is current; what was
+    /// acquired is released when any step fails (but a start-up that timed out keeps its
+    /// context: see [`start_up_timed`]).
     fn create(
         device: &CudaDevice,
         cu_device: CUdevice,
         timeout: Duration,
-        make: impl FnOnce(*mut ncclComm_t) -> Result<(), String> + Send + 'static,
+        start: impl FnOnce(CUcontext) -> Result<ncclComm_t, StartUp>,
     ) -> Result<Self, String> {
         let cuda = |e: cudarc::driver::DriverError| format!("CUDA on {device:?}: {e:?}");
         // SAFETY: `cu_device` is a device the driver handed out; each retain is released by
@@ -346,45 +360,25 @@ impl Nccl {
             let _ = unsafe { cu::primary_ctx::release(cu_device) };
         };
         // SAFETY: the context was just retained.
-        let stream = unsafe { cu::ctx::set_current(context) }
-            .and_then(|()| cu::stream::create(cu::stream::StreamKind::NonBlocking))
-            .map_err(|e| {
-                release();
-                cuda(e)
-            })?;
-        let (done, outcome) = std::sync::mpsc::channel();
-        let current = Shared(context);
-        let started = std::thread::Builder::new()
-            .name("nccl-start-up".into())
-            .spawn(move || {
-                // SAFETY: the context stays retained while this thread may use it.
-                let made = unsafe { cu::ctx::set_current(current.get()) }
-                    .map_err(|e| format!("cuCtxSetCurrent: {e:?}"))
-                    .and_then(|()| {
-                        let mut comm = MaybeUninit::uninit();
-                        // SAFETY: `make` succeeded, so NCCL initialised it.
-                        make(comm.as_mut_ptr()).map(|()| Shared(unsafe { comm.assume_init() }))
-                    });
-                let _ = done.send(made);
-            });
-        let made = match started {
-            Ok(_) => outcome.recv_timeout(timeout),
-            Err(e) => Ok(Err(format!(
-                "could not start a thread for NCCL's start-up: {e}"
-            ))),
-        };
-        let comm = match made {
-            Ok(Ok(comm)) => comm.get(),
-            Ok(Err(reason)) => {
-                // SAFETY: created above and used by nothing else.
-                let _ = unsafe { cu::stream::destroy(stream) };
+        if let Err(e) = unsafe { cu::ctx::set_current(context) } {
+            release();
+            return Err(cuda(e));
+        }
+        let comm = match start(context) {
+            Ok(comm) => comm,
+            Err(StartUp::Failed(reason)) => {
                 release();
                 return Err(reason);
             }
-            Err(_) => {
-                return Err(format!(
-                    "NCCL's start-up did not finish within {timeout:?}: a rank of the group did not join (it failed, is stuck, or called something else)"
-                ));
+            Err(StartUp::Abandoned(reason)) => return Err(reason),
+        };
+        let stream = match cu::stream::create(cu::stream::StreamKind::NonBlocking) {
+            Ok(stream) => stream,
+            Err(e) => {
+                // SAFETY: made above and used by nothing else.
+                unsafe { sys::ncclCommDestroy(comm) };
+                release();
+                return Err(cuda(e));
             }
         };
         Ok(Self {
@@ -677,6 +671,67 @@ impl Nccl {
             *aborted = Some(reason.clone());
         }
         reason
+    }
+}
+
+/// Why a communicator was not made.
+enum StartUp {
+    /// It failed; its caller releases the context.
+    Failed(String),
+    /// It did not finish in time; the start-up thread still holds the context and releases it.
+    Abandoned(String),
+}
+
+/// Runs NCCL's start-up `make` on a thread of its own and waits for it at most `timeout`: it
+/// returns only once every rank has joined, so a rank that never joins costs an error, not a
+/// hang. A start-up that finishes after its caller gave up aborts the communicator it made and
+/// releases the context (`cu_device`'s primary context, retained by the caller).
+fn start_up_timed(
+    context: CUcontext,
+    cu_device: CUdevice,
+    timeout: Duration,
+    make: impl FnOnce(*mut ncclComm_t) -> Result<(), String> + Send + 'static,
+) -> Result<ncclComm_t, StartUp> {
+    let (done, outcome) = std::sync::mpsc::channel();
+    let current = Shared(context);
+    let started = std::thread::Builder::new()
+        .name("nccl-start-up".into())
+        .spawn(move || {
+            // SAFETY: the context stays retained while this thread may use it.
+            let made = unsafe { cu::ctx::set_current(current.get()) }
+                .map_err(|e| format!("cuCtxSetCurrent: {e:?}"))
+                .and_then(|()| {
+                    let mut comm = MaybeUninit::uninit();
+                    // SAFETY: NCCL initialised it when `make` succeeded.
+                    make(comm.as_mut_ptr()).map(|()| Shared(unsafe { comm.assume_init() }))
+                });
+            if let Err(std::sync::mpsc::SendError(late)) = done.send(made) {
+                // SAFETY: nobody else holds this communicator or this retain any more.
+                unsafe {
+                    if let Ok(comm) = late {
+                        sys::ncclCommAbort(comm.get());
+                    }
+                    let _ = cu::primary_ctx::release(cu_device);
+                }
+            }
+        })
+        .map_err(|e| StartUp::Failed(format!("could not start NCCL's start-up thread: {e}")))?;
+    match outcome.recv_timeout(timeout) {
+        Ok(made) => made.map(|comm| comm.get()).map_err(StartUp::Failed),
+        Err(RecvTimeoutError::Timeout) => {
+            if let Ok(made) = outcome.try_recv() {
+                return made.map(|comm| comm.get()).map_err(StartUp::Failed);
+            }
+            // Dropping the receiver tells the thread to clean up whenever it finishes.
+            drop(outcome);
+            Err(StartUp::Abandoned(format!(
+                "NCCL's start-up did not finish within {timeout:?}: a rank of the group did not join (it failed, is stuck, or called something else)"
+            )))
+        }
+        Err(RecvTimeoutError::Disconnected) => {
+            let _ = started.join();
+            Err(StartUp::Failed("NCCL's start-up thread panicked".into()))
+        }
     }
 }
 

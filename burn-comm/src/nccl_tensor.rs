@@ -1,5 +1,6 @@
 //! Which burn tensors the NCCL transport moves, and the CUDA tensor behind each: burn's CUDA
-//! backend at any float precision, with or without burn's fusion, with or without autodiff.
+//! backend, with or without burn's fusion, at any float precision, and under autodiff at f32,
+//! f16 or bf16 with burn's default int (i32) and bool (u8) types.
 //! Recognised by the primitive's type, so the collectives keep their `Backend` bound.
 //!
 //! A fusion tensor is resolved first, which runs the fused work still queued for it; the result

@@ -179,7 +179,8 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Loader<B> {
     }
 }
 
-/// Joins flat tensors end to end: one kernel launch on a cubecl device ([`burn_kernels::pack`]).
+/// Joins flat tensors end to end: [`burn_kernels::pack`], one launch per 32 parts on burn's
+/// CUDA backend (when the build has burn-kernels' `cuda` feature), `cat` elsewhere.
 pub fn concat<B: Backend>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
     burn_kernels::pack(parts)
 }

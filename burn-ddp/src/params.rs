@@ -180,7 +180,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Loader<B> {
 }
 
 /// Joins flat tensors end to end: [`burn_kernels::pack`], one launch per 32 parts on burn's
-/// CUDA backend (when the build has burn-kernels' `cuda` feature), `cat` elsewhere.
+/// CUDA backend (feature `cuda`), `cat` elsewhere.
 pub fn concat<B: Backend>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
     burn_kernels::pack(parts)
 }

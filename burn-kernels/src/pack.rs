@@ -108,13 +108,13 @@ mod kernel {
 
     pub(super) fn pack<B: Backend, R: CubeRuntime>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
         let dtype = parts[0].dtype();
+        if matches!(dtype, DType::QFloat(_)) {
+            return fallback_pack(parts);
+        }
         let parts: Vec<CubeTensor<R>> = parts
             .into_iter()
             .map(|p| into_contiguous(into_cube::<B, R, 1>(p)))
             .collect();
-        if matches!(dtype, DType::QFloat(_)) {
-            return fallback_pack(parts.into_iter().map(from_cube::<B, R, 1>).collect());
-        }
         let client = parts[0].client.clone();
         let total = parts.iter().map(|p| p.meta.shape()[0]).sum::<usize>();
         let output = empty_device_dtype(

@@ -80,23 +80,6 @@ pub struct Communicator {
     inline: bool,
 }
 
-impl Inner {
-    /// Send and recv are buffered here; NCCL's wait for their peer, so a schedule written for
-    /// buffered messages (the pipeline's) could deadlock on them. Refused until that is solved.
-    fn refuse_point_to_point(&self, op: &str) -> Result<(), CommError> {
-        #[cfg(feature = "cuda")]
-        if self.nccl.is_some() {
-            return Err(CommError::InvalidArgument {
-                op: op.to_string(),
-                group: self.group.name().to_string(),
-                reason: "send and recv are not available on the NCCL transport yet (NCCL's wait for their peer, these are buffered); run pipeline stages on the local transport".to_string(),
-            });
-        }
-        let _ = op;
-        Ok(())
-    }
-}
-
 impl fmt::Debug for Communicator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Communicator")
@@ -701,6 +684,11 @@ impl Communicator {
 
     /// Sends `tensor` to group rank `dst`. The message is buffered, so this never waits for
     /// the receiver; messages between two ranks arrive in the order they were sent.
+    ///
+    /// On NCCL the send returns once the tensor is complete on the device and queued for the
+    /// pair's sending thread, which delivers it in the background: a delivery that failed (not
+    /// received within the timeout) is reported by a later send to the same rank, if any.
+    /// Where ranks are processes, dropping the communicator waits for the deliveries queued.
     pub fn send<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         &self,
         tensor: Tensor<B, D, K>,
@@ -725,7 +713,11 @@ impl Communicator {
         }
         self.submit(op.clone(), move |inner, _| {
             checked?;
-            inner.refuse_point_to_point(&op)?;
+            #[cfg(feature = "cuda")]
+            if let Some(nccl) = &inner.nccl {
+                return crate::nccl_p2p::send(inner, nccl, dst, tensor)
+                    .map_err(|failure| inner.nccl_error(&op, failure));
+            }
             inner.group.send(inner.rank, dst, tensor.into_data())
         })
     }
@@ -750,12 +742,15 @@ impl Communicator {
     ) -> Work<Tensor<B, D, K>> {
         let options = options.into();
         let dtype = options.dtype_or(<K::Elem as Element>::dtype());
-        let device = options.device;
         let op = format!("recv(from {src}) of {dtype:?} {shape:?}");
         let checked = self.check_peer(&op, src);
         self.submit(op.clone(), move |inner, _| {
             checked?;
-            inner.refuse_point_to_point(&op)?;
+            #[cfg(feature = "cuda")]
+            if let Some(nccl) = &inner.nccl {
+                return crate::nccl_p2p::recv(inner, nccl, src, shape, options, &op);
+            }
+            let device = options.device;
             let data = inner.group.recv(inner.rank, src, &op)?;
             if data.dtype != dtype || data.shape.as_slice() != shape {
                 return Err(CommError::Mismatch {

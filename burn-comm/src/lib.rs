@@ -34,7 +34,11 @@ mod mesh;
 #[cfg(feature = "cuda")]
 mod nccl;
 #[cfg(feature = "cuda")]
+mod nccl_p2p;
+#[cfg(feature = "cuda")]
 mod nccl_tensor;
+#[cfg(any(feature = "cuda", test))]
+mod pair_ids;
 pub mod parallel;
 mod shared;
 mod stats;

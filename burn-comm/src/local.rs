@@ -44,10 +44,37 @@ pub(crate) struct World {
     /// Communication jobs queued or running, per rank.
     pending: Mutex<Vec<usize>>,
     drained: Condvar,
+    /// Where NCCL's point-to-point pairs hand their ids over.
+    #[cfg(feature = "cuda")]
+    pair_ids: crate::pair_ids::PairIds,
 }
 
 impl World {
+    /// The world of `size` ranks that are threads of this process.
     pub fn new(size: usize, timeout: Duration) -> Arc<Self> {
+        Self::build(
+            size,
+            timeout,
+            #[cfg(feature = "cuda")]
+            crate::pair_ids::PairIds::threads(),
+        )
+    }
+
+    /// This process's view of a world whose ranks are processes, meeting in the job's store.
+    #[cfg(feature = "cuda")]
+    pub fn of_processes(size: usize, timeout: Duration, store: &str) -> Arc<Self> {
+        Self::build(
+            size,
+            timeout,
+            crate::pair_ids::PairIds::processes(store, timeout),
+        )
+    }
+
+    fn build(
+        size: usize,
+        timeout: Duration,
+        #[cfg(feature = "cuda")] pair_ids: crate::pair_ids::PairIds,
+    ) -> Arc<Self> {
         Arc::new(Self {
             timeout,
             status: Mutex::new(vec![RankStatus::Running; size]),
@@ -56,7 +83,14 @@ impl World {
             next_group_id: AtomicU64::new(0),
             pending: Mutex::new(vec![0; size]),
             drained: Condvar::new(),
+            #[cfg(feature = "cuda")]
+            pair_ids,
         })
+    }
+
+    #[cfg(feature = "cuda")]
+    pub fn pair_ids(&self) -> &crate::pair_ids::PairIds {
+        &self.pair_ids
     }
 
     /// How long a rank waits for its peers in one call (the NCCL watchdog's limit too).

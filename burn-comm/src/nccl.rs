@@ -14,6 +14,7 @@
 use std::ffi::{CStr, c_void};
 use std::mem::MaybeUninit;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
@@ -31,6 +32,7 @@ use cudarc::nccl::sys::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResul
 use crate::call::Op;
 use crate::communicator::Inner;
 use crate::local::{World, lock};
+use crate::nccl_p2p::Peers;
 use crate::nccl_tensor::{Cuda, from_cube, to_cube};
 use crate::store::Store;
 use crate::{CommError, Communicator, ProcessEnv, ReduceOp};
@@ -42,8 +44,8 @@ impl Communicator {
     /// calls it, each with the GPU it drives; two ranks may share one GPU when
     /// `NCCL_MULTI_RANK_GPU_ENABLE=1` is set.
     ///
-    /// [`Communicator::split`] and the device mesh work on the new handle as on this one.
-    /// `send` and `recv` do not yet: they are refused with an error.
+    /// [`Communicator::split`] and the device mesh work on the new handle as on this one, and
+    /// so do `send` and `recv` (see the `nccl_p2p` module for how they stay buffered).
     pub fn nccl(&self, device: &CudaDevice) -> Result<Communicator, CommError> {
         if self.is_nccl() {
             return Ok(self.clone());
@@ -97,7 +99,8 @@ impl Communicator {
     /// torchrun) starts them: rank 0 makes NCCL's id and hands it out through the job's
     /// `store` (see [`ProcessEnv::rendezvous`]). Every process calls it once, with the GPU it
     /// drives (usually `CudaDevice::new(env.local_rank)`). Calls time out after the store's
-    /// timeout.
+    /// timeout. `send`/`recv` hand their pairs' ids over in the store, so it must be served
+    /// (the `Rendezvous` kept) until the job's last send.
     pub fn nccl_world(
         env: &ProcessEnv,
         store: &mut Store,
@@ -148,7 +151,8 @@ impl Communicator {
         };
         let timeout = store.timeout();
         let nccl = Nccl::init(device, id, env.rank, env.world_size, timeout).map_err(failed)?;
-        let world = World::new(env.world_size, timeout);
+        // Point-to-point pairs hand their ids over in the store, so it must outlive the job.
+        let world = World::of_processes(env.world_size, timeout, store.addr());
         let group = world.new_group("world".to_string(), (0..env.world_size).collect());
         Ok(Communicator::spawn(group, env.rank, Some(nccl)))
     }
@@ -202,6 +206,13 @@ pub(crate) enum Failure {
     Earlier(String),
 }
 
+impl From<Failure> for String {
+    fn from(failure: Failure) -> Self {
+        let (Failure::Now(reason) | Failure::Earlier(reason)) = failure;
+        reason
+    }
+}
+
 /// One rank's NCCL communicator, with the CUDA stream its calls run on.
 pub(crate) struct Nccl {
     comm: ncclComm_t,
@@ -212,6 +223,12 @@ pub(crate) struct Nccl {
     timeout: Duration,
     /// Why the communicator was aborted, once it has been.
     aborted: Mutex<Option<String>>,
+    /// Names this communicator alike on all its ranks (point-to-point pairs are keyed by it).
+    key: String,
+    /// Splits made of it so far: numbers its children's keys.
+    splits: AtomicU64,
+    /// The pairs its sends and receives run on.
+    pub(crate) peers: Peers,
 }
 
 // SAFETY: the handles are plain pointers that NCCL and CUDA allow to be used from any thread;
@@ -243,6 +260,13 @@ pub(crate) fn unique_id() -> Result<[u8; 128], String> {
     Ok(id.internal.map(|c| c as u8))
 }
 
+/// A 64-bit hash of `bytes` that every process computes alike (FNV-1a).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
 /// Whether NCCL can start on `device`: the libraries load and the driver knows the device.
 fn check_device(device: &CudaDevice) -> Result<(), String> {
     check_libraries()?;
@@ -271,7 +295,7 @@ fn check_libraries() -> Result<(), String> {
     Ok(())
 }
 
-fn describe(result: ncclResult_t) -> String {
+pub(crate) fn describe(result: ncclResult_t) -> String {
     // SAFETY: NCCL returns a static string for every result code.
     let text = unsafe { CStr::from_ptr(sys::ncclGetErrorString(result)) };
     format!("{result:?} ({})", text.to_string_lossy())
@@ -290,6 +314,7 @@ impl Nccl {
         // `check_device` has loaded the libraries and initialised the driver.
         let cu_device = cu::device::get(device.index as i32)
             .map_err(|e| format!("CUDA on {device:?}: {e:?}"))?;
+        let key = format!("{:016x}", fnv1a(&id));
         let id = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
@@ -304,7 +329,7 @@ impl Nccl {
                 )),
             }
         };
-        Self::create(device, cu_device, timeout, |context| {
+        Self::create(device, cu_device, timeout, key, |context| {
             start_up_timed(context, cu_device, timeout, join)
         })
     }
@@ -315,9 +340,14 @@ impl Nccl {
         self.usable()?;
         let color = i32::try_from(color)
             .map_err(|_| Failure::Now(format!("colour {color} does not fit NCCL's int")))?;
+        let child = format!(
+            "{}.{}.{color}",
+            self.key,
+            self.splits.fetch_add(1, Ordering::Relaxed)
+        );
         // Not timed as a start-up is: a thread left inside `ncclCommSplit` would still use the
         // parent, which this rank goes on using. The ranks have just met in an all-gather.
-        Self::create(&self.device, self.cu_device, self.timeout, |_| {
+        Self::create(&self.device, self.cu_device, self.timeout, child, |_| {
             let mut comm = MaybeUninit::uninit();
             // SAFETY: a live communicator; a null config inherits the parent's.
             let split = unsafe {
@@ -349,6 +379,7 @@ impl Nccl {
         device: &CudaDevice,
         cu_device: CUdevice,
         timeout: Duration,
+        key: String,
         start: impl FnOnce(CUcontext) -> Result<ncclComm_t, StartUp>,
     ) -> Result<Self, String> {
         let cuda = |e: cudarc::driver::DriverError| format!("CUDA on {device:?}: {e:?}");
@@ -389,17 +420,33 @@ impl Nccl {
             context,
             timeout,
             aborted: Mutex::new(None),
+            key,
+            splits: AtomicU64::new(0),
+            peers: Peers::default(),
         })
     }
 
-    fn usable(&self) -> Result<(), Failure> {
+    /// The name this communicator has alike on all its ranks.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    pub fn usable(&self) -> Result<(), Failure> {
         match lock(&self.aborted).as_ref() {
             Some(cause) => Err(Failure::Earlier(cause.clone())),
             None => Ok(()),
         }
     }
 
-    fn make_current(&self) -> Result<(), Failure> {
+    pub fn make_current(&self) -> Result<(), Failure> {
         // SAFETY: the context is retained for this communicator's life.
         unsafe { cu::ctx::set_current(self.context) }
             .map_err(|e| Failure::Now(format!("cuCtxSetCurrent: {e:?}")))
@@ -556,17 +603,7 @@ impl Nccl {
         out_shape: Shape,
         call: impl FnOnce(*const c_void, *mut c_void) -> ncclResult_t,
     ) -> Result<CubeTensor<CudaRuntime>, Failure> {
-        if input.device != self.device {
-            return Err(Failure::Now(format!(
-                "the tensor is on {:?}, but this communicator drives {:?}",
-                input.device, self.device
-            )));
-        }
-        let input = if input.is_contiguous() {
-            input
-        } else {
-            into_contiguous(input)
-        };
+        let input = self.on_device(input)?;
         let client = input.client.clone();
         let bytes = out_shape.num_elements() * input.dtype.size();
         let output = CubeTensor::new_contiguous(
@@ -576,32 +613,77 @@ impl Nccl {
             client.empty(bytes),
             input.dtype,
         );
-        let cubecl = |e: &dyn std::fmt::Debug| Failure::Now(format!("cubecl: {e:?}"));
-        // Held to the end: they keep both allocations bound while NCCL uses them.
-        let src = client
-            .get_resource(input.handle.clone())
-            .map_err(|e| cubecl(&e))?;
-        let dst = client
-            .get_resource(output.handle.clone())
-            .map_err(|e| cubecl(&e))?;
-        // The resources' stream now waits for the input's writer; finishing it finishes that.
-        block_on(client.sync()).map_err(|e| cubecl(&e))?;
-        self.make_current()?;
-        let issued = call(
-            src.resource().ptr as *const c_void,
-            dst.resource().ptr as *mut c_void,
-        );
-        let finished = match issued {
-            ncclResult_t::ncclSuccess => self.finish(),
-            _ => Err(Failure::Now(self.abort(describe(issued)))),
-        };
-        if let Err(failure) = finished {
-            // An aborted kernel may still touch them: never give them back to cubecl.
-            std::mem::forget((src, dst, input, output));
+        let [src, dst] = self.bind([input, output])?;
+        let (from, to) = (src.ptr as *const c_void, dst.ptr as *mut c_void);
+        if let Err(failure) = self.run(|_, _| issued(call(from, to), "the call")) {
+            src.leak_with(dst);
             return Err(failure);
         }
-        drop((src, dst, input));
-        Ok(output)
+        drop(src);
+        Ok(dst.tensor)
+    }
+
+    /// `tensors` (on this communicator's device) made contiguous, bound and complete: the
+    /// calling thread's cubecl stream has finished what writes them.
+    pub fn bind<const N: usize>(
+        &self,
+        tensors: [CubeTensor<CudaRuntime>; N],
+    ) -> Result<[Bound; N], Failure> {
+        let cubecl = |e: &dyn std::fmt::Debug| Failure::Now(format!("cubecl: {e:?}"));
+        let mut bound = Vec::with_capacity(N);
+        for tensor in tensors {
+            let tensor = self.on_device(tensor)?;
+            let resource = tensor
+                .client
+                .get_resource(tensor.handle.clone())
+                .map_err(|e| cubecl(&e))?;
+            let ptr = resource.resource().ptr;
+            bound.push(Bound {
+                tensor,
+                ptr,
+                _resource: Box::new(resource),
+            });
+        }
+        if let Some(first) = bound.first() {
+            // The resources' stream now waits for the writers; finishing it finishes them.
+            block_on(first.tensor.client.sync()).map_err(|e| cubecl(&e))?;
+        }
+        Ok(bound
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one bound tensor per tensor")))
+    }
+
+    /// `tensor` in contiguous form, refused when it is on another device.
+    fn on_device(
+        &self,
+        tensor: CubeTensor<CudaRuntime>,
+    ) -> Result<CubeTensor<CudaRuntime>, Failure> {
+        if tensor.device != self.device {
+            return Err(Failure::Now(format!(
+                "the tensor is on {:?}, but this communicator drives {:?}",
+                tensor.device, self.device
+            )));
+        }
+        Ok(if tensor.is_contiguous() {
+            tensor
+        } else {
+            into_contiguous(tensor)
+        })
+    }
+
+    /// Runs `issue`, which queues work on this communicator's stream (given with its
+    /// communicator), and waits until the stream has done it. A failure aborts the communicator:
+    /// buffers the work used must then never be given back (see [`Bound::leak_with`]).
+    pub fn run(
+        &self,
+        issue: impl FnOnce(ncclComm_t, CUstream) -> Result<(), String>,
+    ) -> Result<(), Failure> {
+        self.usable()?;
+        self.make_current()?;
+        match issue(self.comm, self.stream) {
+            Ok(()) => self.finish(),
+            Err(reason) => Err(Failure::Now(self.abort(reason))),
+        }
     }
 
     /// Waits for this communicator's stream, aborting the communicator when NCCL reports an
@@ -663,7 +745,7 @@ impl Nccl {
 
     /// Aborts this rank's communicator (its pending calls end; peers stop at their own
     /// timeout) and remembers why; returns the reason.
-    fn abort(&self, reason: String) -> String {
+    pub fn abort(&self, reason: String) -> String {
         let mut aborted = lock(&self.aborted);
         if aborted.is_none() {
             // SAFETY: a live communicator, aborted once.
@@ -782,4 +864,33 @@ fn reducible(dtype: DType) -> Result<ncclDataType_t, Failure> {
 
 fn byte_len(tensor: &CubeTensor<CudaRuntime>) -> usize {
     tensor.shape().num_elements() * tensor.dtype.size()
+}
+
+/// What NCCL returned for `what`, as a result.
+pub(crate) fn issued(result: ncclResult_t, what: &str) -> Result<(), String> {
+    match result {
+        ncclResult_t::ncclSuccess => Ok(()),
+        _ => Err(format!("{what}: {}", describe(result))),
+    }
+}
+
+/// A contiguous CUDA tensor whose contents are complete, with its memory held for NCCL.
+pub(crate) struct Bound {
+    pub tensor: CubeTensor<CudaRuntime>,
+    /// Its device address.
+    pub ptr: u64,
+    /// Keeps the allocation bound while NCCL uses it.
+    _resource: Box<dyn Send>,
+}
+
+impl Bound {
+    pub fn bytes(&self) -> usize {
+        byte_len(&self.tensor)
+    }
+
+    /// Never gives the memory back to cubecl (with `other`'s): an aborted NCCL kernel may
+    /// still touch it.
+    pub fn leak_with(self, other: impl Sized) {
+        std::mem::forget((self, other));
+    }
 }

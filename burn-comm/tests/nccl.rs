@@ -309,16 +309,79 @@ fn bad_calls_fail_clearly() {
             .unwrap_err()
             .to_string();
         assert!(error.contains("CUDA backend"), "{error}");
-        // Point-to-point is not on NCCL yet: refused, not hung.
-        let peer = 1 - ctx.rank();
-        let error = nccl
-            .send(Tensor::<G, 1>::ones([4], &device()), peer)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            error.contains("not available on the NCCL transport"),
-            "{error}"
+        let host = Tensor::<Flex, 1>::ones([4], &Default::default());
+        let error = nccl.send(host, 1 - ctx.rank()).unwrap_err().to_string();
+        assert!(error.contains("CUDA backend"), "{error}");
+        Ok(())
+    });
+}
+
+#[test]
+fn sends_are_buffered_and_ordered_on_nccl() {
+    on_nccl(2, MINUTE, |ctx, nccl| {
+        let (rank, peer) = (ctx.rank(), 1 - ctx.rank());
+        // 20 MB, far past NCCL's eager buffer (4 MiB): a send that waited for its receive
+        // would wait here for ever.
+        let big = |rank: usize| whole::<2>(rank as u64 + 100, [1250, 4096]);
+        let floats = |rank: usize| whole::<2>(rank as u64, [3, 5]);
+        let ints =
+            |rank: usize| Tensor::<G, 1, Int>::arange(0..7, &device()).mul_scalar(rank as i64 + 2);
+        // Both ranks send everything before either receives, as a pipeline's steady state
+        // does.
+        nccl.send(big(rank), peer)?;
+        nccl.send(floats(rank), peer)?;
+        nccl.send(ints(rank), peer)?;
+        nccl.send(ints(rank).greater_elem(6), peer)?;
+        nccl.send(Tensor::<G, 2>::zeros([0, 4], &device()), peer)?;
+        let tracked = Tensor::<Autodiff<G>, 2>::from_inner(floats(rank).mul_scalar(3.0));
+        let sent = nccl.send_async(tracked.require_grad(), peer);
+        same(nccl.recv(peer, [1250, 4096], &device())?, big(peer), "big");
+        same(nccl.recv(peer, [3, 5], &device())?, floats(peer), "floats");
+        same(nccl.recv(peer, [7], &device())?, ints(peer), "ints");
+        same(
+            nccl.recv(peer, [7], &device())?,
+            ints(peer).greater_elem(6),
+            "bools",
         );
+        let empty: Tensor<G, 2> = nccl.recv(peer, [0, 4], &device())?;
+        assert_eq!(empty.dims(), [0, 4]);
+        let tracked: Tensor<Autodiff<G>, 2> = nccl.recv_async(peer, [3, 5], &device()).wait()?;
+        same(tracked.inner(), floats(peer).mul_scalar(3.0), "autodiff");
+        sent.wait()?;
+        // A group split off the world has pairs of its own.
+        let mesh = burn_comm::DeviceMesh::new(nccl, &[("dp", 1), ("pp", 2)])?;
+        let pp = mesh.group("pp")?;
+        for round in 0..3 {
+            pp.send(floats(rank).add_scalar(round as f32), peer)?;
+        }
+        for round in 0..3 {
+            let got: Tensor<G, 2> = pp.recv(peer, [3, 5], &device())?;
+            same(got, floats(peer).add_scalar(round as f32), "split group");
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn a_receive_of_another_shape_is_refused_and_consumes_the_message() {
+    on_nccl(2, MINUTE, |ctx, nccl| {
+        let (x, y) = (whole::<1>(1, [4]), whole::<1>(2, [3]));
+        if ctx.rank() == 0 {
+            nccl.send(x, 1)?;
+            nccl.send(y, 1)?;
+            return Ok(());
+        }
+        // A host tensor is refused before anything is received.
+        let host = nccl.recv::<Flex, 1, burn::tensor::Float>(0, [4], &Default::default());
+        let error = host.unwrap_err().to_string();
+        assert!(error.contains("CUDA backend"), "{error}");
+        let refused = nccl.recv::<G, 1, burn::tensor::Float>(0, [5], &device());
+        assert!(
+            matches!(&refused, Err(CommError::Mismatch { theirs, .. }) if theirs == "send of F32 [4]"),
+            "{refused:?}"
+        );
+        // As on the local transport, the refused message is gone and the next one follows.
+        same(nccl.recv(0, [3], &device())?, y, "the next message");
         Ok(())
     });
 }

@@ -78,6 +78,7 @@ runs=(
     "tp2-nccl:--tp 2 --nccl"
     "tp2-sp-nccl:--tp 2 --sp --nccl"
     "tp2-sp-overlap-nccl:--tp 2 --sp --tp-overlap 2 --nccl"
+    "pp2-nccl:--pp 2 --grad-accum 4 --nccl"
 )
 for run in "${runs[@]}"; do
     name=${run%%:*}

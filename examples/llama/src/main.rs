@@ -182,7 +182,7 @@ struct TrainArgs {
     #[arg(long)]
     clip_grad_norm: Option<f64>,
     /// With --device cuda: move the ranks' gradients, shards and activations with NCCL in GPU
-    /// memory, instead of through host memory. Not yet with --pp.
+    /// memory, instead of through host memory (pipeline stages send rank to rank).
     #[arg(long)]
     nccl: bool,
     /// Train on this file's bytes instead of the synthetic source.

@@ -169,11 +169,6 @@ impl TrainConfig {
                 "--tp and --pp must be at least 1".into(),
             ));
         }
-        if self.nccl && self.pp > 1 {
-            return Err(TrainError::Config(
-                "--nccl does not carry the pipeline's sends and receives yet; drop --nccl with --pp (its stages then talk through host memory)".into(),
-            ));
-        }
         if self.pp > 1 && self.strategy == Strategy::ParameterServer {
             return Err(TrainError::Config(
                 "the parameter-server baseline replicates whole models; use --strategy ddp with --pp".into(),

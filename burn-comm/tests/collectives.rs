@@ -356,6 +356,28 @@ fn send_and_recv_around_a_ring_keep_order() {
 }
 
 #[test]
+fn ints_and_bools_are_sent_as_they_are() {
+    let results = run(2, |ctx| {
+        let (comm, peer) = (ctx.world(), 1 - ctx.rank());
+        let ints = |rank: usize| {
+            Tensor::<B, 1, Int>::arange(0..6, &Default::default()) * (rank as i64 + 1)
+        };
+        comm.send(ints(ctx.rank()), peer)?;
+        comm.send(ints(ctx.rank()).greater_elem(3), peer)?;
+        let got: Tensor<B, 1, Int> = comm.recv(peer, [6], &Default::default())?;
+        let flags: Tensor<B, 1, burn::tensor::Bool> = comm.recv(peer, [6], &Default::default())?;
+        assert_bits_eq(&got.into_data(), &ints(peer).into_data(), "ints");
+        assert_bits_eq(
+            &flags.into_data(),
+            &ints(peer).greater_elem(3).into_data(),
+            "bools",
+        );
+        Ok(())
+    });
+    assert_eq!(results.len(), 2);
+}
+
+#[test]
 fn async_calls_overlap_and_complete_in_issue_order() {
     for world in [1, 2, 4] {
         let xs = inputs(9, world, [64, 8], DType::F32);

@@ -295,7 +295,7 @@ fn check_libraries() -> Result<(), String> {
     Ok(())
 }
 
-pub(crate) fn describe(result: ncclResult_t) -> String {
+fn describe(result: ncclResult_t) -> String {
     // SAFETY: NCCL returns a static string for every result code.
     let text = unsafe { CStr::from_ptr(sys::ncclGetErrorString(result)) };
     format!("{result:?} ({})", text.to_string_lossy())
@@ -446,7 +446,7 @@ impl Nccl {
         }
     }
 
-    pub fn make_current(&self) -> Result<(), Failure> {
+    fn make_current(&self) -> Result<(), Failure> {
         // SAFETY: the context is retained for this communicator's life.
         unsafe { cu::ctx::set_current(self.context) }
             .map_err(|e| Failure::Now(format!("cuCtxSetCurrent: {e:?}")))
@@ -603,7 +603,6 @@ impl Nccl {
         out_shape: Shape,
         call: impl FnOnce(*const c_void, *mut c_void) -> ncclResult_t,
     ) -> Result<CubeTensor<CudaRuntime>, Failure> {
-        let input = self.on_device(input)?;
         let client = input.client.clone();
         let bytes = out_shape.num_elements() * input.dtype.size();
         let output = CubeTensor::new_contiguous(
@@ -616,7 +615,8 @@ impl Nccl {
         let [src, dst] = self.bind([input, output])?;
         let (from, to) = (src.ptr as *const c_void, dst.ptr as *mut c_void);
         if let Err(failure) = self.run(|_, _| issued(call(from, to), "the call")) {
-            src.leak_with(dst);
+            src.leak();
+            dst.leak();
             return Err(failure);
         }
         drop(src);
@@ -673,7 +673,7 @@ impl Nccl {
 
     /// Runs `issue`, which queues work on this communicator's stream (given with its
     /// communicator), and waits until the stream has done it. A failure aborts the communicator:
-    /// buffers the work used must then never be given back (see [`Bound::leak_with`]).
+    /// buffers the work used must then never be given back (see [`Bound::leak`]).
     pub fn run(
         &self,
         issue: impl FnOnce(ncclComm_t, CUstream) -> Result<(), String>,
@@ -862,7 +862,7 @@ fn reducible(dtype: DType) -> Result<ncclDataType_t, Failure> {
     })
 }
 
-fn byte_len(tensor: &CubeTensor<CudaRuntime>) -> usize {
+pub(crate) fn byte_len(tensor: &CubeTensor<CudaRuntime>) -> usize {
     tensor.shape().num_elements() * tensor.dtype.size()
 }
 
@@ -888,9 +888,8 @@ impl Bound {
         byte_len(&self.tensor)
     }
 
-    /// Never gives the memory back to cubecl (with `other`'s): an aborted NCCL kernel may
-    /// still touch it.
-    pub fn leak_with(self, other: impl Sized) {
-        std::mem::forget((self, other));
+    /// Never gives the memory back to cubecl: an aborted NCCL kernel may still touch it.
+    pub fn leak(self) {
+        std::mem::forget(self);
     }
 }

@@ -35,7 +35,7 @@ use cudarc::nccl::sys::{self, ncclDataType_t};
 use crate::CommError;
 use crate::communicator::Inner;
 use crate::local::{World, lock};
-use crate::nccl::{Bound, Failure, Nccl, issued, unique_id};
+use crate::nccl::{Bound, Failure, Nccl, byte_len, issued, unique_id};
 use crate::nccl_tensor::{Cuda, from_cube, to_cube};
 use crate::pair_ids::PairIds;
 
@@ -119,7 +119,7 @@ pub(crate) fn send<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
     check_ids()?;
     let description = description(tensor.dtype(), &tensor.dims());
     let data = to_cube(tensor).map_err(Failure::Now)?;
-    let bytes = data.shape().num_elements() * data.dtype.size();
+    let bytes = byte_len(&data);
     let header = header(bytes, &description)?;
     let header = Words::from_data(header, (nccl.device(), DType::I32));
     let header = to_cube(header).map_err(Failure::Now)?;
@@ -314,9 +314,7 @@ impl Pair {
     /// The next message's data length and description.
     fn recv_header(&self) -> Result<(usize, String), Failure> {
         self.nccl.usable()?;
-        let words = Words::empty([HEADER / 4], (self.nccl.device(), DType::I32));
-        let [header] = self.nccl.bind([to_cube(words).map_err(Failure::Now)?])?;
-        let header = self.recv(header, HEADER)?;
+        let header = self.recv(self.words(HEADER / 4)?, HEADER)?;
         let words = from_cube::<Cuda<f32>, 1, Int>(header.tensor).into_data();
         read_header(&words).map_err(|reason| Failure::Now(self.nccl.abort(reason)))
     }
@@ -327,13 +325,18 @@ impl Pair {
         if bytes == 0 {
             return Ok(());
         }
-        let scratch = Words::empty([bytes.div_ceil(4)], (self.nccl.device(), DType::I32));
-        let [scratch] = self.nccl.bind([to_cube(scratch).map_err(Failure::Now)?])?;
-        self.recv(scratch, bytes).map(drop)
+        self.recv(self.words(bytes.div_ceil(4))?, bytes).map(drop)
+    }
+
+    /// `count` words of device memory to receive into, bound.
+    fn words(&self, count: usize) -> Result<Bound, Failure> {
+        let words = Words::empty([count], (self.nccl.device(), DType::I32));
+        let [words] = self.nccl.bind([to_cube(words).map_err(Failure::Now)?])?;
+        Ok(words)
     }
 
     /// Receives `bytes` into `data`, and gives it back; on a failure `data` is leaked (see
-    /// [`Bound::leak_with`]).
+    /// [`Bound::leak`]).
     fn recv(&self, data: Bound, bytes: usize) -> Result<Bound, Failure> {
         match self
             .nccl
@@ -341,7 +344,7 @@ impl Pair {
         {
             Ok(()) => Ok(data),
             Err(failure) => {
-                data.leak_with(());
+                data.leak();
                 Err(failure)
             }
         }

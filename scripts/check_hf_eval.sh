@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Trains `tiny` briefly, exports it, and checks that `llama eval` and an independent numpy
-# implementation of Hugging Face's Llama (hf_llama_reference.py) give the same cross-entropy.
+# implementation of Hugging Face's Llama (hf_llama_reference.py) give the same cross-entropy:
+# for the export as written, and for the same weights under Llama 3's rotary scaling written
+# as transformers 5 writes it (only `rope_parameters`) and linear scaling as transformers 4
+# writes it (`rope_theta` and `rope_scaling`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import numpy, safetensors" 2>/dev/null || python3 -m pip install --quiet numpy safetensors
@@ -15,14 +18,57 @@ with open(sys.argv[1], "w") as f:
     for n in (5, 17, 33, 64):
         f.write(" ".join(str(random.randrange(16)) for _ in range(n)) + "\n")
 PY
-ours=$(cargo run --release --quiet -p llama -- eval --weights "$work/weights" --tokens "$work/tokens.txt")
-theirs=$(python3 scripts/hf_llama_reference.py "$work/weights" "$work/tokens.txt")
-echo "llama eval:        $ours"
-echo "numpy reference:   $theirs"
-python3 - "$ours" "$theirs" <<'PY'
-import json, sys
-a, b = (json.loads(s)["mean_cross_entropy"] for s in sys.argv[1:3])
-# float32 (ours) against float64 (reference): agree to about 1e-6 relative.
-assert abs(a - b) <= 1e-4 * abs(b), f"llama eval {a} vs reference {b}"
-print(f"hf check: agree to {abs(a - b) / abs(b):.1e} relative")
+
+# The trained weights barely look at positions, so a model that ignored a rotary scaling would
+# still agree: the scaled variants start from `sharp`, the same weights with the attention's
+# four projections multiplied by 8, so attention, and with it position, moves the loss (both
+# readers load its safetensors; the burn record is dropped).
+cp -r "$work/weights" "$work/sharp"
+rm "$work/sharp/model.mpk"
+python3 - "$work/sharp/model.safetensors" <<'PY'
+import sys
+from safetensors.numpy import load_file, save_file
+w = load_file(sys.argv[1])
+for name in w:
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")):
+        w[name] = w[name] * 8
+save_file(w, sys.argv[1])
 PY
+# `sharp` with another rotary setting in config.json: $1 the variant, $2 a Python expression
+# that edits the config dict `c`.
+variant() {
+    cp -r "$work/sharp" "$work/$1"
+    python3 - "$work/$1/config.json" "$2" <<'PY'
+import json, sys
+path, edit = sys.argv[1], sys.argv[2]
+c = json.load(open(path))
+for key in ("rope_theta", "rope_scaling", "rope_parameters"):
+    c.pop(key, None)
+exec(edit)
+json.dump(c, open(path, "w"), indent=2)
+PY
+}
+# Llama 3's bands with a context of 16, so the 64-token lines reach all three.
+variant llama3-v5 'c["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}'
+variant linear-v4 'c["rope_theta"] = 10000.0; c["rope_scaling"] = {"type": "linear", "factor": 16.0}'
+
+sharp=""
+for dir in weights sharp llama3-v5 linear-v4; do
+    ours=$(cargo run --release --quiet -p llama -- eval --weights "$work/$dir" --tokens "$work/tokens.txt")
+    theirs=$(python3 scripts/hf_llama_reference.py "$work/$dir" "$work/tokens.txt")
+    echo "$dir: llama eval $ours"
+    echo "$dir: reference  $theirs"
+    [ "$dir" = sharp ] && sharp=$theirs
+    python3 - "$dir" "$ours" "$theirs" "${sharp:-$theirs}" <<'PY'
+import json, sys
+name = sys.argv[1]
+a, b, sharp = (json.loads(s)["mean_cross_entropy"] for s in sys.argv[2:5])
+# float32 (ours) against float64 (reference): seen to agree within 1e-7 relative.
+tolerance = 1e-6 * abs(b)
+assert abs(a - b) <= tolerance, f"{name}: llama eval {a} vs reference {b}"
+# A scaling that changed nothing could not catch a model that ignored it.
+if name not in ("weights", "sharp"):
+    assert abs(b - sharp) > 10 * tolerance, f"{name}: the scaling moves the loss by only {abs(b - sharp)}"
+print(f"hf check ({name}): agree to {abs(a - b) / abs(b):.1e} relative")
+PY
+done

@@ -3,11 +3,14 @@
 
 An independent reading of the format `llama eval` claims to speak: it follows the equations of
 Hugging Face's LlamaForCausalLM (RMSNorm, rotate-half rotary embeddings, grouped-query causal
-attention, SwiGLU, untied head), not our Rust code. Usage:
+attention, SwiGLU, untied head) and of transformers' rotary scalings (default, linear, llama3,
+read from transformers 4's `rope_theta`/`rope_scaling` or 5's `rope_parameters`), not our Rust
+code. Usage:
 
     hf_llama_reference.py WEIGHTS_DIR TOKENS_FILE   # prints JSON like `llama eval`
 """
 import json
+import math
 import sys
 
 import numpy as np
@@ -23,11 +26,33 @@ def rotate_half(x):
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def inverse_frequencies(cfg, head_dim):
+    """transformers' inv_freq: transformers 4's rope_scaling wins over 5's rope_parameters, and
+    the base comes from that dict, else the top level, else 10000."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / rope["factor"]
+    if kind == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        context = rope.get("original_max_position_embeddings", cfg["max_position_embeddings"])
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (context / wavelength - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return np.where(wavelength < context / high, inv_freq,
+                        np.where(wavelength > context / low, inv_freq / factor, blended))
+    sys.exit(f"rope_type {kind} is not in this reference")
+
+
 def forward(w, cfg, ids):
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads", heads)
     head_dim, eps, n = hidden // heads, cfg["rms_norm_eps"], len(ids)
-    inv_freq = 1.0 / cfg["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    inv_freq = inverse_frequencies(cfg, head_dim)
     angles = np.outer(np.arange(n), inv_freq)
     angles = np.concatenate([angles, angles], axis=-1)
     cos, sin = np.cos(angles), np.sin(angles)

@@ -2,6 +2,8 @@
 
 use burn::config::Config;
 
+use crate::rope::{Rope, RopeScaling};
+
 /// Shape of a Llama-style decoder. Field names follow Hugging Face's `LlamaConfig`.
 #[derive(Config, Debug, PartialEq)]
 pub struct LlamaConfig {
@@ -23,6 +25,9 @@ pub struct LlamaConfig {
     /// Base of the rotary frequencies.
     #[config(default = 10000.0)]
     pub rope_theta: f64,
+    /// How the rotary frequencies are scaled (Hugging Face's `rope_type`).
+    #[config(default = "RopeScaling::Default")]
+    pub rope_scaling: RopeScaling,
     /// Epsilon of RMSNorm.
     #[config(default = 1e-5)]
     pub rms_norm_eps: f64,
@@ -43,7 +48,13 @@ impl LlamaConfig {
             "small" => Self::new(256, 512, 1408, 8, 8, 4).with_max_position_embeddings(1024),
             "llama-1b" => Self::new(128_256, 2048, 8192, 16, 32, 8)
                 .with_max_position_embeddings(131_072)
-                .with_rope_theta(500_000.0),
+                .with_rope_theta(500_000.0)
+                .with_rope_scaling(RopeScaling::Llama3 {
+                    factor: 32.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192,
+                }),
             "llama-7b" => Self::new(32_000, 4096, 11_008, 32, 32, 32)
                 .with_max_position_embeddings(4096)
                 .with_rms_norm_eps(1e-6),
@@ -55,6 +66,14 @@ impl LlamaConfig {
     /// Width of one attention head.
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_attention_heads
+    }
+
+    /// The rotary settings.
+    pub fn rope(&self) -> Rope {
+        Rope {
+            theta: self.rope_theta,
+            scaling: self.rope_scaling,
+        }
     }
 
     /// Checks that the shape can be built, with a sentence saying what to change.
@@ -83,7 +102,21 @@ impl LlamaConfig {
                 self.head_dim()
             ));
         }
-        Ok(())
+        for (name, value) in [
+            ("rope_theta", self.rope_theta),
+            ("rms_norm_eps", self.rms_norm_eps),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(format!("{name} must be finite and positive, not {value}"));
+            }
+        }
+        if !(self.initializer_range.is_finite() && self.initializer_range >= 0.0) {
+            return Err(format!(
+                "initializer_range must be finite and not negative, not {}",
+                self.initializer_range
+            ));
+        }
+        self.rope_scaling.validate()
     }
 
     /// Parameters of the model: embedding, blocks, final norm and untied head.

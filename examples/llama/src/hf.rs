@@ -13,9 +13,10 @@ use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::config::LlamaConfig;
+use crate::hf_config::{hf_config, parse_hf_config};
 use crate::model::Llama;
 
 /// File of the burn record inside a weights directory (the recorder adds `.mpk`).
@@ -127,71 +128,6 @@ impl<B: Backend> Source<'_, B> {
         *p = Param::from_tensor(Tensor::<B, 2>::from_data(data, self.device).transpose());
         Ok(())
     }
-}
-
-/// Hugging Face's `config.json` for `config`.
-pub fn hf_config(config: &LlamaConfig) -> Value {
-    json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-        "tie_word_embeddings": false,
-        "attention_bias": false,
-        "mlp_bias": false,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim(),
-        "max_position_embeddings": config.max_position_embeddings,
-        "rope_theta": config.rope_theta,
-        "rms_norm_eps": config.rms_norm_eps,
-        "initializer_range": config.initializer_range,
-    })
-}
-
-/// Reads the shape from a Hugging Face `config.json`, refusing what this model cannot express.
-pub fn parse_hf_config(json: &Value) -> Result<LlamaConfig, String> {
-    let size = |key: &str| -> Result<usize, String> {
-        json.get(key)
-            .and_then(Value::as_u64)
-            .map(|v| v as usize)
-            .ok_or_else(|| format!("config.json has no integer `{key}`"))
-    };
-    let float = |key: &str, default: f64| json.get(key).and_then(Value::as_f64).unwrap_or(default);
-    if json.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true) {
-        return Err(
-            "the checkpoint ties its embedding and head; this model has an untied head".into(),
-        );
-    }
-    if json.get("rope_scaling").is_some_and(|v| !v.is_null()) {
-        return Err("the checkpoint uses rope_scaling, which this model does not implement".into());
-    }
-    let heads = size("num_attention_heads")?;
-    let config = LlamaConfig::new(
-        size("vocab_size")?,
-        size("hidden_size")?,
-        size("intermediate_size")?,
-        size("num_hidden_layers")?,
-        heads,
-        size("num_key_value_heads").unwrap_or(heads),
-    )
-    .with_max_position_embeddings(size("max_position_embeddings").unwrap_or(2048))
-    .with_rope_theta(float("rope_theta", 10000.0))
-    .with_rms_norm_eps(float("rms_norm_eps", 1e-6))
-    .with_initializer_range(float("initializer_range", 0.02));
-    let head_dim = json.get("head_dim").and_then(Value::as_u64);
-    if let Some(head_dim) = head_dim.filter(|&d| d as usize != config.head_dim()) {
-        return Err(format!(
-            "config.json sets head_dim {head_dim}, but this model uses hidden_size / num_attention_heads = {}",
-            config.head_dim()
-        ));
-    }
-    config.validate()?;
-    Ok(config)
 }
 
 /// Writes `model` into `dir`: burn's record, the safetensors export and `config.json`.

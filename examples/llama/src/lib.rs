@@ -8,6 +8,7 @@
 pub mod config;
 pub mod data;
 pub mod hf;
+pub mod hf_config;
 pub mod model;
 pub mod pipeline;
 pub mod plan;

@@ -17,7 +17,7 @@ use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
 
 use crate::config::LlamaConfig;
-use crate::rope;
+use crate::rope::{self, Rope};
 
 /// Root-mean-square normalisation with a learned scale.
 #[derive(Module, Debug)]
@@ -63,8 +63,8 @@ pub struct Attention<B: Backend> {
     pub heads: usize,
     /// Key/value heads.
     pub kv_heads: usize,
-    /// Rotary base.
-    pub rope_theta: f64,
+    /// Rotary settings.
+    pub rope: Rope,
 }
 
 /// What depends on position only, shared by every layer of one forward pass: the rotary
@@ -82,10 +82,10 @@ impl<B: Backend> Positions<B> {
     pub fn new(
         seq: usize,
         head_dim: usize,
-        rope_theta: f64,
+        rope: &Rope,
         (device, dtype): (&B::Device, DType),
     ) -> Self {
-        let (cos, sin) = rope::tables::<B>(seq, head_dim, rope_theta, device);
+        let (cos, sin) = rope::tables::<B>(seq, head_dim, rope, device);
         let mask = causal_mask::<B>(seq, device);
         Self {
             cos: in_dtype(cos, dtype),
@@ -103,7 +103,7 @@ impl<B: Backend> Attention<B> {
     /// The rotary tables and causal mask for sequences of `seq` tokens, in the weights' dtype.
     pub fn positions(&self, seq: usize, device: &B::Device) -> Positions<B> {
         let dtype = self.q_proj.val().dtype();
-        Positions::new(seq, self.head_dim(), self.rope_theta, (device, dtype))
+        Positions::new(seq, self.head_dim(), &self.rope, (device, dtype))
     }
 
     /// `x`: `[batch, seq, hidden]` to `[batch, seq, hidden]`.
@@ -287,7 +287,7 @@ impl<B: Backend> Llama<B> {
                         o_proj: normal(&name("self_attn.o_proj"), [h, h]),
                         heads,
                         kv_heads,
-                        rope_theta: config.rope_theta,
+                        rope: config.rope(),
                     },
                     post_attention_layernorm: norm(),
                     mlp: Mlp {

@@ -98,7 +98,7 @@ pub(crate) fn stage_positions<B: Backend>(
     Positions::new(
         targets.dims()[1],
         config.head_dim(),
-        config.rope_theta,
+        &config.rope(),
         (&x.device(), x.dtype()),
     )
 }

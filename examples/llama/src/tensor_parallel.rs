@@ -75,7 +75,7 @@ impl<B: CommBackend> TpBlock<B> {
                 o_proj: Param::from_tensor(attention.o),
                 heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,
-                rope_theta: config.rope_theta,
+                rope: config.rope(),
             },
             post_attention_layernorm: self.post_attention_layernorm.clone(),
             mlp: Mlp {
@@ -217,7 +217,7 @@ impl<B: TpBackend> TpLlama<B> {
         let positions = Positions::new(
             seq,
             self.config.head_dim(),
-            self.config.rope_theta,
+            &self.config.rope(),
             (&x.device(), x.dtype()),
         );
         for layer in &self.layers {

@@ -2,7 +2,9 @@
 //! into 2 and 4 pipeline stages under every schedule (4 micro-batches per step), with
 //! activation recompute, on a 2 x 2 data x pipeline mesh, with tensor-parallel stages (and
 //! sequence parallelism, and all three on a 2 x 2 x 2 mesh), and split by measured time. Interleaving 4 ranks x 2 chunks
-//! needs 8 blocks, so that case trains `tiny` with 8 layers against its own oracle.
+//! needs 8 blocks, so that case trains `tiny` with 8 layers against its own oracle. Llama 3's
+//! scaled rotary positions are checked in each way of splitting the model (tp + sp, pp,
+//! pp x tp) against their own one-device oracle.
 //!
 //! Tolerances are in `common`: micro-batch means summed one by one differ in float32 rounding
 //! from one mean over the whole batch.
@@ -11,6 +13,7 @@ mod common;
 
 use burn_pipeline::ScheduleKind;
 use common::*;
+use llama::rope::RopeScaling;
 use llama::train::{Strategy, TrainConfig};
 
 fn pipelined(
@@ -118,4 +121,41 @@ fn tensor_parallel_pipelines_and_a_time_balanced_split_match_one_device() {
     config.schedule = ScheduleKind::Gpipe;
     config.balance = llama::pipeline::Balance::Time;
     assert_close(&oracle, &run(&config), "pp 2 gpipe balanced by time");
+}
+
+#[test]
+fn scaled_rotary_positions_match_one_device_in_every_model_split() {
+    // Llama 3's bands over `tiny`'s heads of 32 at base 10000: two frequencies kept, three
+    // blended, eleven divided by the factor.
+    let plain = config(Strategy::Single, 1);
+    let mut base = plain.clone();
+    base.model.rope_scaling = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 64,
+    };
+    let oracle = run(&base);
+    // A split that ignored the scaling would train the plain model: make sure that is told
+    // apart by a wide margin.
+    let (loss, weight) = deviations(&oracle, &run(&plain));
+    eprintln!("scaled vs plain: {loss:?} {weight:?}");
+    assert!(
+        loss.relative > 10.0 * 1e-5 && weight.relative > 10.0 * 1e-4,
+        "the scaling moves the losses by only {loss:?} and the weights by {weight:?}"
+    );
+    let mut tp = base.clone();
+    tp.tp = 2;
+    tp.sequence_parallel = true;
+    assert_close(&oracle, &run(&tp), "llama3 rotary, tp 2 + sp");
+    assert_close(
+        &oracle,
+        &pipelined(&base, 2, ScheduleKind::OneFOneB, 1, false),
+        "llama3 rotary, pp 2 1f1b",
+    );
+    let mut both = base.clone();
+    both.pp = 2;
+    both.tp = 2;
+    both.grad_accum = Some(4);
+    assert_close(&oracle, &run(&both), "llama3 rotary, pp 2 x tp 2 1f1b");
 }

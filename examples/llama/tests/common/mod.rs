@@ -88,32 +88,71 @@ pub fn assert_close(oracle: &Run, other: &Run, what: &str) {
 /// Losses within `loss_rtol` at every step and final weights within `weight_rtol` per tensor
 /// (L2); prints the largest deviations seen.
 pub fn assert_within(oracle: &Run, other: &Run, what: &str, loss_rtol: f64, weight_rtol: f64) {
-    assert_eq!(oracle.losses.len(), other.losses.len());
-    let (mut worst_loss, mut worst_weight) = (0f64, 0f64);
-    for (step, (a, b)) in oracle.losses.iter().zip(&other.losses).enumerate() {
-        assert!(
-            (a - b).abs() <= loss_rtol * a.abs(),
-            "{what}: loss at step {} is {b}, one device has {a}",
-            step + 1
-        );
-        worst_loss = worst_loss.max((a - b).abs() / a.abs());
-    }
-    assert_eq!(oracle.weights.len(), other.weights.len());
-    for ((name, a), (other_name, b)) in oracle.weights.iter().zip(&other.weights) {
-        assert_eq!(name, other_name);
-        let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
-        assert_eq!(a.len(), b.len(), "{what}: {name} has another shape");
-        let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
-        let diff = norm(&mut a.iter().zip(&b).map(|(x, y)| (x - y) as f64));
-        let scale = norm(&mut a.iter().map(|&x| x as f64));
-        assert!(
-            diff <= weight_rtol * scale,
-            "{what}: {name} differs from one device by {:e} relative (L2)",
-            diff / scale
-        );
-        worst_weight = worst_weight.max(diff / scale);
-    }
-    eprintln!(
-        "{what}: losses within {worst_loss:.1e}, weights within {worst_weight:.1e} (relative)"
+    let (worst_loss, worst_weight) = deviations(oracle, other);
+    assert!(
+        worst_loss.relative <= loss_rtol,
+        "{what}: loss at step {} is {}, one device has {}",
+        worst_loss.at + 1,
+        other.losses[worst_loss.at],
+        oracle.losses[worst_loss.at],
     );
+    assert!(
+        worst_weight.relative <= weight_rtol,
+        "{what}: {} differs from one device by {:e} relative (L2)",
+        oracle.weights[worst_weight.at].0,
+        worst_weight.relative
+    );
+    eprintln!(
+        "{what}: losses within {:.1e}, weights within {:.1e} (relative)",
+        worst_loss.relative, worst_weight.relative
+    );
+}
+
+/// The largest relative deviation of a run from another, and where it is.
+#[derive(Debug, Clone, Copy)]
+pub struct Deviation {
+    /// `|a - b| / |a|` for a loss, L2 norms for a weight.
+    pub relative: f64,
+    /// The step (from 0) or the weight's index.
+    pub at: usize,
+}
+
+/// The largest deviation of `other` from `oracle`: of the losses, and of the final weights
+/// per tensor (L2). Both runs must have the same steps and tensors.
+pub fn deviations(oracle: &Run, other: &Run) -> (Deviation, Deviation) {
+    let worst = |deviations: &mut dyn Iterator<Item = f64>| {
+        deviations.enumerate().fold(
+            Deviation {
+                relative: 0.0,
+                at: 0,
+            },
+            |worst, (at, relative)| {
+                if relative > worst.relative {
+                    Deviation { relative, at }
+                } else {
+                    worst
+                }
+            },
+        )
+    };
+    assert_eq!(oracle.losses.len(), other.losses.len());
+    let loss = worst(
+        &mut oracle
+            .losses
+            .iter()
+            .zip(&other.losses)
+            .map(|(a, b)| (a - b).abs() / a.abs()),
+    );
+    assert_eq!(oracle.weights.len(), other.weights.len());
+    let weight = worst(&mut oracle.weights.iter().zip(&other.weights).map(
+        |((name, a), (other_name, b))| {
+            assert_eq!(name, other_name);
+            let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+            assert_eq!(a.len(), b.len(), "{name} has another shape");
+            let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+            let diff = norm(&mut a.iter().zip(&b).map(|(x, y)| (x - y) as f64));
+            diff / norm(&mut a.iter().map(|&x| x as f64))
+        },
+    ));
+    (loss, weight)
 }

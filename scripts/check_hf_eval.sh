@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Trains `tiny` briefly, exports it, and checks that `llama eval` and an independent numpy
 # implementation of Hugging Face's Llama (hf_llama_reference.py) give the same cross-entropy:
-# for the export as written, and for the same weights under Llama 3's rotary scaling written
-# as transformers 5 writes it (only `rope_parameters`) and linear scaling as transformers 4
-# writes it (`rope_theta` and `rope_scaling`).
+# for the export as written (sharded, with its index), for the same weights in bf16 shards
+# written here, and for those under Llama 3's rotary scaling written as transformers 5 writes it
+# (only `rope_parameters`) and linear scaling as transformers 4 writes it (`rope_theta` and
+# `rope_scaling`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -c "import numpy, safetensors" 2>/dev/null || python3 -m pip install --quiet numpy safetensors
+python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# `tiny` is 4.2 MB in f32: several shards.
 cargo run --release --quiet -p llama -- train --steps 30 --batch-size 8 --seq-len 32 \
-    --save "$work/weights" > /dev/null 2>&1
+    --save "$work/weights" --max-shard-size 1MB > /dev/null 2>&1
+test -f "$work/weights/model.safetensors.index.json"
 python3 - "$work/tokens.txt" <<'PY'
 import random, sys
 random.seed(7)
@@ -21,18 +24,49 @@ PY
 
 # The trained weights barely look at positions, so a model that ignored a rotary scaling would
 # still agree: the scaled variants start from `sharp`, the same weights with the attention's
-# four projections multiplied by 8, so attention, and with it position, moves the loss (both
-# readers load its safetensors; the burn record is dropped).
-cp -r "$work/weights" "$work/sharp"
-rm "$work/sharp/model.mpk"
-python3 - "$work/sharp/model.safetensors" <<'PY'
-import sys
-from safetensors.numpy import load_file, save_file
-w = load_file(sys.argv[1])
-for name in w:
+# four projections multiplied by 8, so attention, and with it position, moves the loss. It is
+# written here in bf16, in two shards with an index and no burn record, so `llama eval` reads
+# them (the export above it reads through its burn record).
+mkdir "$work/sharp"
+cp "$work/weights/config.json" "$work/sharp/"
+python3 - "$work/weights" "$work/sharp" <<'PY'
+import json, os, struct, sys
+import numpy as np
+sys.path.insert(0, "scripts")
+from hf_llama_reference import read_weights
+w = read_weights(sys.argv[1])
+out = sys.argv[2]
+
+def bf16(x):
+    """Rounded to the nearest bf16, ties to even, as the top half of an f32."""
+    bits = x.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+
+def write(path, tensors):
+    header, offset = {}, 0
+    for name, data in tensors:
+        header[name] = {"dtype": "BF16", "shape": list(data.shape),
+                        "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for _, data in tensors:
+            f.write(data.tobytes())
+
+names = sorted(w)
+for name in names:
     if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")):
         w[name] = w[name] * 8
-save_file(w, sys.argv[1])
+halves = [names[: len(names) // 2], names[len(names) // 2:]]
+weight_map = {}
+for i, half in enumerate(halves):
+    shard = f"model-{i + 1:05}-of-00002.safetensors"
+    write(os.path.join(out, shard), [(name, bf16(w[name])) for name in half])
+    weight_map.update({name: shard for name in half})
+with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {}, "weight_map": weight_map}, f)
 PY
 # `sharp` with another rotary setting in config.json: $1 the variant, $2 a Python expression
 # that edits the config dict `c`.

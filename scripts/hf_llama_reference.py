@@ -5,16 +5,56 @@ An independent reading of the format `llama eval` claims to speak: it follows th
 Hugging Face's LlamaForCausalLM (RMSNorm, rotate-half rotary embeddings, grouped-query causal
 attention, SwiGLU, untied head) and of transformers' rotary scalings (default, linear, llama3,
 read from transformers 4's `rope_theta`/`rope_scaling` or 5's `rope_parameters`), not our Rust
-code. Usage:
+code. Weights are read by its own safetensors reader (f32, f16 and bf16; one file, or shards
+with `model.safetensors.index.json`). Usage:
 
     hf_llama_reference.py WEIGHTS_DIR TOKENS_FILE   # prints JSON like `llama eval`
 """
 import json
 import math
+import os
+import struct
 import sys
 
 import numpy as np
-from safetensors.numpy import load_file
+
+
+def read_safetensors(path):
+    """A safetensors file by its format: an 8-byte little-endian header length, a JSON header
+    of dtype, shape and byte offsets, then the data. bf16 is the top half of an f32."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    body = data[8 + length:]
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        raw = body[start:end]
+        if entry["dtype"] == "F32":
+            values = np.frombuffer(raw, dtype="<f4")
+        elif entry["dtype"] == "F16":
+            values = np.frombuffer(raw, dtype="<f2")
+        elif entry["dtype"] == "BF16":
+            values = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            sys.exit(f"{path}: `{name}` is {entry['dtype']}, not in this reference")
+        tensors[name] = values.astype(np.float64).reshape(entry["shape"])
+    return tensors
+
+
+def read_weights(weights_dir):
+    """The single file, or every shard the index names, each tensor from its named shard."""
+    index = os.path.join(weights_dir, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return read_safetensors(os.path.join(weights_dir, "model.safetensors"))
+    with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    shards = {shard: read_safetensors(os.path.join(weights_dir, shard))
+              for shard in set(weight_map.values())}
+    return {name: shards[shard][name] for name, shard in weight_map.items()}
 
 
 def rms_norm(x, weight, eps):
@@ -81,7 +121,7 @@ def forward(w, cfg, ids):
 def main(weights_dir, tokens_file):
     with open(f"{weights_dir}/config.json") as f:
         cfg = json.load(f)
-    w = load_file(f"{weights_dir}/model.safetensors")
+    w = read_weights(weights_dir)
     total, count, sequences = 0.0, 0, 0
     with open(tokens_file) as f:
         for line in f:

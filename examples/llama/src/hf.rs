@@ -1,6 +1,6 @@
-//! Weights on disk: burn's own record (`model.mpk`) and Hugging Face's layout
-//! (`model.safetensors` with `LlamaForCausalLM` tensor names, and `config.json`), so a
-//! checkpoint can go to and come from other Llama tools.
+//! Weights on disk: burn's own record (`model.mpk`) and Hugging Face's layout (safetensors
+//! with `LlamaForCausalLM` tensor names, in one file or sharded with an index, and
+//! `config.json`), so a checkpoint can go to and come from other Llama tools.
 //!
 //! burn stores matrices `[in, out]`; Hugging Face stores `[out, in]`: matrices are transposed
 //! on the way out and back on the way in. The embedding is `[vocab, hidden]` in both.
@@ -11,18 +11,16 @@ use std::path::Path;
 use burn::module::{Module, Param};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData};
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use burn::tensor::{Tensor, TensorData};
 use serde_json::Value;
 
 use crate::config::LlamaConfig;
 use crate::hf_config::{hf_config, parse_hf_config};
 use crate::model::Llama;
+use crate::safetensors_files;
 
 /// File of the burn record inside a weights directory (the recorder adds `.mpk`).
 pub const RECORD: &str = "model";
-/// File of the safetensors export inside a weights directory.
-pub const SAFETENSORS: &str = "model.safetensors";
 /// Hugging Face config inside a weights directory.
 pub const CONFIG: &str = "config.json";
 
@@ -130,8 +128,14 @@ impl<B: Backend> Source<'_, B> {
     }
 }
 
-/// Writes `model` into `dir`: burn's record, the safetensors export and `config.json`.
-pub fn save<B: Backend>(model: &Llama<B>, config: &LlamaConfig, dir: &Path) -> Result<(), String> {
+/// Writes `model` into `dir`: burn's record, the safetensors export (sharded above
+/// `max_shard_bytes`, as transformers' `max_shard_size`) and `config.json`.
+pub fn save<B: Backend>(
+    model: &Llama<B>,
+    config: &LlamaConfig,
+    dir: &Path,
+    max_shard_bytes: u64,
+) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     model
         .clone()
@@ -140,23 +144,14 @@ pub fn save<B: Backend>(model: &Llama<B>, config: &LlamaConfig, dir: &Path) -> R
             &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
         )
         .map_err(|e| format!("cannot write the burn record in {}: {e}", dir.display()))?;
-    let tensors = export(model);
-    let views = tensors
-        .iter()
-        .map(|(name, data)| {
-            let view = TensorView::new(Dtype::F32, data.shape.to_vec(), data.as_bytes())
-                .map_err(|e| format!("`{name}`: {e}"))?;
-            Ok((name.clone(), view))
-        })
-        .collect::<Result<Vec<_>, String>>()?;
-    safetensors::serialize_to_file(views, None, &dir.join(SAFETENSORS))
-        .map_err(|e| format!("cannot write {}: {e}", dir.join(SAFETENSORS).display()))?;
+    safetensors_files::write(dir, &export(model), max_shard_bytes)?;
     let json = serde_json::to_string_pretty(&hf_config(config)).expect("a JSON value prints");
     std::fs::write(dir.join(CONFIG), json)
         .map_err(|e| format!("cannot write {}: {e}", dir.join(CONFIG).display()))
 }
 
-/// Loads `dir`: its `config.json`, then burn's record if there is one, else the safetensors.
+/// Loads `dir`: its `config.json`, then burn's record if there is one, else the safetensors
+/// (f32, f16 or bf16, one file or sharded), converted to f32.
 pub fn load<B: Backend>(dir: &Path, device: &B::Device) -> Result<(LlamaConfig, Llama<B>), String> {
     let config_path = dir.join(CONFIG);
     let text = std::fs::read_to_string(&config_path)
@@ -175,34 +170,8 @@ pub fn load<B: Backend>(dir: &Path, device: &B::Device) -> Result<(LlamaConfig, 
             .map_err(|e| format!("cannot load {}: {e}", record.display()))?;
         return Ok((config, model));
     }
-    let path = dir.join(SAFETENSORS);
-    let bytes = std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let model = import(&config, read_safetensors(&bytes)?, device)?;
+    let model = import(&config, safetensors_files::read(dir)?, device)?;
     Ok((config, model))
-}
-
-/// Every tensor of a safetensors file, as burn data in its stored dtype.
-pub fn read_safetensors(bytes: &[u8]) -> Result<HashMap<String, TensorData>, String> {
-    let file =
-        SafeTensors::deserialize(bytes).map_err(|e| format!("not a safetensors file: {e}"))?;
-    file.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let dtype = match view.dtype() {
-                Dtype::F32 => DType::F32,
-                Dtype::F16 => DType::F16,
-                Dtype::BF16 => DType::BF16,
-                other => {
-                    return Err(format!(
-                        "`{name}` is {other:?}; only f32, f16 and bf16 load"
-                    ));
-                }
-            };
-            let data =
-                TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype);
-            Ok((name, data))
-        })
-        .collect()
 }
 
 #[cfg(test)]
@@ -217,10 +186,16 @@ mod tests {
         let device = Default::default();
         let model = Llama::<Flex>::init(&config, 3, &device);
         let dir = std::env::temp_dir().join(format!("llama-hf-{}", std::process::id()));
-        save(&model, &config, &dir).unwrap();
+        save(
+            &model,
+            &config,
+            &dir,
+            safetensors_files::DEFAULT_MAX_SHARD_BYTES,
+        )
+        .unwrap();
         assert_eq!(parse_hf_config(&hf_config(&config)).unwrap(), config);
-        let bytes = std::fs::read(dir.join(SAFETENSORS)).unwrap();
-        let back = import::<Flex>(&config, read_safetensors(&bytes).unwrap(), &device).unwrap();
+        let stored = safetensors_files::read_file(&dir.join(safetensors_files::SINGLE)).unwrap();
+        let back = import::<Flex>(&config, stored, &device).unwrap();
         std::fs::remove_file(dir.join(format!("{RECORD}.mpk"))).unwrap();
         let (_, loaded) = load::<Flex>(&dir, &device).unwrap();
         let tokens = Tensor::<Flex, 2, Int>::from_ints([[3, 1, 4, 1, 5]], &device);

@@ -13,6 +13,7 @@ pub mod model;
 pub mod pipeline;
 pub mod plan;
 pub mod rope;
+pub mod safetensors_files;
 pub mod schedule;
 pub mod tensor_parallel;
 pub mod tp_stage;

@@ -200,6 +200,10 @@ struct TrainArgs {
     /// Save the final weights here (burn record, safetensors, config.json).
     #[arg(long)]
     save: Option<PathBuf>,
+    /// With --save: the largest safetensors file; above it the weights are sharded with an
+    /// index, as transformers' max_shard_size (bytes, or with kB, MB or GB: powers of 1000).
+    #[arg(long, default_value = "5GB", value_parser = parse_size)]
+    max_shard_size: u64,
     /// Start from the weights in this directory; its config.json sets the shape.
     #[arg(long)]
     init_from: Option<PathBuf>,
@@ -216,6 +220,33 @@ struct EvalArgs {
     /// Where to compute.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
+}
+
+/// A byte count: a whole number, optionally followed by kB, MB or GB (powers of 1000, as
+/// transformers reads them).
+fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let digits = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits);
+    let scale = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        _ => {
+            return Err(format!(
+                "`{text}` is not a size; write bytes, or a whole number of kB, MB or GB"
+            ));
+        }
+    };
+    number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("`{text}` is not a size of at least one byte"))
 }
 
 fn main() {
@@ -318,13 +349,20 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     config.balance = args.balance;
     config.schedule_svg = args.schedule_svg.clone();
     config.strategy = strategy;
+    if !(args.bucket_mb.is_finite() && args.bucket_mb > 0.0) {
+        return Err(format!(
+            "--bucket-mb {}: a bucket holds a positive, finite number of MiB (25 is the default)",
+            args.bucket_mb
+        ));
+    }
+    let bucket_bytes = ((args.bucket_mb * 1024.0 * 1024.0) as usize).max(1);
     config.ddp = DdpConfig::new()
-        .with_bucket_cap_bytes((args.bucket_mb * 1024.0 * 1024.0) as usize)
+        .with_bucket_cap_bytes(bucket_bytes)
         .with_overlap(!args.no_overlap);
     config.zero = ZeroStage::from_number(args.zero.into()).expect("clap checks the range");
     config.max_grad_norm = args.clip_grad_norm;
     config.zero_config = ZeroConfig::new()
-        .with_bucket_cap_bytes((args.bucket_mb * 1024.0 * 1024.0) as usize)
+        .with_bucket_cap_bytes(bucket_bytes)
         .with_overlap(!args.no_overlap)
         .with_offload(args.offload)
         .with_precision(match args.dtype {
@@ -516,7 +554,7 @@ where
         println!("loss floor {floor:.4}: {:.4} above it", last.loss - floor);
     }
     if let Some(dir) = &args.save {
-        hf::save(&model, &config.model, dir)?;
+        hf::save(&model, &config.model, dir, args.max_shard_size)?;
         println!("weights saved in {}", dir.display());
     }
     Ok(())

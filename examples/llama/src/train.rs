@@ -153,6 +153,12 @@ impl TrainConfig {
     /// saying what to change.
     pub fn layout(&self) -> Result<Layout, TrainError> {
         self.model.validate().map_err(TrainError::Config)?;
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(TrainError::Config(format!(
+                "--lr {}: the learning rate must be positive and finite (3e-3 suits `tiny` and `small`)",
+                self.lr
+            )));
+        }
         if self.steps == 0 || self.seq_len == 0 {
             return Err(TrainError::Config(
                 "--steps and --seq-len must be at least 1".into(),

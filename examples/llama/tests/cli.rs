@@ -203,7 +203,24 @@ fn plan_prints_every_stage_of_the_papers_example() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 23] = [
+    let cases: [(&[&str], &str); 28] = [
+        (
+            &["train", "--lr", "nan"],
+            "--lr NaN: the learning rate must be positive",
+        ),
+        (
+            &["train", "--lr=-1"],
+            "--lr -1: the learning rate must be positive",
+        ),
+        (
+            &["train", "--bucket-mb", "inf"],
+            "--bucket-mb inf: a bucket holds",
+        ),
+        (&["train", "--max-shard-size", "5TB"], "`5TB` is not a size"),
+        (
+            &["train", "--max-shard-size", "0"],
+            "`0` is not a size of at least one byte",
+        ),
         (
             &["train", "--dp", "2", "--nccl"],
             "use it with --device cuda",

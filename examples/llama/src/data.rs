@@ -1,5 +1,5 @@
 //! Training data: a synthetic Markov source whose entropy rate is known exactly, so a run
-//! knows the loss it should approach, and a user's text file read as bytes.
+//! knows the loss it should approach, and a user's file read as bytes or as a tokenizer's ids.
 //!
 //! A dataset is a list of samples of `seq_len + 1` tokens, addressed by index; which indices
 //! each rank reads is the sampler's business (`burn_ddp::DistributedSampler`).
@@ -8,6 +8,8 @@ use std::path::Path;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+use crate::tokenizer::TextTokenizer;
 
 /// Samples of `seq_len + 1` tokens (inputs and the next-token targets) by index.
 pub trait Dataset: Send + Sync {
@@ -191,55 +193,77 @@ impl Dataset for MarkovSource {
     }
 }
 
-/// A text file read as bytes (vocabulary 256), cut into windows of `seq_len + 1` bytes that
-/// start every `seq_len` bytes.
+/// A user's file as one stream of tokens, its bytes (vocabulary 256) or its text's ids under
+/// a tokenizer, cut into windows of `seq_len + 1` tokens that start every `seq_len`.
 #[derive(Debug, Clone)]
-pub struct ByteCorpus {
-    bytes: Vec<u8>,
+pub struct TokenCorpus {
+    tokens: Vec<u32>,
     seq_len: usize,
+    /// The file, and what its tokens are.
     name: String,
+    /// What one token is called in the run's header.
+    unit: &'static str,
 }
 
-impl ByteCorpus {
-    /// Reads `path`; errors when it holds fewer than `seq_len + 1` bytes.
-    pub fn open(path: &Path, seq_len: usize) -> Result<Self, String> {
+impl TokenCorpus {
+    /// `path`'s bytes.
+    pub fn bytes(path: &Path, seq_len: usize) -> Result<Self, String> {
         let bytes =
             std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        if bytes.len() < seq_len + 1 {
+        let tokens = bytes.into_iter().map(u32::from).collect();
+        Self::new(tokens, seq_len, path.display().to_string(), "bytes")
+    }
+
+    /// `path`'s text as `tokenizer`'s ids, tokenized once and cached beside it.
+    pub fn tokenized(
+        path: &Path,
+        tokenizer: &TextTokenizer,
+        seq_len: usize,
+    ) -> Result<Self, String> {
+        let tokens = crate::token_cache::tokens(path, tokenizer)?;
+        let name = format!("{} under {}", path.display(), tokenizer.path().display());
+        Self::new(tokens, seq_len, name, "tokens")
+    }
+
+    fn new(
+        tokens: Vec<u32>,
+        seq_len: usize,
+        name: String,
+        unit: &'static str,
+    ) -> Result<Self, String> {
+        if tokens.len() < seq_len + 1 {
             return Err(format!(
-                "{} has {} bytes, fewer than one sample of --seq-len {seq_len} + 1; use a longer file or a shorter --seq-len",
-                path.display(),
-                bytes.len()
+                "{name} has {} {unit}, fewer than one sample of --seq-len {seq_len} + 1; use a longer file or a shorter --seq-len",
+                tokens.len()
             ));
         }
         Ok(Self {
-            bytes,
+            tokens,
             seq_len,
-            name: path.display().to_string(),
+            name,
+            unit,
         })
     }
 }
 
-impl Dataset for ByteCorpus {
+impl Dataset for TokenCorpus {
     fn len(&self) -> usize {
-        (self.bytes.len() - 1) / self.seq_len
+        (self.tokens.len() - 1) / self.seq_len
     }
 
     fn sample(&self, index: usize) -> Vec<u32> {
         let start = index * self.seq_len;
-        self.bytes[start..start + self.seq_len + 1]
-            .iter()
-            .map(|&b| b as u32)
-            .collect()
+        self.tokens[start..start + self.seq_len + 1].to_vec()
     }
 
     fn describe(&self) -> String {
         format!(
-            "{}: {} bytes, {} samples of {} bytes",
+            "{}: {} {unit}, {} samples of {} {unit}",
             self.name,
-            self.bytes.len(),
+            self.tokens.len(),
             self.len(),
-            self.seq_len + 1
+            self.seq_len + 1,
+            unit = self.unit
         )
     }
 
@@ -278,17 +302,17 @@ mod tests {
     }
 
     #[test]
-    fn byte_corpus_windows_overlap_by_one() {
+    fn corpus_windows_overlap_by_one() {
         let dir = std::env::temp_dir().join(format!("llama-bytes-{}", std::process::id()));
         std::fs::write(&dir, b"abcdefghij").unwrap();
-        let corpus = ByteCorpus::open(&dir, 3).unwrap();
+        let corpus = TokenCorpus::bytes(&dir, 3).unwrap();
         assert_eq!(corpus.len(), 3);
         assert_eq!(
             corpus.sample(1),
             b"defg".iter().map(|&b| b as u32).collect::<Vec<_>>()
         );
         assert!(
-            ByteCorpus::open(&dir, 20)
+            TokenCorpus::bytes(&dir, 20)
                 .unwrap_err()
                 .contains("shorter --seq-len")
         );

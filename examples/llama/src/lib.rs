@@ -16,6 +16,8 @@ pub mod rope;
 pub mod safetensors_files;
 pub mod schedule;
 pub mod tensor_parallel;
+pub mod token_cache;
+pub mod tokenizer;
 pub mod tp_stage;
 pub mod train;
 pub mod zero;

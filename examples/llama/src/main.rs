@@ -13,9 +13,10 @@ use burn_tensor_parallel::TpBackend;
 use burn_zero::{MixedPrecision, Precision, ZeroConfig, ZeroStage};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use llama::data::{ByteCorpus, Dataset, MarkovSource};
+use llama::data::{Dataset, MarkovSource, TokenCorpus};
 use llama::pipeline::Balance;
 use llama::plan::Plan;
+use llama::tokenizer::TextTokenizer;
 use llama::train::{StepMetrics, Strategy, TrainConfig, train};
 use llama::{Llama, LlamaConfig, hf};
 
@@ -30,7 +31,8 @@ struct Cli {
 enum Command {
     /// Train on the synthetic Markov source (or --data FILE) and report every step.
     Train(Box<TrainArgs>),
-    /// Mean next-token cross-entropy of a checkpoint on token sequences, as JSON.
+    /// Mean next-token cross-entropy of a checkpoint on token sequences (or lines of text
+    /// through a tokenizer), as JSON.
     Eval(EvalArgs),
     /// Model-state bytes per rank at every ZeRO stage (the ZeRO paper's formulas) and the
     /// activations of a micro-batch, in GB (10^9 bytes).
@@ -185,9 +187,15 @@ struct TrainArgs {
     /// memory, instead of through host memory (pipeline stages send rank to rank).
     #[arg(long)]
     nccl: bool,
-    /// Train on this file's bytes instead of the synthetic source.
+    /// Train on this file's bytes instead of the synthetic source (its text, with
+    /// --tokenizer).
     #[arg(long)]
     data: Option<PathBuf>,
+    /// Read --data as text through this Hugging Face tokenizer.json (tokenized once, cached
+    /// beside the data). Training from the seed, the model's vocabulary becomes the
+    /// tokenizer's; with --init-from, the tokenizer's ids must fit the stored vocabulary.
+    #[arg(long, requires = "data")]
+    tokenizer: Option<PathBuf>,
     /// Symbols of the synthetic second-order Markov source.
     #[arg(long, default_value_t = 16)]
     markov_symbols: usize,
@@ -215,8 +223,16 @@ struct EvalArgs {
     #[arg(long)]
     weights: PathBuf,
     /// Token ids separated by whitespace, one sequence per line.
-    #[arg(long)]
-    tokens: PathBuf,
+    #[arg(long, required_unless_present = "text", conflicts_with = "text")]
+    tokens: Option<PathBuf>,
+    /// Text, one sequence per line, read through --tokenizer (each line encoded as
+    /// transformers' `tokenizer(line)` does, with the tokens it adds, such as Llama 3's
+    /// begin-of-text).
+    #[arg(long, requires = "tokenizer")]
+    text: Option<PathBuf>,
+    /// A Hugging Face tokenizer.json, for --text.
+    #[arg(long, requires = "text")]
+    tokenizer: Option<PathBuf>,
     /// Where to compute.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
@@ -324,6 +340,18 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         }
         model = stored;
     }
+    let tokenizer = args
+        .tokenizer
+        .as_deref()
+        .map(TextTokenizer::open)
+        .transpose()?;
+    if let Some(tokenizer) = &tokenizer {
+        if args.init_from.is_some() {
+            tokenizer.check_fits(model.vocab_size)?;
+        } else {
+            model.vocab_size = tokenizer.vocab_size();
+        }
+    }
     let strategy = match args.strategy {
         StrategyArg::Auto if args.dp == 1 && args.zero == 0 => Strategy::Single,
         StrategyArg::Auto | StrategyArg::Ddp => Strategy::Ddp,
@@ -393,7 +421,10 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     let layout = config.layout().map_err(|e| e.to_string())?;
 
     let data: Box<dyn Dataset> = match &args.data {
-        Some(path) => Box::new(ByteCorpus::open(path, config.seq_len)?),
+        Some(path) => match &tokenizer {
+            Some(tokenizer) => Box::new(TokenCorpus::tokenized(path, tokenizer, config.seq_len)?),
+            None => Box::new(TokenCorpus::bytes(path, config.seq_len)?),
+        },
         None => {
             if !(2..=config.model.vocab_size).contains(&args.markov_symbols)
                 || !(1..=args.markov_symbols).contains(&args.markov_branching)
@@ -412,7 +443,7 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
             ))
         }
     };
-    if config.model.vocab_size < 256 && args.data.is_some() {
+    if config.model.vocab_size < 256 && args.data.is_some() && tokenizer.is_none() {
         return Err("byte-level data needs a vocabulary of at least 256".into());
     }
     println!(
@@ -582,22 +613,9 @@ fn eval_on<B: burn::tensor::backend::Backend>(
     device: &B::Device,
 ) -> Result<(), String> {
     let (config, model): (LlamaConfig, Llama<B>) = hf::load(&args.weights, device)?;
-    let text = std::fs::read_to_string(&args.tokens)
-        .map_err(|e| format!("cannot read {}: {e}", args.tokens.display()))?;
-    let (mut total, mut count, mut sequences) = (0.0f64, 0usize, 0usize);
-    for (number, line) in text.lines().enumerate() {
-        let ids = line
-            .split_whitespace()
-            .map(|t| t.parse::<i64>().ok().filter(|&id| id >= 0 && (id as usize) < config.vocab_size))
-            .collect::<Option<Vec<i64>>>()
-            .ok_or_else(|| {
-                format!(
-                    "line {} of {} holds something that is not a token id below the vocabulary size {}",
-                    number + 1,
-                    args.tokens.display(),
-                    config.vocab_size
-                )
-            })?;
+    let (path, sequences) = eval_sequences(args, config.vocab_size)?;
+    let (mut total, mut count, mut sequences_read) = (0.0f64, 0usize, 0usize);
+    for ids in sequences {
         if ids.len() < 2 {
             continue;
         }
@@ -609,12 +627,12 @@ fn eval_on<B: burn::tensor::backend::Backend>(
         );
         total += loss.into_scalar().elem::<f64>() * (n - 1) as f64;
         count += n - 1;
-        sequences += 1;
+        sequences_read += 1;
     }
     if count == 0 {
         return Err(format!(
             "{} has no line with at least two tokens",
-            args.tokens.display()
+            path.display()
         ));
     }
     let mean = total / count as f64;
@@ -622,10 +640,56 @@ fn eval_on<B: burn::tensor::backend::Backend>(
         "mean_cross_entropy": mean,
         "perplexity": mean.exp(),
         "predicted_tokens": count,
-        "sequences": sequences,
+        "sequences": sequences_read,
     });
     println!("{report}");
     Ok(())
+}
+
+/// The file `eval` reads and its lines' token ids: `--tokens` as written, or `--text`
+/// through `--tokenizer`; every id below the model's vocabulary `vocab`.
+fn eval_sequences(args: &EvalArgs, vocab: usize) -> Result<(&PathBuf, Vec<Vec<i64>>), String> {
+    let path = args
+        .tokens
+        .as_ref()
+        .or(args.text.as_ref())
+        .expect("clap asks for --tokens or --text");
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if args.text.is_some() {
+        let tokenizer = args
+            .tokenizer
+            .as_deref()
+            .expect("clap asks --text for --tokenizer");
+        let tokenizer = TextTokenizer::open(tokenizer)?;
+        tokenizer.check_fits(vocab)?;
+        let sequences = text
+            .lines()
+            .filter(|line| !line.is_empty())
+            .map(|line| {
+                let ids = tokenizer.encode(line, true)?;
+                Ok(ids.into_iter().map(i64::from).collect())
+            })
+            .collect::<Result<_, String>>()?;
+        return Ok((path, sequences));
+    }
+    let sequences = text
+        .lines()
+        .enumerate()
+        .map(|(number, line)| {
+            line.split_whitespace()
+                .map(|t| t.parse::<i64>().ok().filter(|&id| id >= 0 && (id as usize) < vocab))
+                .collect::<Option<Vec<i64>>>()
+                .ok_or_else(|| {
+                    format!(
+                        "line {} of {} holds something that is not a token id below the vocabulary size {vocab}",
+                        number + 1,
+                        path.display(),
+                    )
+                })
+        })
+        .collect::<Result<_, String>>()?;
+    Ok((path, sequences))
 }
 
 /// Sequence parallelism and communication overlap of the tensor-parallel group, if any.

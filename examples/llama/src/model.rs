@@ -241,7 +241,7 @@ impl<B: Backend> Llama<B> {
     /// the order of construction or the parallel layout.
     pub fn init(config: &LlamaConfig, seed: u64, device: &B::Device) -> Self {
         Self::build(config, device, |name, shape| {
-            let mut rng = StdRng::seed_from_u64(seed ^ fnv1a(name));
+            let mut rng = StdRng::seed_from_u64(seed ^ fnv1a(name.as_bytes()));
             let dist = Normal::new(0.0f32, config.initializer_range as f32).unwrap();
             let values: Vec<f32> = (0..shape[0] * shape[1])
                 .map(|_| dist.sample(&mut rng))
@@ -362,11 +362,13 @@ pub fn in_dtype<B: Backend, const D: usize>(x: Tensor<B, D>, dtype: DType) -> Te
     if x.dtype() == dtype { x } else { x.cast(dtype) }
 }
 
-/// FNV-1a, to give every tensor name its own stream of random numbers.
-fn fnv1a(text: &str) -> u64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-        (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+/// FNV-1a: gives every tensor name its own stream of random numbers, and keys cached data.
+pub(crate) fn fnv1a<'a>(bytes: impl IntoIterator<Item = &'a u8>) -> u64 {
+    bytes
+        .into_iter()
+        .fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
+            (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3)
+        })
 }
 
 #[cfg(test)]

@@ -191,6 +191,135 @@ fn trains_on_a_text_file_read_as_bytes() {
 }
 
 #[test]
+fn text_goes_through_a_tokenizer_for_training_and_eval() {
+    let dir = scratch("tokenizer");
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+    let tokenizer = fixture.join("tokenizer.json");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("expected.json")).unwrap())
+            .unwrap();
+    let sample = expected["text"].as_str().unwrap();
+    let data = dir.join("corpus.txt");
+    std::fs::write(&data, format!("{sample}\n").repeat(40)).unwrap();
+    let weights = dir.join("weights");
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--data",
+            data.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        llama(&args)
+    };
+    let out = train(&["--save", weights.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // 40 copies of the sample's ids and a newline's.
+    assert!(stdout.contains("tokens, "), "{stdout}");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(weights.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        config["vocab_size"], 320,
+        "the model takes the tokenizer's vocabulary"
+    );
+    let caches = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension() == Some("tokens".as_ref()))
+        .count();
+    assert_eq!(caches, 1, "the ids are cached beside the data");
+    // Resuming with the same tokenizer works, again from the cache.
+    let out = train(&["--init-from", weights.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // eval --text gives what eval --tokens gives for the ids of Hugging Face's package.
+    let text = dir.join("sample.txt");
+    std::fs::write(&text, format!("{sample}\n")).unwrap();
+    let ids = dir.join("ids.txt");
+    let lines: Vec<String> = expected["line_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|line| {
+            let ids: Vec<String> = line
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|id| id.to_string())
+                .collect();
+            ids.join(" ") + "\n"
+        })
+        .collect();
+    assert_eq!(lines.len(), 2, "the sample's two non-empty lines");
+    std::fs::write(&ids, lines.concat()).unwrap();
+    let eval = |args: &[&str]| {
+        let out = llama(&[&["eval", "--weights", weights.to_str().unwrap()], args].concat());
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(
+        eval(&[
+            "--text",
+            text.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer.to_str().unwrap()
+        ]),
+        eval(&["--tokens", ids.to_str().unwrap()])
+    );
+    // A model whose vocabulary cannot hold the tokenizer's ids is refused.
+    let bytes_model = dir.join("bytes-model");
+    let short = "--steps 1 --batch-size 2 --seq-len 16";
+    let out = llama(
+        &[
+            &["train", "--save", bytes_model.to_str().unwrap()],
+            &short.split(' ').collect::<Vec<_>>()[..],
+        ]
+        .concat(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = llama(&[
+        "eval",
+        "--weights",
+        bytes_model.to_str().unwrap(),
+        "--text",
+        text.to_str().unwrap(),
+        "--tokenizer",
+        tokenizer.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("gives 320 ids, but the model's vocabulary has 256"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
 fn plan_prints_every_stage_of_the_papers_example() {
     let out = llama(&["plan", "--params", "7.5e9", "--dp", "64"]);
     assert!(out.status.success(), "{out:?}");
@@ -203,7 +332,18 @@ fn plan_prints_every_stage_of_the_papers_example() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 28] = [
+    let cases: [(&[&str], &str); 30] = [
+        (
+            &[
+                "train",
+                "--data",
+                "/nonexistent.txt",
+                "--tokenizer",
+                "/nonexistent.json",
+            ],
+            "cannot load the tokenizer /nonexistent.json",
+        ),
+        (&["eval", "--weights", "w", "--text", "t"], "--tokenizer"),
         (
             &["train", "--lr", "nan"],
             "--lr NaN: the learning rate must be positive",

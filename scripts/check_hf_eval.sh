@@ -3,8 +3,8 @@
 # implementation of Hugging Face's Llama (hf_llama_reference.py) give the same cross-entropy:
 # for the export as written (sharded, with its index), for the same weights in bf16 shards
 # written here, and for those under Llama 3's rotary scaling written as transformers 5 writes it
-# (only `rope_parameters`) and linear scaling as transformers 4 writes it (`rope_theta` and
-# `rope_scaling`).
+# (only `rope_parameters`), linear scaling as transformers 4 writes it (`rope_theta` and
+# `rope_scaling`), and with the head tied to the embedding.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
@@ -85,9 +85,12 @@ PY
 # Llama 3's bands with a context of 16, so the 64-token lines reach all three.
 variant llama3-v5 'c["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}'
 variant linear-v4 'c["rope_theta"] = 10000.0; c["rope_scaling"] = {"type": "linear", "factor": 16.0}'
+# The head tied to the embedding, as Llama 3.2 1B: the files still hold the untied head, which
+# both readers must ignore.
+variant tied 'c["rope_theta"] = 10000.0; c["tie_word_embeddings"] = True'
 
 sharp=""
-for dir in weights sharp llama3-v5 linear-v4; do
+for dir in weights sharp llama3-v5 linear-v4 tied; do
     ours=$(cargo run --release --quiet -p llama -- eval --weights "$work/$dir" --tokens "$work/tokens.txt")
     theirs=$(python3 scripts/hf_llama_reference.py "$work/$dir" "$work/tokens.txt")
     echo "$dir: llama eval $ours"
@@ -100,9 +103,9 @@ a, b, sharp = (json.loads(s)["mean_cross_entropy"] for s in sys.argv[2:5])
 # float32 (ours) against float64 (reference): seen to agree within 1e-7 relative.
 tolerance = 1e-6 * abs(b)
 assert abs(a - b) <= tolerance, f"{name}: llama eval {a} vs reference {b}"
-# A scaling that changed nothing could not catch a model that ignored it.
+# A variant that changed nothing could not catch a model that ignored it.
 if name not in ("weights", "sharp"):
-    assert abs(b - sharp) > 10 * tolerance, f"{name}: the scaling moves the loss by only {abs(b - sharp)}"
+    assert abs(b - sharp) > 10 * tolerance, f"{name}: the variant moves the loss by only {abs(b - sharp)}"
 print(f"hf check ({name}): agree to {abs(a - b) / abs(b):.1e} relative")
 PY
 done

@@ -3,7 +3,7 @@
 
 An independent reading of the format `llama eval` claims to speak: it follows the equations of
 Hugging Face's LlamaForCausalLM (RMSNorm, rotate-half rotary embeddings, grouped-query causal
-attention, SwiGLU, untied head) and of transformers' rotary scalings (default, linear, llama3,
+attention, SwiGLU, a head untied or tied to the embedding) and of transformers' rotary scalings (default, linear, llama3,
 read from transformers 4's `rope_theta`/`rope_scaling` or 5's `rope_parameters`), not our Rust
 code. Weights are read by its own safetensors reader (f32, f16 and bf16; one file, or shards
 with `model.safetensors.index.json`). Usage:
@@ -115,7 +115,9 @@ def forward(w, cfg, ids):
         gate, up = h @ p("mlp.gate_proj").T, h @ p("mlp.up_proj").T
         x = x + (gate / (1.0 + np.exp(-gate)) * up) @ p("mlp.down_proj").T
     x = rms_norm(x, w["model.norm.weight"].astype(np.float64), eps)
-    return x @ w["lm_head.weight"].astype(np.float64).T
+    # Tied, the head is the embedding, whatever the file holds under the head's name.
+    head = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
+    return x @ w[head].astype(np.float64).T
 
 
 def main(weights_dir, tokens_file):

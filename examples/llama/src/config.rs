@@ -34,6 +34,10 @@ pub struct LlamaConfig {
     /// Standard deviation of the normal initialisation of every matrix.
     #[config(default = 0.02)]
     pub initializer_range: f64,
+    /// The head reads the embedding's weight (transposed) instead of a matrix of its own, as
+    /// Llama 3.2 1B and 3B do.
+    #[config(default = false)]
+    pub tie_word_embeddings: bool,
 }
 
 /// The presets `--model` accepts.
@@ -119,13 +123,15 @@ impl LlamaConfig {
         self.rope_scaling.validate()
     }
 
-    /// Parameters of the model: embedding, blocks, final norm and untied head.
+    /// Parameters of the model: embedding, blocks, final norm and head (none of its own when
+    /// tied).
     pub fn num_params(&self) -> usize {
         let (v, h, f) = (self.vocab_size, self.hidden_size, self.intermediate_size);
         let kv = self.num_key_value_heads * self.head_dim();
         let attention = 2 * h * h + 2 * h * kv;
         let block = attention + 3 * h * f + 2 * h;
-        2 * v * h + self.num_hidden_layers * block + h
+        let head = if self.tie_word_embeddings { 0 } else { v * h };
+        v * h + head + self.num_hidden_layers * block + h
     }
 }
 
@@ -142,6 +148,14 @@ mod tests {
         // Llama 2 7B has 6.74B.
         assert_eq!(count("llama-7b"), 6_738_415_616);
         assert_eq!(count("llama-1b"), 1_498_482_688);
+        let tied = LlamaConfig::preset("llama-1b")
+            .unwrap()
+            .with_tie_word_embeddings(true);
+        assert_eq!(
+            tied.num_params(),
+            1_235_814_400,
+            "Llama 3.2 1B's published 1.24B"
+        );
         for name in PRESETS {
             LlamaConfig::preset(name).unwrap().validate().unwrap();
         }

@@ -53,7 +53,10 @@ pub fn export<B: Backend>(model: &Llama<B>) -> Vec<(String, TensorData)> {
         ]);
     }
     out.push(("model.norm.weight".into(), vector(&model.norm.weight)));
-    out.push(("lm_head.weight".into(), matrix(&model.lm_head)));
+    // A tied head has no tensor of its own, as transformers saves it.
+    if let Some(lm_head) = &model.lm_head {
+        out.push(("lm_head.weight".into(), matrix(lm_head)));
+    }
     out
 }
 
@@ -83,7 +86,10 @@ pub fn import<B: Backend>(
         source.matrix(&name("mlp.down_proj"), &mut layer.mlp.down_proj)?;
     }
     source.plain("model.norm.weight", &mut model.norm.weight)?;
-    source.matrix("lm_head.weight", &mut model.lm_head)?;
+    // Tied: transformers takes the embedding whatever the file holds under the head's name.
+    if let Some(lm_head) = &mut model.lm_head {
+        source.matrix("lm_head.weight", lm_head)?;
+    }
     Ok(model)
 }
 
@@ -202,6 +208,24 @@ mod tests {
         let logits = |m: &Llama<Flex>| m.forward(tokens.clone()).into_data();
         assert_eq!(logits(&model), logits(&back));
         assert_eq!(logits(&model), logits(&loaded));
+        // Tied: no head of its own in the file, and the embedding serves as the head again.
+        let tied_config = config.clone().with_tie_word_embeddings(true);
+        let tied = Llama::<Flex>::init(&tied_config, 3, &device);
+        let tied_dir = dir.join("tied");
+        save(
+            &tied,
+            &tied_config,
+            &tied_dir,
+            safetensors_files::DEFAULT_MAX_SHARD_BYTES,
+        )
+        .unwrap();
+        std::fs::remove_file(tied_dir.join(format!("{RECORD}.mpk"))).unwrap();
+        let stored = safetensors_files::read(&tied_dir).unwrap();
+        assert!(!stored.contains_key("lm_head.weight"));
+        let (shape, loaded) = load::<Flex>(&tied_dir, &device).unwrap();
+        assert_eq!(shape, tied_config);
+        assert!(loaded.lm_head.is_none());
+        assert_eq!(logits(&tied), logits(&loaded));
         let q = &export(&model)[1];
         assert_eq!(q.0, "model.layers.0.input_layernorm.weight");
         assert_eq!(export(&model)[2].1.shape.to_vec(), vec![128, 128]);

@@ -34,7 +34,7 @@ pub fn hf_config(config: &LlamaConfig) -> Value {
         "model_type": "llama",
         "hidden_act": "silu",
         "torch_dtype": "float32",
-        "tie_word_embeddings": false,
+        "tie_word_embeddings": config.tie_word_embeddings,
         "attention_bias": false,
         "mlp_bias": false,
         "vocab_size": config.vocab_size,
@@ -65,11 +65,6 @@ pub fn parse_hf_config(json: &Value) -> Result<LlamaConfig, String> {
         ));
     }
     for (key, want, why) in [
-        (
-            "tie_word_embeddings",
-            json!(false),
-            "the checkpoint ties its head to its embedding; this model has an untied head",
-        ),
         (
             "attention_bias",
             json!(false),
@@ -117,6 +112,7 @@ pub fn parse_hf_config(json: &Value) -> Result<LlamaConfig, String> {
     .with_max_position_embeddings(max_positions)
     .with_rope_theta(rope_theta)
     .with_rope_scaling(rope_scaling)
+    .with_tie_word_embeddings(config.boolean("tie_word_embeddings")?.unwrap_or(false))
     .with_rms_norm_eps(config.float("rms_norm_eps")?.unwrap_or(1e-6))
     .with_initializer_range(config.float("initializer_range")?.unwrap_or(0.02));
     if let Some(head_dim) = config
@@ -335,6 +331,15 @@ impl Fields<'_> {
             .transpose()
     }
 
+    fn boolean(&self, key: &str) -> Result<Option<bool>, String> {
+        self.get(key)
+            .map(|v| {
+                v.as_bool()
+                    .ok_or_else(|| format!("config.json's `{key}` is {v}, not true or false"))
+            })
+            .transpose()
+    }
+
     fn string(&self, key: &str) -> Result<Option<&str>, String> {
         self.get(key)
             .map(|v| {
@@ -417,6 +422,10 @@ mod tests {
             assert_eq!(fixture(name), Ok(want), "{name}");
         }
         assert_eq!(
+            fixture("v5_tied"),
+            Ok(tiny(10_000.0, RopeScaling::Default).with_tie_word_embeddings(true))
+        );
+        assert_eq!(
             fixture("v5_llama_1b_untied"),
             Ok(LlamaConfig::preset("llama-1b").unwrap())
         );
@@ -425,7 +434,6 @@ mod tests {
     #[test]
     fn what_the_model_cannot_compute_is_refused_by_name() {
         for (name, words) in [
-            ("v5_tied", "tie_word_embeddings"),
             ("v5_dynamic", "`dynamic` rotary scaling"),
             ("v4_dynamic", "`dynamic` rotary scaling"),
             ("v5_yarn", "`yarn` rotary scaling"),
@@ -447,7 +455,7 @@ mod tests {
             RopeScaling::Linear { factor: 2.0 },
             LLAMA3,
         ] {
-            let config = tiny(500_000.0, scaling);
+            let config = tiny(500_000.0, scaling).with_tie_word_embeddings(scaling == LLAMA3);
             let written = hf_config(&config);
             assert_eq!(parse_hf_config(&written), Ok(config.clone()));
             // What transformers 4 reads, and what transformers 5 reads, each alone.

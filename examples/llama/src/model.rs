@@ -1,5 +1,5 @@
 //! The Llama decoder: token embedding, pre-norm blocks of grouped-query causal attention and a
-//! SwiGLU MLP, a final RMSNorm and an untied head.
+//! SwiGLU MLP, a final RMSNorm and a head, untied or tied to the embedding.
 //!
 //! Weights are stored the burn way, `[in, out]` for matrices (`x.matmul(w)`); `hf.rs` transposes
 //! to Hugging Face's `[out, in]` on export and back on import.
@@ -231,8 +231,9 @@ pub struct Llama<B: Backend> {
     pub layers: Vec<Block<B>>,
     /// Final norm.
     pub norm: RmsNorm<B>,
-    /// `[hidden, vocab]`, untied from the embedding.
-    pub lm_head: Param<Tensor<B, 2>>,
+    /// `[hidden, vocab]`; none when the head is tied to the embedding, whose transpose it
+    /// reads, so the one weight gets the gradients of both uses.
+    pub lm_head: Option<Param<Tensor<B, 2>>>,
 }
 
 impl<B: Backend> Llama<B> {
@@ -302,7 +303,15 @@ impl<B: Backend> Llama<B> {
             embed_tokens: normal("model.embed_tokens.weight", [v, h]),
             layers,
             norm: norm(),
-            lm_head: normal("lm_head.weight", [h, v]),
+            lm_head: (!config.tie_word_embeddings).then(|| normal("lm_head.weight", [h, v])),
+        }
+    }
+
+    /// The head's weight, `[hidden, vocab]`: its own, or the embedding's transpose when tied.
+    pub fn head_weight(&self) -> Tensor<B, 2> {
+        match &self.lm_head {
+            Some(lm_head) => lm_head.val(),
+            None => self.embed_tokens.val().transpose(),
         }
     }
 
@@ -315,7 +324,7 @@ impl<B: Backend> Llama<B> {
                 x = layer.forward(x, &positions);
             }
         }
-        head(&self.norm, &self.lm_head, x)
+        head(&self.norm, self.head_weight(), x)
     }
 
     /// Mean next-token cross-entropy (nats) of `targets` given `inputs`, both `[batch, seq]`.
@@ -334,13 +343,10 @@ pub fn embed<B: Backend>(table: &Param<Tensor<B, 2>>, tokens: Tensor<B, 2, Int>)
         .reshape([batch, seq, hidden])
 }
 
-/// The final norm and the head: logits `[batch, seq, vocab]` of the last hidden states.
-pub fn head<B: Backend>(
-    norm: &RmsNorm<B>,
-    lm_head: &Param<Tensor<B, 2>>,
-    x: Tensor<B, 3>,
-) -> Tensor<B, 3> {
-    linear(norm.forward(x), lm_head)
+/// The final norm and the head `weight` `[hidden, vocab]`: logits `[batch, seq, vocab]` of
+/// the last hidden states.
+pub fn head<B: Backend>(norm: &RmsNorm<B>, weight: Tensor<B, 2>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    burn_tensor_parallel::linear::matmul(norm.forward(x), weight)
 }
 
 /// Mean cross-entropy (nats) of `targets` `[batch, seq]` under `logits` `[batch, seq, vocab]`.
@@ -387,6 +393,38 @@ mod tests {
         let again = Llama::<Flex>::init(&config, 7, &device);
         let loss_again: f32 = again.loss(tokens.clone(), tokens).into_scalar();
         assert_eq!(loss.to_bits(), loss_again.to_bits());
+    }
+
+    #[test]
+    fn a_tied_heads_gradient_is_the_sum_of_both_uses() {
+        type A = burn::backend::Autodiff<Flex>;
+        let config = LlamaConfig::preset("tiny")
+            .unwrap()
+            .with_tie_word_embeddings(true);
+        let device = Default::default();
+        let tied = Llama::<A>::init(&config, 5, &device);
+        assert!(tied.lm_head.is_none());
+        // The same weights untied: the head a copy of the embedding's transpose.
+        let mut untied = tied.clone();
+        let copy = tied.embed_tokens.val().transpose().into_data();
+        untied.lm_head = Some(Param::from_tensor(Tensor::from_data(copy, &device)));
+        let tokens = Tensor::<A, 2, Int>::from_ints([[1, 2, 3, 4], [5, 6, 7, 8]], &device);
+        let loss = |m: &Llama<A>| m.loss(tokens.clone(), tokens.clone().flip([1]));
+        let (tied_loss, untied_loss) = (loss(&tied), loss(&untied));
+        assert_eq!(
+            tied_loss.clone().into_data(),
+            untied_loss.clone().into_data()
+        );
+        let tied_grads = tied_loss.backward();
+        let untied_grads = untied_loss.backward();
+        let grad = |p: &Param<Tensor<A, 2>>, grads| p.val().grad(grads).unwrap();
+        let want = grad(&untied.embed_tokens, &untied_grads)
+            + grad(untied.lm_head.as_ref().unwrap(), &untied_grads).transpose();
+        let got = grad(&tied.embed_tokens, &tied_grads);
+        let error: f32 = (got - want.clone()).abs().max().into_scalar();
+        let scale: f32 = want.abs().max().into_scalar();
+        assert!(error <= 1e-6 * scale, "{error} of {scale}");
+        assert!(scale > 0.0);
     }
 
     #[test]

@@ -62,12 +62,19 @@ impl<B: AutodiffBackend> PipelineStage<B> for LlamaStage<B> {
         for layer in &self.layers {
             x = layer.forward(x, &positions);
         }
-        Ok(match (&self.norm, &self.lm_head) {
-            (Some(norm), Some(lm_head)) => {
-                StageOutput::Loss(next_token_loss(head(norm, lm_head, x), targets.clone()))
-            }
-            _ => StageOutput::Activation(x),
-        })
+        let Some(norm) = &self.norm else {
+            return Ok(StageOutput::Activation(x));
+        };
+        let weight = match (&self.lm_head, &self.embed_tokens) {
+            (Some(lm_head), _) => lm_head.val(),
+            // Tied, and the only stage: the embedding is here.
+            (None, Some(embedding)) => embedding.val().transpose(),
+            (None, None) => return Err(TrainError::Config(crate::train::TIED_NOT_SPLIT.into())),
+        };
+        Ok(StageOutput::Loss(next_token_loss(
+            head(norm, weight, x),
+            targets.clone(),
+        )))
     }
 }
 
@@ -192,7 +199,7 @@ impl StageCosts {
             })
             .collect::<Result<_, _>>()?;
         let tail = time(&|| {
-            let logits = head(&model.norm, &model.lm_head, x.clone().require_grad());
+            let logits = head(&model.norm, model.head_weight(), x.clone().require_grad());
             next_token_loss(logits, targets.clone()).backward();
         })?;
         Ok(Self {
@@ -279,11 +286,8 @@ impl<B: Backend> LlamaStage<B> {
     pub fn cut(model: Llama<B>, config: &LlamaConfig, ranges: &[Range<usize>]) -> Vec<Self> {
         let last = ranges.len() - 1;
         let mut blocks = model.layers.into_iter();
-        let (mut embed_tokens, mut norm, mut lm_head) = (
-            Some(model.embed_tokens),
-            Some(model.norm),
-            Some(model.lm_head),
-        );
+        let (mut embed_tokens, mut norm, mut lm_head) =
+            (Some(model.embed_tokens), Some(model.norm), model.lm_head);
         ranges
             .iter()
             .enumerate()
@@ -312,7 +316,7 @@ impl<B: Backend> LlamaStage<B> {
             embed_tokens: embed_tokens.expect("the first stage has the embedding"),
             layers,
             norm: norm.expect("the last stage has the final norm"),
-            lm_head: lm_head.expect("the last stage has the head"),
+            lm_head,
         }
     }
 }

@@ -190,6 +190,9 @@ impl<B: TpBackend> TpLlama<B> {
         tp: &TensorParallel,
     ) -> Result<Self, TpError> {
         check_split(config, tp.size(), false, 0).map_err(TpError::Config)?;
+        let lm_head = model
+            .lm_head
+            .ok_or_else(|| TpError::Config(crate::train::TIED_NOT_SPLIT.into()))?;
         let layers = model
             .layers
             .into_iter()
@@ -199,7 +202,7 @@ impl<B: TpBackend> TpLlama<B> {
             embed_tokens: VocabParallelEmbedding::from_full(model.embed_tokens.val(), tp)?,
             layers,
             norm: model.norm,
-            lm_head: ColumnParallelLinear::from_full(model.lm_head.val(), None, tp, false)?,
+            lm_head: ColumnParallelLinear::from_full(lm_head.val(), None, tp, false)?,
             config: config.clone(),
             tp: tp.clone(),
         })
@@ -237,7 +240,7 @@ impl<B: TpBackend> TpLlama<B> {
             embed_tokens: Param::from_tensor(self.embed_tokens.full()?),
             layers,
             norm: self.norm.clone(),
-            lm_head: Param::from_tensor(self.lm_head.full()?.0),
+            lm_head: Some(Param::from_tensor(self.lm_head.full()?.0)),
         })
     }
 }

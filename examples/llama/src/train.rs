@@ -32,6 +32,9 @@ use crate::schedule::WarmupCosine;
 use crate::tensor_parallel::{TpLlama, check_split};
 use crate::zero::Extras;
 
+/// Why a model with a tied head is refused where it would be split.
+pub const TIED_NOT_SPLIT: &str = "the model ties its head to its embedding (tie_word_embeddings), which is not yet split over --tp, --pp or ZeRO-3; train it with --dp and --zero 0, 1 or 2";
+
 /// How the data-parallel ranks share the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 pub enum Strategy {
@@ -202,6 +205,11 @@ impl TrainConfig {
         }
         check_split(&self.model, self.tp, self.sequence_parallel, self.seq_len)
             .map_err(TrainError::Config)?;
+        if self.model.tie_word_embeddings
+            && (self.tp > 1 || self.pp > 1 || self.zero == ZeroStage::Parameters)
+        {
+            return Err(TrainError::Config(TIED_NOT_SPLIT.into()));
+        }
         if self.strategy == Strategy::ParameterServer && self.tp > 1 {
             return Err(TrainError::Config(
                 "the parameter-server baseline replicates whole models; use --strategy ddp with --tp".into(),

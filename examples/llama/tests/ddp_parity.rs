@@ -1,6 +1,7 @@
 //! Data parallelism against the oracle: `tiny` trained 20 steps on one device and under DDP
 //! (1, 2 and 4 ranks), DDP with gradient accumulation and the parameter-server baseline, all on
-//! the same global batches from the same seed.
+//! the same global batches from the same seed; and a head tied to the embedding under DDP and
+//! ZeRO-1/2, refused where the model would be split.
 //!
 //! Tolerances are in `common` (measured here: losses ~1e-7, weights ~3e-6 relative).
 
@@ -66,4 +67,45 @@ fn parameter_server_matches_ddp() {
     let ddp = run(&config(Strategy::Ddp, 2));
     let ps = run(&config(Strategy::ParameterServer, 2));
     assert_close(&ddp, &ps, "parameter server with 2 ranks");
+}
+
+#[test]
+fn a_tied_head_matches_one_device_under_ddp_and_zero() {
+    let mut base = config(Strategy::Single, 1);
+    base.model.tie_word_embeddings = true;
+    let oracle = run(&base);
+    assert!(
+        oracle.losses[19] < oracle.losses[0] - 0.5,
+        "{:?}",
+        oracle.losses
+    );
+    assert!(
+        oracle
+            .weights
+            .iter()
+            .all(|(name, _)| name != "lm_head.weight"),
+        "a tied head has no weight of its own"
+    );
+    let mut ddp = base.clone();
+    ddp.strategy = Strategy::Ddp;
+    ddp.dp = 2;
+    assert_close(&oracle, &run(&ddp), "tied, DDP with 2 ranks");
+    for stage in [STAGES[0], STAGES[1]] {
+        let sharded = zero(&base, 2, stage);
+        assert_close(&oracle, &run(&sharded), &format!("tied, {stage:?} at dp 2"));
+    }
+    // Where the head would be split from the embedding, the run is refused with a sentence.
+    for (tp, pp, stage) in [(2, 1, None), (1, 2, None), (1, 1, Some(STAGES[2]))] {
+        let mut split = stage.map_or_else(|| base.clone(), |stage| zero(&base, 2, stage));
+        split.tp = tp;
+        split.pp = pp;
+        split.grad_accum = (pp > 1).then_some(2);
+        let data = llama::data::MarkovSource::new(16, 3, split.seq_len, 64, 1);
+        let error = llama::train::train::<B>(&split, &data, &Default::default(), &mut |_| {})
+            .expect_err("refused");
+        assert!(
+            error.to_string().contains("tie_word_embeddings"),
+            "tp {tp}, pp {pp}, {stage:?}: {error}"
+        );
+    }
 }

@@ -156,15 +156,20 @@ pub fn save<B: Backend>(
         .map_err(|e| format!("cannot write {}: {e}", dir.join(CONFIG).display()))
 }
 
+/// The shape `dir`'s `config.json` gives, without reading any weights.
+pub fn load_config(dir: &Path) -> Result<LlamaConfig, String> {
+    let path = dir.join(CONFIG);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let json: Value =
+        serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
+    parse_hf_config(&json).map_err(|e| format!("{}: {e}", dir.display()))
+}
+
 /// Loads `dir`: its `config.json`, then burn's record if there is one, else the safetensors
 /// (f32, f16 or bf16, one file or sharded), converted to f32.
 pub fn load<B: Backend>(dir: &Path, device: &B::Device) -> Result<(LlamaConfig, Llama<B>), String> {
-    let config_path = dir.join(CONFIG);
-    let text = std::fs::read_to_string(&config_path)
-        .map_err(|e| format!("cannot read {}: {e}", config_path.display()))?;
-    let json: Value = serde_json::from_str(&text)
-        .map_err(|e| format!("{} is not JSON: {e}", config_path.display()))?;
-    let config = parse_hf_config(&json)?;
+    let config = load_config(dir)?;
     let record = dir.join(format!("{RECORD}.mpk"));
     if record.exists() {
         let model = Llama::<B>::skeleton(&config, device)

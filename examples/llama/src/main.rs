@@ -238,6 +238,39 @@ struct EvalArgs {
     device: Device,
 }
 
+/// Fails before training, not after it, when `--save` or `--schedule-svg` cannot be written
+/// (`--metrics` is created before the first step anyway).
+fn check_outputs(args: &TrainArgs) -> Result<(), String> {
+    let refuse = |flag: &str, path: &std::path::Path, e: std::io::Error| {
+        format!(
+            "{flag} {}: {e}; nothing was trained, pick a place this user can write",
+            path.display()
+        )
+    };
+    if let Some(dir) = &args.save {
+        std::fs::create_dir_all(dir).map_err(|e| refuse("--save", dir, e))?;
+        let probe = dir.join(format!(".write-check-{}", std::process::id()));
+        std::fs::File::create(&probe)
+            .and_then(|_| std::fs::remove_file(&probe))
+            .map_err(|e| refuse("--save", dir, e))?;
+    }
+    if let Some(path) = &args.schedule_svg {
+        // Open without truncating, so a file that is there stays as it was until the run
+        // writes it; one that was not is removed again.
+        let existed = path.exists();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .and_then(|_| match existed {
+                true => Ok(()),
+                false => std::fs::remove_file(path),
+            })
+            .map_err(|e| refuse("--schedule-svg", path, e))?;
+    }
+    Ok(())
+}
+
 /// A byte count: a whole number, optionally followed by kB, MB or GB (powers of 1000, as
 /// transformers reads them).
 fn parse_size(text: &str) -> Result<u64, String> {
@@ -331,7 +364,7 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         )
     })?;
     if let Some(dir) = &args.init_from {
-        let stored = hf::load::<Flex>(dir, &Default::default())?.0;
+        let stored = hf::load_config(dir)?;
         if args.model.is_some() && stored != model {
             return Err(format!(
                 "{} holds another shape than --model {name}; drop --model to use the stored shape",
@@ -340,6 +373,7 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         }
         model = stored;
     }
+    check_outputs(&args)?;
     let tokenizer = args
         .tokenizer
         .as_deref()

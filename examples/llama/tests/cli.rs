@@ -332,7 +332,21 @@ fn plan_prints_every_stage_of_the_papers_example() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 30] = [
+    let cases: [(&[&str], &str); 32] = [
+        (
+            &["train", "--save", "/proc/llama-weights"],
+            "--save /proc/llama-weights: ",
+        ),
+        (
+            &[
+                "train",
+                "--pp",
+                "2",
+                "--schedule-svg",
+                "/nonexistent/dir/s.svg",
+            ],
+            "nothing was trained",
+        ),
         (
             &[
                 "train",

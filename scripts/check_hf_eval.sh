@@ -85,9 +85,22 @@ PY
 # Llama 3's bands with a context of 16, so the 64-token lines reach all three.
 variant llama3-v5 'c["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}'
 variant linear-v4 'c["rope_theta"] = 10000.0; c["rope_scaling"] = {"type": "linear", "factor": 16.0}'
-# The head tied to the embedding, as Llama 3.2 1B: the files still hold the untied head, which
-# both readers must ignore.
+# The head tied to the embedding, as Llama 3.2 1B. While the files still hold the untied head,
+# which transformers 4 would ignore and 5 use, `llama eval` refuses; without it, both readers
+# take the embedding.
 variant tied 'c["rope_theta"] = 10000.0; c["tie_word_embeddings"] = True'
+if refusal=$(cargo run --release --quiet -p llama -- eval --weights "$work/tied" \
+    --tokens "$work/tokens.txt" 2>&1); then
+    echo "a tied checkpoint holding another head was read" >&2
+    exit 1
+fi
+grep -q "different \`lm_head.weight\`" <<<"$refusal" || { echo "$refusal" >&2; exit 1; }
+python3 - "$work/tied/model.safetensors.index.json" <<'PY'
+import json, sys
+index = json.load(open(sys.argv[1]))
+del index["weight_map"]["lm_head.weight"]
+json.dump(index, open(sys.argv[1], "w"))
+PY
 
 sharp=""
 for dir in weights sharp llama3-v5 linear-v4 tied; do

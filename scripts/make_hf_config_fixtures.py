@@ -42,8 +42,9 @@ V5 = {
                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                              "original_max_position_embeddings": 8192,
                                              "rope_theta": 500000.0}),
-    # Refused, each with a sentence.
+    # A head tied to the embedding, as Llama 3.2 1B and 3B.
     "tied": dict(tie_word_embeddings=True),
+    # Refused, each with a sentence.
     "dynamic": dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
     "yarn": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                   "original_max_position_embeddings": 64}),

@@ -61,12 +61,15 @@ pub fn export<B: Backend>(model: &Llama<B>) -> Vec<(String, TensorData)> {
 }
 
 /// Builds a model of shape `config` from Hugging Face tensors (f32, f16 or bf16), checking
-/// every name and shape.
+/// every name and shape, and that no tensor is left unused.
 pub fn import<B: Backend>(
     config: &LlamaConfig,
-    tensors: HashMap<String, TensorData>,
+    mut tensors: HashMap<String, TensorData>,
     device: &B::Device,
 ) -> Result<Llama<B>, String> {
+    if config.tie_word_embeddings {
+        drop_tied_copy(&mut tensors)?;
+    }
     let mut model = Llama::<B>::skeleton(config, device);
     let mut source = Source { tensors, device };
     source.plain("model.embed_tokens.weight", &mut model.embed_tokens)?;
@@ -86,11 +89,35 @@ pub fn import<B: Backend>(
         source.matrix(&name("mlp.down_proj"), &mut layer.mlp.down_proj)?;
     }
     source.plain("model.norm.weight", &mut model.norm.weight)?;
-    // Tied: transformers takes the embedding whatever the file holds under the head's name.
     if let Some(lm_head) = &mut model.lm_head {
         source.matrix("lm_head.weight", lm_head)?;
     }
+    // Rotary frequencies are computed from the config, not read: old exports carry them.
+    source
+        .tensors
+        .retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
+    let mut unused: Vec<&String> = source.tensors.keys().collect();
+    unused.sort();
+    if let Some(first) = unused.first() {
+        return Err(format!(
+            "the checkpoint holds {} tensor(s) this model has no place for, such as `{first}`; it is not a plain Llama of this config",
+            unused.len()
+        ));
+    }
     Ok(model)
+}
+
+/// A tied checkpoint may still hold the head: a copy of the embedding is dropped, but another
+/// tensor is refused, since transformers 4 would use the embedding and 5 this head.
+fn drop_tied_copy(tensors: &mut HashMap<String, TensorData>) -> Result<(), String> {
+    let Some(head) = tensors.get("lm_head.weight") else {
+        return Ok(());
+    };
+    if tensors.get("model.embed_tokens.weight") != Some(head) {
+        return Err("config.json ties the head to the embedding, but the checkpoint holds a different `lm_head.weight` (transformers 4 would use the embedding, 5 this head); set tie_word_embeddings to false to keep the head, or remove `lm_head.weight`".into());
+    }
+    tensors.remove("lm_head.weight");
+    Ok(())
 }
 
 /// The tensors of a checkpoint, handed out by name once each.
@@ -231,6 +258,23 @@ mod tests {
         assert_eq!(shape, tied_config);
         assert!(loaded.lm_head.is_none());
         assert_eq!(logits(&tied), logits(&loaded));
+        // A head that is a copy of the embedding loads; another head is refused, as is a
+        // tensor with no place.
+        let embedding = stored["model.embed_tokens.weight"].clone();
+        let with = |name: &str, data: TensorData| {
+            let mut tensors = stored.clone();
+            tensors.insert(name.into(), data);
+            import::<Flex>(&tied_config, tensors, &device)
+        };
+        assert!(with("lm_head.weight", embedding.clone()).is_ok());
+        let other = TensorData::new(vec![0.5f32; 256 * 128], [256, 128]);
+        let error = with("lm_head.weight", other).unwrap_err();
+        assert!(error.contains("different `lm_head.weight`"), "{error}");
+        let error = with("model.layers.0.self_attn.q_proj.bias", embedding).unwrap_err();
+        assert!(
+            error.contains("`model.layers.0.self_attn.q_proj.bias`"),
+            "{error}"
+        );
         let q = &export(&model)[1];
         assert_eq!(q.0, "model.layers.0.input_layernorm.weight");
         assert_eq!(export(&model)[2].1.shape.to_vec(), vec![128, 128]);

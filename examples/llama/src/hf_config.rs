@@ -98,7 +98,8 @@ pub fn parse_hf_config(json: &Value) -> Result<LlamaConfig, String> {
     let max_positions = config
         .optional_size("max_position_embeddings")?
         .unwrap_or(2048);
-    let rope_scaling = rope_scaling.resolve(max_positions);
+    let top_context = config.optional_size("original_max_position_embeddings")?;
+    let rope_scaling = rope_scaling.resolve(max_positions, top_context)?;
     let model = LlamaConfig::new(
         config.size("vocab_size")?,
         config.size("hidden_size")?,
@@ -115,6 +116,8 @@ pub fn parse_hf_config(json: &Value) -> Result<LlamaConfig, String> {
     .with_tie_word_embeddings(config.boolean("tie_word_embeddings")?.unwrap_or(false))
     .with_rms_norm_eps(config.float("rms_norm_eps")?.unwrap_or(1e-6))
     .with_initializer_range(config.float("initializer_range")?.unwrap_or(0.02));
+    // Before head_dim, which divides by the heads.
+    model.validate().map_err(|e| format!("config.json: {e}"))?;
     if let Some(head_dim) = config
         .optional_size("head_dim")?
         .filter(|&d| d != model.head_dim())
@@ -124,7 +127,6 @@ pub fn parse_hf_config(json: &Value) -> Result<LlamaConfig, String> {
             model.head_dim()
         ));
     }
-    model.validate().map_err(|e| format!("config.json: {e}"))?;
     Ok(model)
 }
 
@@ -146,7 +148,7 @@ fn parse_rope(config: &Fields) -> Result<(f64, RopeSpec), String> {
         [one] => Ok((one.theta, one.clone())),
         [legacy, current] if legacy == current => Ok((current.theta, current.clone())),
         [legacy, current] => Err(format!(
-            "config.json's rope_scaling ({legacy}) and rope_parameters ({current}) disagree; transformers 4 reads the first, 5 prefers it too, so remove the one that is wrong"
+            "config.json's rope_scaling ({legacy}) and rope_parameters ({current}) disagree; transformers 4 and 5 both read rope_scaling, so make rope_parameters match it or remove it"
         )),
         _ => unreachable!("two layouts at most"),
     }
@@ -251,7 +253,7 @@ impl RopeSpec {
             .find(|k| !known.contains(&k.as_str()) && !takes.contains(&k.as_str()))
         {
             return Err(format!(
-                "config.json's {key} sets `{extra}`, which the {kind} rotary scaling does not take; this model would ignore it"
+                "config.json's {key} sets `{extra}`, which the {kind} rotary scaling does not take; this model would ignore it, so remove it"
             ));
         }
         let required = |name: &str| -> Result<f64, String> {
@@ -277,11 +279,25 @@ impl RopeSpec {
         })
     }
 
-    /// The scaling, a missing `original_max_position_embeddings` taken from the model's
-    /// `max_position_embeddings`, as transformers does.
-    fn resolve(&self, max_positions: usize) -> RopeScaling {
+    /// The scaling. llama3's `original_max_position_embeddings` comes from the rotary
+    /// settings, else from the top level (`top_context`, which transformers 5 prefers and 4
+    /// ignores: where both are given they must agree), else from `max_position_embeddings`.
+    fn resolve(
+        &self,
+        max_positions: usize,
+        top_context: Option<usize>,
+    ) -> Result<RopeScaling, String> {
         let value = |v: Option<f64>| v.expect("parse checked it");
-        match self.kind.as_str() {
+        let context = match (self.original_max_position_embeddings, top_context) {
+            (Some(inner), Some(top)) if inner != top && self.kind == "llama3" => {
+                return Err(format!(
+                    "config.json sets original_max_position_embeddings {top}, but its rotary settings say {inner}; transformers 5 would use the first, 4 the second, so make them agree"
+                ));
+            }
+            (Some(context), _) | (None, Some(context)) => context,
+            (None, None) => max_positions,
+        };
+        Ok(match self.kind.as_str() {
             "linear" => RopeScaling::Linear {
                 factor: value(self.factor),
             },
@@ -289,12 +305,10 @@ impl RopeSpec {
                 factor: value(self.factor),
                 low_freq_factor: value(self.low_freq_factor),
                 high_freq_factor: value(self.high_freq_factor),
-                original_max_position_embeddings: self
-                    .original_max_position_embeddings
-                    .unwrap_or(max_positions),
+                original_max_position_embeddings: context,
             },
             _ => RopeScaling::Default,
-        }
+        })
     }
 }
 
@@ -362,6 +376,8 @@ impl Fields<'_> {
     /// model computes; `why` says what the model does instead.
     fn refuse_unless(&self, key: &str, want: &Value, why: &str) -> Result<(), String> {
         match self.get(key) {
+            // transformers' other name for silu.
+            Some(value) if key == "hidden_act" && value == "swish" => Ok(()),
             Some(value) if !same_value(value, want) => {
                 Err(format!("config.json sets {key} to {value}: {why}"))
             }
@@ -521,6 +537,43 @@ mod tests {
             error.contains("rope_theta must be finite and positive"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn a_top_level_original_context_is_read_and_must_agree() {
+        // transformers 5 prefers the top level (Phi-3 writes it there); 4 reads the dict.
+        let mut json = hf_config(&tiny(500_000.0, LLAMA3));
+        json["original_max_position_embeddings"] = json!(64);
+        assert_eq!(parse_hf_config(&json), Ok(tiny(500_000.0, LLAMA3)));
+        json["original_max_position_embeddings"] = json!(128);
+        let error = parse_hf_config(&json).unwrap_err();
+        assert!(error.contains("make them agree"), "{error}");
+        // With none in the rotary settings, the top level's.
+        let config = json.as_object_mut().unwrap();
+        config.remove("rope_scaling");
+        config["rope_parameters"]
+            .as_object_mut()
+            .unwrap()
+            .remove("original_max_position_embeddings");
+        let parsed = parse_hf_config(&json).unwrap();
+        assert!(
+            matches!(
+                parsed.rope_scaling,
+                RopeScaling::Llama3 {
+                    original_max_position_embeddings: 128,
+                    ..
+                }
+            ),
+            "{:?}",
+            parsed.rope_scaling
+        );
+        // No heads is refused, not a division by zero.
+        json["num_attention_heads"] = json!(0);
+        let error = parse_hf_config(&json).unwrap_err();
+        assert!(error.contains("at least 1"), "{error}");
+        json["num_attention_heads"] = json!(4);
+        json["hidden_act"] = json!("swish");
+        assert!(parse_hf_config(&json).is_ok());
     }
 
     #[test]

@@ -238,8 +238,8 @@ struct EvalArgs {
     device: Device,
 }
 
-/// Fails before training, not after it, when `--save` or `--schedule-svg` cannot be written
-/// (`--metrics` is created before the first step anyway).
+/// Fails before reading the data and training, not after, when `--save`, `--metrics` or
+/// `--schedule-svg` cannot be written.
 fn check_outputs(args: &TrainArgs) -> Result<(), String> {
     let refuse = |flag: &str, path: &std::path::Path, e: std::io::Error| {
         format!(
@@ -254,7 +254,11 @@ fn check_outputs(args: &TrainArgs) -> Result<(), String> {
             .and_then(|_| std::fs::remove_file(&probe))
             .map_err(|e| refuse("--save", dir, e))?;
     }
-    if let Some(path) = &args.schedule_svg {
+    for (flag, path) in [
+        ("--metrics", &args.metrics),
+        ("--schedule-svg", &args.schedule_svg),
+    ] {
+        let Some(path) = path else { continue };
         // Open without truncating, so a file that is there stays as it was until the run
         // writes it; one that was not is removed again.
         let existed = path.exists();
@@ -266,7 +270,7 @@ fn check_outputs(args: &TrainArgs) -> Result<(), String> {
                 true => Ok(()),
                 false => std::fs::remove_file(path),
             })
-            .map_err(|e| refuse("--schedule-svg", path, e))?;
+            .map_err(|e| refuse(flag, path, e))?;
     }
     Ok(())
 }
@@ -373,7 +377,6 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         }
         model = stored;
     }
-    check_outputs(&args)?;
     let tokenizer = args
         .tokenizer
         .as_deref()
@@ -453,6 +456,7 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     config.nccl = args.nccl;
     config.init_from = args.init_from.clone();
     let layout = config.layout().map_err(|e| e.to_string())?;
+    check_outputs(&args)?;
 
     let data: Box<dyn Dataset> = match &args.data {
         Some(path) => match &tokenizer {

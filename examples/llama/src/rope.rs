@@ -231,6 +231,10 @@ mod tests {
             }
         }
         assert!(bands.iter().all(|&n| n > 0), "bands {bands:?}");
+        // Inside the blended band the value itself: transformers' formula evaluated in f64
+        // (wavelength 3619.2, smooth factor 0.4212).
+        let want = 0.000_856_751_412_919_632_1;
+        assert!((scaled[31] - want).abs() <= 1e-12 * want, "{}", scaled[31]);
         let linear = Rope {
             theta: 500_000.0,
             scaling: RopeScaling::Linear { factor: 2.0 },

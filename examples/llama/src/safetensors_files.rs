@@ -13,7 +13,8 @@ use serde_json::{Value, json};
 pub const SINGLE: &str = "model.safetensors";
 /// The index of a sharded checkpoint.
 pub const INDEX: &str = "model.safetensors.index.json";
-/// transformers' default shard limit (`max_shard_size="5GB"`, decimal gigabytes).
+/// transformers 4's default shard limit (`max_shard_size="5GB"`, decimal gigabytes; 5 writes
+/// 50GB shards), which both read.
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
 /// Writes `tensors` (f32) into `dir`: one file if they fit in `max_shard_bytes`, else shards
@@ -58,11 +59,18 @@ pub fn write(
 }
 
 /// Every tensor of the checkpoint in `dir`, in its stored dtype: from the index and its
-/// shards when there is an index, else from the single file.
+/// shards when there is an index, else from the single file. Both at once are refused, since
+/// transformers would read the single file and might not read the same weights.
 pub fn read(dir: &Path) -> Result<HashMap<String, TensorData>, String> {
     let index = dir.join(INDEX);
     if !index.exists() {
         return read_file(&dir.join(SINGLE));
+    }
+    if dir.join(SINGLE).exists() {
+        return Err(format!(
+            "{} holds both {SINGLE} and {INDEX}, which transformers would not read alike; remove the one that is stale",
+            dir.display()
+        ));
     }
     let text = std::fs::read_to_string(&index)
         .map_err(|e| format!("cannot read {}: {e}", index.display()))?;
@@ -256,6 +264,9 @@ mod tests {
         );
         let error = edit(json!({ "a": "model-00009-of-00009.safetensors" }));
         assert!(error.contains("cannot read"), "{error}");
+        std::fs::write(dir.join(SINGLE), b"").unwrap();
+        let error = read(&dir).unwrap_err();
+        assert!(error.contains("remove the one that is stale"), "{error}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 

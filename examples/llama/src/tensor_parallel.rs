@@ -111,18 +111,46 @@ fn norm<B: CommBackend>(
     Ok(norm.forward_scaled(x, tp.replicated(norm.weight.val())?))
 }
 
+/// The head split by vocabulary: a column-parallel linear of its own, or tied to the
+/// vocab-parallel embedding, whose rows (this rank's tokens) are the head's columns.
+pub enum TpHead<'a, B: Backend> {
+    /// Untied.
+    Own(&'a ColumnParallelLinear<B>),
+    /// Tied: the embedding's rows, transposed.
+    Tied(&'a VocabParallelEmbedding<B>),
+}
+
+impl<'a, B: Backend> TpHead<'a, B> {
+    /// The head of a part of the model holding `lm_head` and `embedding`: its own, or, when
+    /// the model is tied, the embedding, which must then be on the same part.
+    pub fn of(
+        lm_head: Option<&'a ColumnParallelLinear<B>>,
+        embedding: Option<&'a VocabParallelEmbedding<B>>,
+    ) -> Result<Self, TpError> {
+        match (lm_head, embedding) {
+            (Some(lm_head), _) => Ok(Self::Own(lm_head)),
+            (None, Some(embedding)) => Ok(Self::Tied(embedding)),
+            (None, None) => Err(TpError::Config(crate::train::TIED_NOT_SPLIT.into())),
+        }
+    }
+}
+
 /// Mean next-token cross-entropy of `targets` (`[batch, seq]`) from the last block's output
 /// `x`: the final norm, the vocab-parallel head, and the vocab-parallel cross-entropy, so the
 /// logits are never gathered. The same on every rank of the group.
 pub fn head_loss<B: TpBackend>(
     final_norm: &RmsNorm<B>,
-    lm_head: &ColumnParallelLinear<B>,
+    head: TpHead<'_, B>,
     x: Tensor<B, 3>,
     targets: Tensor<B, 2, Int>,
     tp: &TensorParallel,
 ) -> Result<Tensor<B, 1>, TpError> {
     let [batch, seq] = targets.dims();
-    let logits = lm_head.forward(norm(final_norm, x, tp)?)?;
+    let x = norm(final_norm, x, tp)?;
+    let logits = match head {
+        TpHead::Own(lm_head) => lm_head.forward(x)?,
+        TpHead::Tied(embedding) => tp.enter_matmul(x, embedding.weight.val().transpose())?,
+    };
     let vocab_part = logits.dims()[2];
     let losses = vocab_parallel_cross_entropy(
         logits.reshape([batch * seq, vocab_part]),
@@ -142,8 +170,8 @@ pub struct TpLlama<B: Backend> {
     /// The final norm (every rank holds it whole).
     pub norm: RmsNorm<B>,
     /// The head, split by vocabulary: its logits go to the vocab-parallel cross-entropy
-    /// without ever being gathered.
-    pub lm_head: ColumnParallelLinear<B>,
+    /// without ever being gathered. None when tied to the embedding.
+    pub lm_head: Option<ColumnParallelLinear<B>>,
     #[module(skip)]
     config: LlamaConfig,
     #[module(skip)]
@@ -190,9 +218,6 @@ impl<B: TpBackend> TpLlama<B> {
         tp: &TensorParallel,
     ) -> Result<Self, TpError> {
         check_split(config, tp.size(), false, 0).map_err(TpError::Config)?;
-        let lm_head = model
-            .lm_head
-            .ok_or_else(|| TpError::Config(crate::train::TIED_NOT_SPLIT.into()))?;
         let layers = model
             .layers
             .into_iter()
@@ -202,7 +227,10 @@ impl<B: TpBackend> TpLlama<B> {
             embed_tokens: VocabParallelEmbedding::from_full(model.embed_tokens.val(), tp)?,
             layers,
             norm: model.norm,
-            lm_head: ColumnParallelLinear::from_full(lm_head.val(), None, tp, false)?,
+            lm_head: model
+                .lm_head
+                .map(|head| ColumnParallelLinear::from_full(head.val(), None, tp, false))
+                .transpose()?,
             config: config.clone(),
             tp: tp.clone(),
         })
@@ -226,7 +254,8 @@ impl<B: TpBackend> TpLlama<B> {
         for layer in &self.layers {
             x = layer.forward(x, &positions)?;
         }
-        head_loss(&self.norm, &self.lm_head, x, targets, &self.tp)
+        let head = TpHead::of(self.lm_head.as_ref(), Some(&self.embed_tokens))?;
+        head_loss(&self.norm, head, x, targets, &self.tp)
     }
 
     /// The whole model, gathered from the group (a collective).
@@ -240,7 +269,11 @@ impl<B: TpBackend> TpLlama<B> {
             embed_tokens: Param::from_tensor(self.embed_tokens.full()?),
             layers,
             norm: self.norm.clone(),
-            lm_head: Some(Param::from_tensor(self.lm_head.full()?.0)),
+            lm_head: self
+                .lm_head
+                .as_ref()
+                .map(|head| head.full().map(|(weight, _)| Param::from_tensor(weight)))
+                .transpose()?,
         })
     }
 }

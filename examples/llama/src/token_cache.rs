@@ -13,6 +13,8 @@ use crate::model::fnv1a;
 use crate::tokenizer::TextTokenizer;
 
 const MAGIC: &[u8; 8] = b"LLMTOK01";
+/// Changes whenever the ids a text gets could change, so older caches are not read.
+const VERSION: &[u8] = b"tokenize-2: cut after a newline before a non-space";
 /// Text handed to the tokenizer at once, cut at a line's end.
 const CHUNK_BYTES: usize = 1 << 16;
 
@@ -30,7 +32,7 @@ pub fn tokens(path: &Path, tokenizer: &TextTokenizer) -> Result<Vec<u32>, String
     })?;
     let spec = std::fs::read(tokenizer.path())
         .map_err(|e| format!("cannot read {}: {e}", tokenizer.path().display()))?;
-    let cache = cache_path(path, fnv1a(spec.iter().chain(text.as_bytes())));
+    let cache = cache_path(path, key(&spec, &text));
     if let Some(ids) = read(&cache) {
         return Ok(ids);
     }
@@ -41,6 +43,23 @@ pub fn tokens(path: &Path, tokenizer: &TextTokenizer) -> Result<Vec<u32>, String
     Ok(ids)
 }
 
+/// The cache's key: this procedure's version, then the tokenizer's and the text's bytes, each
+/// after its length so that no two pairs run together alike.
+fn key(tokenizer: &[u8], text: &str) -> u64 {
+    let (first, second) = (
+        (tokenizer.len() as u64).to_le_bytes(),
+        (text.len() as u64).to_le_bytes(),
+    );
+    fnv1a(
+        VERSION
+            .iter()
+            .chain(&first)
+            .chain(tokenizer)
+            .chain(&second)
+            .chain(text.as_bytes()),
+    )
+}
+
 /// `FILE.<key>.tokens` beside `path`.
 pub fn cache_path(path: &Path, key: u64) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
@@ -48,8 +67,10 @@ pub fn cache_path(path: &Path, key: u64) -> PathBuf {
     path.with_file_name(name)
 }
 
-/// The text's ids, in chunks that end at a line's end (a pre-tokenizer splits there anyway,
-/// but for runs of blank lines cut at a chunk's end).
+/// The text's ids, in chunks cut where a pre-tokenizer splits anyway: after a newline that a
+/// non-space character follows (GPT-2's and Llama 3's patterns alike), so the ids are those
+/// of the whole text. A tokenizer that prepends something to every text it gets
+/// (SentencePiece's `▁`) would differ at each cut: such files are rarely longer than a chunk.
 fn tokenize(text: &str, tokenizer: &TextTokenizer) -> Result<Vec<u32>, String> {
     let bar = ProgressBar::new(text.len() as u64).with_style(
         ProgressStyle::with_template("tokenizing {bar:30} {bytes}/{total_bytes} {eta}")
@@ -58,21 +79,28 @@ fn tokenize(text: &str, tokenizer: &TextTokenizer) -> Result<Vec<u32>, String> {
     let mut ids = Vec::with_capacity(text.len() / 3);
     let mut rest = text;
     while !rest.is_empty() {
-        let mut end = rest.len().min(CHUNK_BYTES);
-        while !rest.is_char_boundary(end) {
-            end += 1;
-        }
-        if let Some(newline) = rest[end..].find('\n') {
-            end += newline + 1;
-        } else {
-            end = rest.len();
-        }
+        let end = cut(rest, CHUNK_BYTES);
         ids.extend(tokenizer.encode(&rest[..end], false)?);
         bar.inc(end as u64);
         rest = &rest[end..];
     }
     bar.finish_and_clear();
     Ok(ids)
+}
+
+/// Where to cut `text` at or after byte `from`: just after a newline followed by a character
+/// that is not white space; the end when there is no such newline.
+fn cut(text: &str, from: usize) -> usize {
+    let bytes = text.as_bytes();
+    (from.min(text.len())..text.len())
+        .find(|&i| {
+            bytes[i] == b'\n'
+                && text[i + 1..]
+                    .chars()
+                    .next()
+                    .is_some_and(|c| !c.is_whitespace())
+        })
+        .map_or(text.len(), |i| i + 1)
 }
 
 /// The cached ids, if the file is there and whole.
@@ -114,6 +142,20 @@ mod tests {
     use crate::tokenizer::tests::fixture;
 
     #[test]
+    fn chunks_are_cut_only_before_a_line_that_starts_with_text() {
+        let text = "ab\n\n\ncd\n  ef\n\tg\nh";
+        assert_eq!(
+            cut(text, 0),
+            5,
+            "after the last of the blank lines, before `cd`"
+        );
+        assert_eq!(cut(text, 5), 16, "not before an indented line: before `h`");
+        assert_eq!(cut(text, 17), text.len(), "no newline left");
+        assert_eq!(cut(text, 99), text.len());
+        assert_eq!(cut("é\nx", 0), 3, "byte offsets, past a two-byte character");
+    }
+
+    #[test]
     fn text_is_tokenized_once_then_read_from_its_cache() {
         let dir = std::env::temp_dir().join(format!("llama-token-cache-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -121,7 +163,11 @@ mod tests {
         let tokenizer = TextTokenizer::open(&fixture().join("tokenizer.json")).unwrap();
         // Longer than a chunk, with lines, so chunks are cut at lines' ends.
         let line = "Every strategy is proven against the single-device run, déjà vu.\n";
-        let text = line.repeat(2 * CHUNK_BYTES / line.len());
+        let mut text = line.repeat(CHUNK_BYTES / line.len() - 1);
+        // Blank lines and indented lines across the first chunk's end, which a cut inside
+        // them would tokenize apart.
+        text += &"\n\n\n  indented\n\t\n".repeat(16);
+        text += &line.repeat(CHUNK_BYTES / line.len());
         let data = dir.join("corpus.txt");
         std::fs::write(&data, &text).unwrap();
         let ids = tokens(&data, &tokenizer).unwrap();
@@ -129,13 +175,7 @@ mod tests {
         let caches: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
         assert_eq!(caches.len(), 2, "the data and one cache, no temporary left");
         // The second run reads the cache: tamper with it (keeping it whole) and see.
-        let key = fnv1a(
-            std::fs::read(tokenizer.path())
-                .unwrap()
-                .iter()
-                .chain(text.as_bytes()),
-        );
-        let cache = cache_path(&data, key);
+        let cache = cache_path(&data, key(&std::fs::read(tokenizer.path()).unwrap(), &text));
         write(&cache, &[7, 8, 9]).unwrap();
         assert_eq!(tokens(&data, &tokenizer).unwrap(), vec![7, 8, 9]);
         // A truncated cache is not trusted: the text is tokenized again and the cache mended.

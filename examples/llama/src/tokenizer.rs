@@ -25,9 +25,15 @@ impl TextTokenizer {
         &self.path
     }
 
-    /// Ids it can give, special tokens included: the model's vocabulary must hold them all.
+    /// One more than the largest id it can give, special tokens included: the model's
+    /// vocabulary must hold them all. (The crate's own count is of tokens, which is less when
+    /// ids leave gaps.)
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.inner
+            .get_vocab(true)
+            .into_values()
+            .max()
+            .map_or(0, |id| id as usize + 1)
     }
 
     /// Refuses a model whose vocabulary is smaller than this tokenizer's.

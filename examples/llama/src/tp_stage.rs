@@ -15,7 +15,7 @@ use burn_tensor_parallel::{
 use crate::config::LlamaConfig;
 use crate::model::RmsNorm;
 use crate::pipeline::{LlamaStage, MicroBatch, stage_input, stage_positions};
-use crate::tensor_parallel::{TpBlock, head_loss};
+use crate::tensor_parallel::{TpBlock, TpHead, head_loss};
 use crate::train::TrainError;
 
 /// A run of consecutive tensor-parallel blocks, with the vocab-parallel embedding on the first
@@ -97,11 +97,16 @@ impl<B: AutodiffBackend + TpBackend> PipelineStage<B> for TpLlamaStage<B> {
         for layer in &self.layers {
             x = layer.forward(x, &positions)?;
         }
-        Ok(match (&self.norm, &self.lm_head) {
-            (Some(norm), Some(lm_head)) => {
-                StageOutput::Loss(head_loss(norm, lm_head, x, targets.clone(), &self.tp)?)
-            }
-            _ => StageOutput::Activation(x),
-        })
+        let Some(norm) = &self.norm else {
+            return Ok(StageOutput::Activation(x));
+        };
+        let head = TpHead::of(self.lm_head.as_ref(), self.embed_tokens.as_ref())?;
+        Ok(StageOutput::Loss(head_loss(
+            norm,
+            head,
+            x,
+            targets.clone(),
+            &self.tp,
+        )?))
     }
 }

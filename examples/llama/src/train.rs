@@ -33,7 +33,7 @@ use crate::tensor_parallel::{TpLlama, check_split};
 use crate::zero::Extras;
 
 /// Why a model with a tied head is refused where it would be split.
-pub const TIED_NOT_SPLIT: &str = "the model ties its head to its embedding (tie_word_embeddings), which is not yet split over --tp, --pp or ZeRO-3; train it with --dp and --zero 0, 1 or 2";
+pub const TIED_NOT_SPLIT: &str = "the model ties its head to its embedding (tie_word_embeddings), which is not yet split over --pp or ZeRO-3's units; train it with --dp, --tp and --zero 0, 1 or 2";
 
 /// How the data-parallel ranks share the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -205,9 +205,7 @@ impl TrainConfig {
         }
         check_split(&self.model, self.tp, self.sequence_parallel, self.seq_len)
             .map_err(TrainError::Config)?;
-        if self.model.tie_word_embeddings
-            && (self.tp > 1 || self.pp > 1 || self.zero == ZeroStage::Parameters)
-        {
+        if self.model.tie_word_embeddings && (self.pp > 1 || self.zero == ZeroStage::Parameters) {
             return Err(TrainError::Config(TIED_NOT_SPLIT.into()));
         }
         if self.strategy == Strategy::ParameterServer && self.tp > 1 {

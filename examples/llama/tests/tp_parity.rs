@@ -1,8 +1,8 @@
 //! Tensor parallelism against the oracle: `tiny` (4 query heads, 2 key/value heads) trained 20
 //! steps on one device and split over 2 and 4 tensor-parallel ranks (at 4 the key/value heads
 //! are shared by pairs of ranks), with sequence parallelism, and on a 2 x 2 data x tensor
-//! mesh, and with the communication overlapped by collective matmuls. The final weights are
-//! gathered from the shards.
+//! mesh, and with the communication overlapped by collective matmuls, and with the head tied to
+//! the vocab-parallel embedding. The final weights are gathered from the shards.
 //!
 //! Tolerances are in `common`: row-parallel layers sum partial matmuls across ranks, a
 //! different order from one device's single matmul.
@@ -65,4 +65,27 @@ fn overlapped_communication_matches_one_device() {
         &overlapped(2, 2, true, 1),
         "dp 2 x tp 2 + sp, 1 chunk",
     );
+}
+
+#[test]
+fn a_tied_head_matches_one_device_under_tensor_parallelism() {
+    // The head's columns are the vocab-parallel embedding's rows on every rank.
+    let mut base = config(Strategy::Single, 1);
+    base.model.tie_word_embeddings = true;
+    let oracle = run(&base);
+    let tied = |dp: usize, tp: usize, sp: bool| {
+        let mut config = base.clone();
+        config.strategy = if dp == 1 {
+            Strategy::Single
+        } else {
+            Strategy::Ddp
+        };
+        config.dp = dp;
+        config.tp = tp;
+        config.sequence_parallel = sp;
+        run(&config)
+    };
+    assert_close(&oracle, &tied(1, 2, false), "tied, tp 2");
+    assert_close(&oracle, &tied(1, 4, true), "tied, tp 4 + sp");
+    assert_close(&oracle, &tied(2, 2, true), "tied, dp 2 x tp 2 + sp");
 }

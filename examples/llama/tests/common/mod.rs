@@ -127,7 +127,8 @@ pub fn deviations(oracle: &Run, other: &Run) -> (Deviation, Deviation) {
                 at: 0,
             },
             |worst, (at, relative)| {
-                if relative > worst.relative {
+                // A NaN is the worst of all, so that a run gone NaN fails.
+                if relative.is_nan() || relative > worst.relative {
                     Deviation { relative, at }
                 } else {
                     worst

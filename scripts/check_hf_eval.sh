@@ -95,11 +95,27 @@ if refusal=$(cargo run --release --quiet -p llama -- eval --weights "$work/tied"
     exit 1
 fi
 grep -q "different \`lm_head.weight\`" <<<"$refusal" || { echo "$refusal" >&2; exit 1; }
-python3 - "$work/tied/model.safetensors.index.json" <<'PY'
-import json, sys
-index = json.load(open(sys.argv[1]))
-del index["weight_map"]["lm_head.weight"]
-json.dump(index, open(sys.argv[1], "w"))
+# Out of the index and out of its shard, rewritten without it.
+python3 - "$work/tied" lm_head.weight <<'PY'
+import json, os, struct, sys
+folder, name = sys.argv[1:3]
+index_path = os.path.join(folder, "model.safetensors.index.json")
+index = json.load(open(index_path))
+shard = os.path.join(folder, index["weight_map"].pop(name))
+data = open(shard, "rb").read()
+(length,) = struct.unpack("<Q", data[:8])
+header, body = json.loads(data[8:8 + length]), data[8 + length:]
+del header[name]
+kept, offset, parts = {}, 0, []
+for key, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+    start, end = entry["data_offsets"]
+    kept[key] = {**entry, "data_offsets": [offset, offset + end - start]}
+    parts.append(body[start:end])
+    offset += end - start
+text = json.dumps(kept).encode()
+text += b" " * (-len(text) % 8)
+open(shard, "wb").write(struct.pack("<Q", len(text)) + text + b"".join(parts))
+json.dump(index, open(index_path, "w"))
 PY
 
 sharp=""

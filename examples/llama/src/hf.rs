@@ -110,10 +110,15 @@ pub fn import<B: Backend>(
 /// A tied checkpoint may still hold the head: a copy of the embedding is dropped, but another
 /// tensor is refused, since transformers 4 would use the embedding and 5 this head.
 fn drop_tied_copy(tensors: &mut HashMap<String, TensorData>) -> Result<(), String> {
-    let Some(head) = tensors.get("lm_head.weight") else {
+    let (Some(head), Some(embedding)) = (
+        tensors.get("lm_head.weight"),
+        tensors.get("model.embed_tokens.weight"),
+    ) else {
+        // No head to drop, or no embedding, which the import names.
         return Ok(());
     };
-    if tensors.get("model.embed_tokens.weight") != Some(head) {
+    // Compared as f32, so a copy stored in another precision is still a copy.
+    if head.clone().convert::<f32>() != embedding.clone().convert::<f32>() {
         return Err("config.json ties the head to the embedding, but the checkpoint holds a different `lm_head.weight` (transformers 4 would use the embedding, 5 this head); set tie_word_embeddings to false to keep the head, or remove `lm_head.weight`".into());
     }
     tensors.remove("lm_head.weight");

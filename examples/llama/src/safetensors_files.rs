@@ -109,6 +109,14 @@ pub fn read(dir: &Path) -> Result<HashMap<String, TensorData>, String> {
             })?;
             tensors.insert(name.to_string(), data);
         }
+        let mut unlisted: Vec<&String> = stored.keys().collect();
+        unlisted.sort();
+        if let Some(name) = unlisted.first() {
+            return Err(format!(
+                "{shard} holds `{name}`, which {} does not list; a reader that loads whole shards would see it, so remove it or list it",
+                index.display()
+            ));
+        }
     }
     Ok(tensors)
 }
@@ -267,6 +275,20 @@ mod tests {
         std::fs::write(dir.join(SINGLE), b"").unwrap();
         let error = read(&dir).unwrap_err();
         assert!(error.contains("remove the one that is stale"), "{error}");
+        // A shard holding a tensor its index does not list.
+        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(&dir).unwrap();
+        let three = [
+            tensor("a", vec![1.0; 4]),
+            tensor("b", vec![2.0; 4]),
+            tensor("c", vec![3.0; 4]),
+        ];
+        write(&dir, &three, 32).unwrap();
+        let error = edit(json!({
+            "a": "model-00001-of-00002.safetensors",
+            "c": "model-00002-of-00002.safetensors",
+        }));
+        assert!(error.contains("holds `b`, which"), "{error}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 

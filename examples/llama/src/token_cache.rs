@@ -33,7 +33,8 @@ pub fn tokens(path: &Path, tokenizer: &TextTokenizer) -> Result<Vec<u32>, String
     let spec = std::fs::read(tokenizer.path())
         .map_err(|e| format!("cannot read {}: {e}", tokenizer.path().display()))?;
     let cache = cache_path(path, key(&spec, &text));
-    if let Some(ids) = read(&cache) {
+    let vocab = tokenizer.vocab_size() as u32;
+    if let Some(ids) = read(&cache).filter(|ids| ids.iter().all(|&id| id < vocab)) {
         return Ok(ids);
     }
     let ids = tokenize(&text, tokenizer)?;
@@ -70,8 +71,13 @@ pub fn cache_path(path: &Path, key: u64) -> PathBuf {
 /// The text's ids, in chunks cut where a pre-tokenizer splits anyway: after a newline that a
 /// non-space character follows (GPT-2's and Llama 3's patterns alike), so the ids are those
 /// of the whole text. A tokenizer that prepends something to every text it gets
-/// (SentencePiece's `▁`) would differ at each cut: such files are rarely longer than a chunk.
+/// (SentencePiece's `▁`) would differ at each cut, so it gets the whole text at once.
 fn tokenize(text: &str, tokenizer: &TextTokenizer) -> Result<Vec<u32>, String> {
+    let chunk = if tokenizer.cuts_cleanly()? {
+        CHUNK_BYTES
+    } else {
+        text.len()
+    };
     let bar = ProgressBar::new(text.len() as u64).with_style(
         ProgressStyle::with_template("tokenizing {bar:30} {bytes}/{total_bytes} {eta}")
             .expect("a valid template"),
@@ -79,7 +85,7 @@ fn tokenize(text: &str, tokenizer: &TextTokenizer) -> Result<Vec<u32>, String> {
     let mut ids = Vec::with_capacity(text.len() / 3);
     let mut rest = text;
     while !rest.is_empty() {
-        let end = cut(rest, CHUNK_BYTES);
+        let end = cut(rest, chunk);
         ids.extend(tokenizer.encode(&rest[..end], false)?);
         bar.inc(end as u64);
         rest = &rest[end..];
@@ -178,6 +184,9 @@ mod tests {
         let cache = cache_path(&data, key(&std::fs::read(tokenizer.path()).unwrap(), &text));
         write(&cache, &[7, 8, 9]).unwrap();
         assert_eq!(tokens(&data, &tokenizer).unwrap(), vec![7, 8, 9]);
+        // Ids the tokenizer cannot give make the cache stale: tokenized again.
+        write(&cache, &[7, 8, 320]).unwrap();
+        assert_eq!(tokens(&data, &tokenizer).unwrap(), ids);
         // A truncated cache is not trusted: the text is tokenized again and the cache mended.
         let bytes = std::fs::read(&cache).unwrap();
         std::fs::write(&cache, &bytes[..bytes.len() - 1]).unwrap();

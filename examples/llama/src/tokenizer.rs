@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,
+    /// One more than its largest id (the crate's own count is of tokens, which is less when
+    /// ids leave gaps).
+    vocab_size: usize,
 }
 
 impl TextTokenizer {
@@ -14,9 +17,15 @@ impl TextTokenizer {
     pub fn open(path: &Path) -> Result<Self, String> {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| format!("cannot load the tokenizer {}: {e}", path.display()))?;
+        let vocab_size = inner
+            .get_vocab(true)
+            .into_values()
+            .max()
+            .map_or(0, |id| id as usize + 1);
         Ok(Self {
             inner,
             path: path.to_path_buf(),
+            vocab_size,
         })
     }
 
@@ -26,14 +35,18 @@ impl TextTokenizer {
     }
 
     /// One more than the largest id it can give, special tokens included: the model's
-    /// vocabulary must hold them all. (The crate's own count is of tokens, which is less when
-    /// ids leave gaps.)
+    /// vocabulary must hold them all.
     pub fn vocab_size(&self) -> usize {
-        self.inner
-            .get_vocab(true)
-            .into_values()
-            .max()
-            .map_or(0, |id| id as usize + 1)
+        self.vocab_size
+    }
+
+    /// Whether text cut at a line's end gets the ids of the whole: false for a tokenizer that
+    /// prepends something to every text it is given (SentencePiece's `▁`).
+    pub fn cuts_cleanly(&self) -> Result<bool, String> {
+        let whole = self.encode("ab\ncd", false)?;
+        let mut parts = self.encode("ab\n", false)?;
+        parts.extend(self.encode("cd", false)?);
+        Ok(whole == parts)
     }
 
     /// Refuses a model whose vocabulary is smaller than this tokenizer's.

@@ -73,7 +73,7 @@ fn a_tied_head_matches_one_device_under_tensor_parallelism() {
     let mut base = config(Strategy::Single, 1);
     base.model.tie_word_embeddings = true;
     let oracle = run(&base);
-    let tied = |dp: usize, tp: usize, sp: bool| {
+    let tied = |dp: usize, tp: usize, sp: bool, chunks: usize| {
         let mut config = base.clone();
         config.strategy = if dp == 1 {
             Strategy::Single
@@ -83,9 +83,10 @@ fn a_tied_head_matches_one_device_under_tensor_parallelism() {
         config.dp = dp;
         config.tp = tp;
         config.sequence_parallel = sp;
+        config.tp_overlap = chunks;
         run(&config)
     };
-    assert_close(&oracle, &tied(1, 2, false), "tied, tp 2");
-    assert_close(&oracle, &tied(1, 4, true), "tied, tp 4 + sp");
-    assert_close(&oracle, &tied(2, 2, true), "tied, dp 2 x tp 2 + sp");
+    assert_close(&oracle, &tied(1, 2, false, 0), "tied, tp 2");
+    assert_close(&oracle, &tied(1, 4, true, 2), "tied, tp 4 + sp, 2 chunks");
+    assert_close(&oracle, &tied(2, 2, true, 0), "tied, dp 2 x tp 2 + sp");
 }

@@ -78,7 +78,7 @@ pub fn parse_hf_config(json: &Value) -> Result<LlamaConfig, String> {
         (
             "hidden_act",
             json!("silu"),
-            "this model's MLP is SwiGLU, with silu",
+            "this model's MLP is SwiGLU, with silu (or swish, its other name)",
         ),
         (
             "attention_dropout",
@@ -223,7 +223,7 @@ impl RopeSpec {
         let theta = match (object.float("rope_theta")?, top_theta) {
             (Some(inner), Some(top)) if inner != top => {
                 return Err(format!(
-                    "config.json sets rope_theta {top}, but its {key} sets rope_theta {inner}"
+                    "config.json sets rope_theta {top}, but its {key} sets rope_theta {inner}; transformers 4 and 5 would each read another, so make them agree"
                 ));
             }
             (Some(theta), _) | (None, Some(theta)) => theta,

@@ -162,21 +162,25 @@ impl TrainConfig {
                 self.lr
             )));
         }
-        if self.steps == 0 || self.seq_len == 0 {
-            return Err(TrainError::Config(
-                "--steps and --seq-len must be at least 1".into(),
-            ));
+        let counts = [
+            ("--steps", Some(self.steps)),
+            ("--seq-len", Some(self.seq_len)),
+            ("--batch-size", Some(self.batch_size)),
+            ("--dp", Some(self.dp)),
+            ("--tp", Some(self.tp)),
+            ("--pp", Some(self.pp)),
+            ("--virtual-stages", Some(self.virtual_stages)),
+            ("--micro-batch-size", self.micro_batch_size),
+            ("--grad-accum", self.grad_accum),
+        ];
+        if let Some((flag, _)) = counts.iter().find(|(_, count)| *count == Some(0)) {
+            return Err(TrainError::Config(format!("{flag} must be at least 1")));
         }
         if self.strategy == Strategy::Single && self.dp != 1 {
             return Err(TrainError::Config(format!(
                 "the single-device strategy runs one rank, not --dp {}; choose --strategy ddp or parameter-server",
                 self.dp
             )));
-        }
-        if self.tp == 0 || self.pp == 0 {
-            return Err(TrainError::Config(
-                "--tp and --pp must be at least 1".into(),
-            ));
         }
         if self.pp > 1 && self.strategy == Strategy::ParameterServer {
             return Err(TrainError::Config(

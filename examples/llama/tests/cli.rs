@@ -332,7 +332,16 @@ fn plan_prints_every_stage_of_the_papers_example() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 32] = [
+    let cases: [(&[&str], &str); 35] = [
+        (&["train", "--dp", "0"], "--dp must be at least 1"),
+        (
+            &["train", "--batch-size", "0"],
+            "--batch-size must be at least 1",
+        ),
+        (
+            &["train", "--pp", "2", "--virtual-stages", "0"],
+            "--virtual-stages must be at least 1",
+        ),
         (
             &["train", "--save", "/proc/llama-weights"],
             "--save /proc/llama-weights: ",

@@ -96,12 +96,10 @@ pub fn import<B: Backend>(
     source
         .tensors
         .retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
-    let mut unused: Vec<&String> = source.tensors.keys().collect();
-    unused.sort();
-    if let Some(first) = unused.first() {
+    if let Some(first) = source.tensors.keys().min() {
         return Err(format!(
             "the checkpoint holds {} tensor(s) this model has no place for, such as `{first}`; it is not a plain Llama of this config",
-            unused.len()
+            source.tensors.len()
         ));
     }
     Ok(model)

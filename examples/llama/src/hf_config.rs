@@ -327,48 +327,35 @@ impl Fields<'_> {
     }
 
     fn optional_size(&self, key: &str) -> Result<Option<usize>, String> {
-        self.get(key)
-            .map(|v| {
-                v.as_u64()
-                    .map(|n| n as usize)
-                    .ok_or_else(|| format!("config.json's `{key}` is {v}, not a whole number"))
-            })
-            .transpose()
+        self.typed(key, "a whole number", |v| v.as_u64().map(|n| n as usize))
     }
 
     fn float(&self, key: &str) -> Result<Option<f64>, String> {
-        self.get(key)
-            .map(|v| {
-                v.as_f64()
-                    .ok_or_else(|| format!("config.json's `{key}` is {v}, not a number"))
-            })
-            .transpose()
+        self.typed(key, "a number", Value::as_f64)
     }
 
     fn boolean(&self, key: &str) -> Result<Option<bool>, String> {
-        self.get(key)
-            .map(|v| {
-                v.as_bool()
-                    .ok_or_else(|| format!("config.json's `{key}` is {v}, not true or false"))
-            })
-            .transpose()
+        self.typed(key, "true or false", Value::as_bool)
     }
 
     fn string(&self, key: &str) -> Result<Option<&str>, String> {
-        self.get(key)
-            .map(|v| {
-                v.as_str()
-                    .ok_or_else(|| format!("config.json's `{key}` is {v}, not a string"))
-            })
-            .transpose()
+        self.typed(key, "a string", Value::as_str)
     }
 
     fn object(&self, key: &str) -> Result<Option<&Map<String, Value>>, String> {
+        self.typed(key, "an object", Value::as_object)
+    }
+
+    /// `key`'s value read by `read`, if present; a sentence naming `what` it should be when
+    /// `read` cannot.
+    fn typed<'v, T>(
+        &'v self,
+        key: &str,
+        what: &str,
+        read: impl Fn(&'v Value) -> Option<T>,
+    ) -> Result<Option<T>, String> {
         self.get(key)
-            .map(|v| {
-                v.as_object()
-                    .ok_or_else(|| format!("config.json's `{key}` is {v}, not an object"))
-            })
+            .map(|v| read(v).ok_or_else(|| format!("config.json's `{key}` is {v}, not {what}")))
             .transpose()
     }
 
@@ -539,6 +526,17 @@ mod tests {
         );
     }
 
+    /// `json` as transformers 5 writes it (rope_parameters only), with no
+    /// original_max_position_embeddings in it.
+    fn drop_original_context(json: &mut Value) {
+        let config = json.as_object_mut().unwrap();
+        config.remove("rope_scaling");
+        config["rope_parameters"]
+            .as_object_mut()
+            .unwrap()
+            .remove("original_max_position_embeddings");
+    }
+
     #[test]
     fn a_top_level_original_context_is_read_and_must_agree() {
         // transformers 5 prefers the top level (Phi-3 writes it there); 4 reads the dict.
@@ -549,12 +547,7 @@ mod tests {
         let error = parse_hf_config(&json).unwrap_err();
         assert!(error.contains("make them agree"), "{error}");
         // With none in the rotary settings, the top level's.
-        let config = json.as_object_mut().unwrap();
-        config.remove("rope_scaling");
-        config["rope_parameters"]
-            .as_object_mut()
-            .unwrap()
-            .remove("original_max_position_embeddings");
+        drop_original_context(&mut json);
         let parsed = parse_hf_config(&json).unwrap();
         assert!(
             matches!(
@@ -579,12 +572,7 @@ mod tests {
     #[test]
     fn a_missing_original_context_is_the_models_own() {
         let mut json = hf_config(&tiny(500_000.0, LLAMA3));
-        let config = json.as_object_mut().unwrap();
-        config.remove("rope_scaling");
-        config["rope_parameters"]
-            .as_object_mut()
-            .unwrap()
-            .remove("original_max_position_embeddings");
+        drop_original_context(&mut json);
         let parsed = parse_hf_config(&json).unwrap();
         let RopeScaling::Llama3 {
             original_max_position_embeddings,

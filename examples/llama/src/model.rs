@@ -309,10 +309,8 @@ impl<B: Backend> Llama<B> {
 
     /// The head's weight, `[hidden, vocab]`: its own, or the embedding's transpose when tied.
     pub fn head_weight(&self) -> Tensor<B, 2> {
-        match &self.lm_head {
-            Some(lm_head) => lm_head.val(),
-            None => self.embed_tokens.val().transpose(),
-        }
+        head_weight(self.lm_head.as_ref(), Some(&self.embed_tokens))
+            .expect("the whole model holds its embedding")
     }
 
     /// Logits `[batch, seq, vocab]` for `tokens` `[batch, seq]`.
@@ -341,6 +339,20 @@ pub fn embed<B: Backend>(table: &Param<Tensor<B, 2>>, tokens: Tensor<B, 2, Int>)
         .val()
         .select(0, tokens.reshape([batch * seq]))
         .reshape([batch, seq, hidden])
+}
+
+/// The head's weight `[hidden, vocab]` of a part of the model holding `lm_head` and
+/// `embedding`: its own, or, tied, the embedding's transpose; none when the model is tied and
+/// the embedding is elsewhere.
+pub fn head_weight<B: Backend>(
+    lm_head: Option<&Param<Tensor<B, 2>>>,
+    embedding: Option<&Param<Tensor<B, 2>>>,
+) -> Option<Tensor<B, 2>> {
+    match (lm_head, embedding) {
+        (Some(lm_head), _) => Some(lm_head.val()),
+        (None, Some(embedding)) => Some(embedding.val().transpose()),
+        (None, None) => None,
+    }
 }
 
 /// The final norm and the head `weight` `[hidden, vocab]`: logits `[batch, seq, vocab]` of

@@ -22,7 +22,7 @@ use burn_zero::{ShardedDataParallel, ZeroStage};
 use serde::Serialize;
 
 use crate::config::LlamaConfig;
-use crate::model::{Block, Llama, Positions, RmsNorm, embed, head, next_token_loss};
+use crate::model::{Block, Llama, Positions, RmsNorm, embed, head, head_weight, next_token_loss};
 use crate::tp_stage::TpLlamaStage;
 use crate::train::{Batches, StepMetrics, TrainConfig, TrainError, reduce_scalar};
 use crate::zero::ZeroStep;
@@ -65,12 +65,8 @@ impl<B: AutodiffBackend> PipelineStage<B> for LlamaStage<B> {
         let Some(norm) = &self.norm else {
             return Ok(StageOutput::Activation(x));
         };
-        let weight = match (&self.lm_head, &self.embed_tokens) {
-            (Some(lm_head), _) => lm_head.val(),
-            // Tied, and the only stage: the embedding is here.
-            (None, Some(embedding)) => embedding.val().transpose(),
-            (None, None) => return Err(TrainError::Config(crate::train::TIED_NOT_SPLIT.into())),
-        };
+        let weight = head_weight(self.lm_head.as_ref(), self.embed_tokens.as_ref())
+            .ok_or_else(|| TrainError::Config(crate::train::TIED_NOT_SPLIT.into()))?;
         Ok(StageOutput::Loss(next_token_loss(
             head(norm, weight, x),
             targets.clone(),

@@ -109,9 +109,7 @@ pub fn read(dir: &Path) -> Result<HashMap<String, TensorData>, String> {
             })?;
             tensors.insert(name.to_string(), data);
         }
-        let mut unlisted: Vec<&String> = stored.keys().collect();
-        unlisted.sort();
-        if let Some(name) = unlisted.first() {
+        if let Some(name) = stored.keys().min() {
             return Err(format!(
                 "{shard} holds `{name}`, which {} does not list; a reader that loads whole shards would see it, so remove it or list it",
                 index.display()

@@ -157,6 +157,20 @@ pub fn load<B: AutodiffBackend, M: AutodiffModule<B>>(
     module.map(&mut loader)
 }
 
+/// `module` with every float parameter (frozen ones too) replaced by `root`'s, so every replica
+/// starts equal.
+pub fn broadcast<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: M,
+    comm: &Communicator,
+    root: usize,
+) -> Result<M, CommError> {
+    let mut values = Vec::new();
+    for slot in slots::<B, M>(&module) {
+        values.push(comm.broadcast(slot.value, root)?);
+    }
+    Ok(load::<B, M>(module, values))
+}
+
 struct Loader<B: AutodiffBackend> {
     values: std::vec::IntoIter<Tensor<Inner<B>, 1>>,
 }

@@ -64,6 +64,17 @@ impl DistributedSampler {
         self
     }
 
+    /// The same sampler (rank, shuffle, seed, tail) over a dataset of `len` samples.
+    pub fn resized(&self, len: usize) -> Result<Self, DdpError> {
+        Ok(Self {
+            len,
+            ..Self::new(len, self.world, self.rank)?
+        }
+        .with_shuffle(self.shuffle)
+        .with_seed(self.seed)
+        .with_drop_last(self.drop_last))
+    }
+
     /// Samples this rank reads per epoch.
     pub fn num_samples(&self) -> usize {
         if self.drop_last {

@@ -25,7 +25,7 @@ mod strategy;
 mod training;
 
 pub use backward::{backward, last_sync_stats};
-pub use burn_ddp::{DdpConfig, DdpStepStats};
+pub use burn_ddp::{BackwardHooks, DdpConfig, DdpStepStats, per_rank_batch};
 pub use loader::DistributedDataLoader;
 pub use quiet::{QuietLogger, QuietRenderer};
 pub use strategy::DataParallelStrategy;

@@ -48,6 +48,16 @@ fn decide(all: &[i64]) -> Agreement {
     }
 }
 
+/// The ranks whose `ok` is false, the same list on every rank.
+pub(crate) fn ranks_failing<B: Backend>(
+    comm: &Communicator,
+    device: &Device<B>,
+    ok: bool,
+) -> Result<Vec<usize>, CommError> {
+    let all = from_ints(comm.all_gather(to_ints::<B>(&[ok as i64], device), 0)?);
+    Ok((0..all.len()).filter(|&r| all[r] == 0).collect())
+}
+
 /// The lead's (rank 0's) `flag`, on every rank.
 pub(crate) fn agree_on_lead<B: Backend>(
     comm: &Communicator,

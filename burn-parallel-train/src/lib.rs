@@ -29,4 +29,4 @@ pub use burn_ddp::{BackwardHooks, DdpConfig, DdpStepStats, per_rank_batch};
 pub use loader::DistributedDataLoader;
 pub use quiet::{QuietLogger, QuietRenderer};
 pub use strategy::DataParallelStrategy;
-pub use training::DataParallelTraining;
+pub use training::{DataParallelTraining, rank_directory};

@@ -16,7 +16,9 @@ use burn_train::{
     TrainingModel, ValidLoader,
 };
 
-use crate::agree::{Agreement, agree, agree_on_lead};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use crate::agree::{Agreement, agree, agree_on_lead, ranks_failing};
 use crate::backward;
 
 type Inner<LC> = <<LC as LearningComponentsTypes>::Backend as AutodiffBackend>::InnerBackend;
@@ -39,6 +41,7 @@ pub struct DataParallelStrategy<LC: LearningComponentsTypes> {
     comm: Communicator,
     device: Device<LC::Backend>,
     config: DdpConfig,
+    checkpoint_every_rank: bool,
 }
 
 impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
@@ -48,7 +51,19 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
             comm,
             device,
             config: DdpConfig::new(),
+            checkpoint_every_rank: false,
         }
+    }
+
+    /// Every rank writes and resumes from its own checkpoint, as a sharded optimizer
+    /// (burn-zero's `ZeroAdamW`) needs: each rank holds a different part of its state. Give
+    /// each rank its own directory ([`crate::rank_directory`]) and a checkpointing strategy
+    /// that does not read metrics (`KeepLastNCheckpoints`), since only rank 0 has them. Off
+    /// (the default), rank 0 alone writes one checkpoint that every rank resumes from, which
+    /// is right when the replicas and their optimizer states are identical (DDP).
+    pub fn with_checkpoints_on_every_rank(mut self, every_rank: bool) -> Self {
+        self.checkpoint_every_rank = every_rank;
+        self
     }
 
     /// DDP's settings: bucket size, overlap (used by [`crate::backward`]), unused parameters.
@@ -156,6 +171,15 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
     }
 }
 
+/// The text of a caught panic.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(text), _) => text.to_string(),
+        (_, Some(text)) => text.clone(),
+        _ => "a panic without a message".into(),
+    }
+}
+
 /// Interrupts this rank too, saying who asked, unless it was this rank.
 fn stop_with_peer(interrupter: &Interrupter, rank: usize) {
     if !interrupter.should_stop() {
@@ -181,7 +205,25 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for DataParalle
                         "asked to resume after epoch {epoch}, but no checkpointer is set; add .with_file_checkpointer(..)"
                     ))
                 };
-                learner = checkpointer.load_checkpoint(learner, &self.device, epoch);
+                // burn-train panics on a missing file; every rank says whether it loaded, so
+                // none is left waiting and the error names the ranks.
+                let loaded = catch_unwind(AssertUnwindSafe(|| {
+                    checkpointer.load_checkpoint(learner.clone(), &self.device, epoch)
+                }));
+                let failing = ranks_failing::<Inner<LC>>(&self.comm, &self.device, loaded.is_ok())
+                    .unwrap_or_else(|e| self.fail(e));
+                match loaded {
+                    Ok(resumed) if failing.is_empty() => learner = resumed,
+                    loaded => {
+                        let here = match loaded {
+                            Err(panic) => format!(" (here: {})", panic_message(&*panic)),
+                            Ok(_) => String::new(),
+                        };
+                        self.fail(format!(
+                            "the checkpoint of epoch {epoch} could not be loaded on rank(s) {failing:?}{here}; check that it exists in each rank's checkpoint directory"
+                        ))
+                    }
+                }
                 epoch + 1
             }
             None => 1,
@@ -285,9 +327,13 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
             let mut stop = false;
             if let Some(valid) = &valid {
                 Self::valid_epoch(&learner, valid, &interrupter, &mut events, &progress);
-                if let Some(checkpointer) = &mut checkpointer {
-                    checkpointer.checkpoint(&learner, epoch, &components.event_store);
-                }
+            }
+            if let Some(checkpointer) = &mut checkpointer
+                && (self.is_lead() || self.checkpoint_every_rank)
+            {
+                checkpointer.checkpoint(&learner, epoch, &components.event_store);
+            }
+            if self.is_lead() {
                 stop = early_stopping
                     .as_mut()
                     .is_some_and(|e| e.should_stop(epoch, &components.event_store));

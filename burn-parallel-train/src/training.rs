@@ -36,3 +36,15 @@ impl<LC: LearningComponentsTypes + 'static> DataParallelTraining<LC> for Supervi
         }
     }
 }
+
+/// `base` for rank 0 (its metrics, logs and checkpoints), `base/rank-R` for rank R: where each
+/// rank's checkpoints go when every rank writes its own.
+pub fn rank_directory(
+    base: impl AsRef<std::path::Path>,
+    comm: &Communicator,
+) -> std::path::PathBuf {
+    match comm.rank() {
+        0 => base.as_ref().to_path_buf(),
+        rank => base.as_ref().join(format!("rank-{rank}")),
+    }
+}

@@ -11,14 +11,14 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::module::{Module, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::optim::AdamConfig;
+use burn::optim::{AdamConfig, AdamWConfig, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_comm::{RankError, launch};
 use burn_parallel_train::{
     DataParallelStrategy, DataParallelTraining, DdpConfig, DdpStepStats, DistributedDataLoader,
-    last_sync_stats,
+    last_sync_stats, rank_directory,
 };
 use burn_train::checkpoint::KeepLastNCheckpoints;
 use burn_train::metric::LossMetric;
@@ -26,6 +26,7 @@ use burn_train::{
     ClassificationOutput, InferenceStep, Interrupter, Learner, SupervisedTraining, TrainOutput,
     TrainStep,
 };
+use burn_zero::ZeroAdamW;
 
 type AD = Autodiff<Flex>;
 const FEATURES: usize = 4;
@@ -184,6 +185,10 @@ struct Setup {
     shuffle: Option<u64>,
     checkpoint: Option<usize>,
     overlap: bool,
+    /// ZeRO-1 (burn-zero's ZeroAdamW) on the ranks, burn's AdamW on one device; else Adam.
+    zero: bool,
+    /// Every rank checkpoints into its own directory.
+    checkpoint_every_rank: bool,
 }
 
 impl Setup {
@@ -196,15 +201,17 @@ impl Setup {
             shuffle: None,
             checkpoint: None,
             overlap: false,
+            zero: false,
+            checkpoint_every_rank: false,
         }
     }
 
     /// burn-train as a user writes it, on `train`, checkpointing every epoch into `dir`.
-    fn training(
+    fn training<O: Optimizer<Net<AD>, AD> + 'static>(
         &self,
         dir: &Path,
         train: std::sync::Arc<dyn burn::data::dataloader::DataLoader<AD, Batch<AD>>>,
-    ) -> SupervisedTraining<burn_train::LearningComponentsMarker<AD, f64, Net<AD>, AdamOf>> {
+    ) -> SupervisedTraining<Components<O>> {
         let valid = DataLoaderBuilder::new(SampleBatcher)
             .batch_size(16)
             .build(dataset(32));
@@ -223,10 +230,8 @@ impl Setup {
         training
     }
 
-    fn learner(
-        seed: u64,
-    ) -> Learner<burn_train::LearningComponentsMarker<AD, f64, Net<AD>, AdamOf>> {
-        Learner::new(Net::new(seed), AdamConfig::new().init(), 1e-2)
+    fn learner<O: Optimizer<Net<AD>, AD> + 'static>(seed: u64, optim: O) -> Learner<Components<O>> {
+        Learner::new(Net::new(seed), optim, 1e-2)
     }
 
     /// On one device with burn's own strategy: burn's loader, or ours at world 1 when shuffled.
@@ -248,8 +253,36 @@ impl Setup {
         };
         LOSSES.with(|l| l.borrow_mut().clear());
         OVERLAP.with(|o| *o.borrow_mut() = self.overlap);
-        let model = self.training(dir, train).launch(Self::learner(0)).model;
+        let model = if self.zero {
+            let optim = AdamWConfig::new().init();
+            self.training(dir, train).launch(Self::learner(0, optim))
+        } else {
+            let optim = AdamConfig::new().init();
+            self.training(dir, train).launch(Self::learner(0, optim))
+        }
+        .model;
         (LOSSES.with(|l| l.take()), model.weights())
+    }
+
+    /// One rank's training: the strategy with small buckets (so a step has several to
+    /// overlap); the rank interrupts itself after `stop_after` steps.
+    fn rank_training<O: Optimizer<Net<AD>, AD> + 'static>(
+        &self,
+        dir: &Path,
+        train: std::sync::Arc<dyn burn::data::dataloader::DataLoader<AD, Batch<AD>>>,
+        comm: &burn_comm::Communicator,
+        stop_after: Option<usize>,
+    ) -> SupervisedTraining<Components<O>> {
+        let strategy = DataParallelStrategy::new(comm.clone(), Default::default())
+            .with_config(DdpConfig::new().with_bucket_cap_bytes(128))
+            .with_checkpoints_on_every_rank(self.checkpoint_every_rank);
+        let training = self
+            .training(dir, train)
+            .with_data_parallel_strategy(strategy);
+        if let Some(after) = stop_after {
+            STOP_AFTER.with(|s| *s.borrow_mut() = Some((after, training.interrupter())));
+        }
+        training
     }
 
     /// On `world` ranks: every rank's losses and weights. Rank `stop.0` interrupts itself after
@@ -273,18 +306,25 @@ impl Setup {
             if let Some(seed) = self.shuffle {
                 train = train.with_shuffle(seed);
             }
-            // Small buckets, so a step has several to overlap.
-            let strategy = DataParallelStrategy::new(comm, Default::default())
-                .with_config(DdpConfig::new().with_bucket_cap_bytes(128));
-            let training = self
-                .training(dir, train.into_arc())
-                .with_data_parallel_strategy(strategy);
-            if let Some((rank, after)) = stop.filter(|(rank, _)| *rank == ctx.rank()) {
-                let _ = rank;
-                STOP_AFTER.with(|s| *s.borrow_mut() = Some((after, training.interrupter())));
-            }
+            let dir = match self.checkpoint_every_rank {
+                true => rank_directory(dir, &comm),
+                false => dir.to_path_buf(),
+            };
+            let train = train.into_arc();
             // Different weights on every rank: rank 0's must win.
-            let model = training.launch(Self::learner(ctx.rank() as u64)).model;
+            let seed = ctx.rank() as u64;
+            let stop_after = stop.filter(|(rank, _)| *rank == ctx.rank()).map(|(_, n)| n);
+            let model = if self.zero {
+                let optim =
+                    ZeroAdamW::new(&AdamWConfig::new(), comm.clone()).map_err(|e| e.to_string())?;
+                self.rank_training(&dir, train, &comm, stop_after)
+                    .launch(Self::learner(seed, optim))
+            } else {
+                let optim = AdamConfig::new().init();
+                self.rank_training(&dir, train, &comm, stop_after)
+                    .launch(Self::learner(seed, optim))
+            }
+            .model;
             Ok(RankRun {
                 losses: LOSSES.with(|l| l.take()),
                 weights: model.weights(),
@@ -301,7 +341,7 @@ struct RankRun {
     stats: Option<DdpStepStats>,
 }
 
-type AdamOf = burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Net<AD>, AD>;
+type Components<O> = burn_train::LearningComponentsMarker<AD, f64, Net<AD>, O>;
 
 /// Losses step by step: the mean of the ranks' (equal shares of each global batch).
 fn mean_over_ranks(ranks: &[RankRun]) -> Vec<f32> {
@@ -439,7 +479,7 @@ fn a_rank_whose_own_loader_runs_dry_is_named_and_nobody_hangs() {
         let training = Setup::new()
             .training(dir.path(), train)
             .data_parallel(ctx.world().clone(), Default::default());
-        training.launch(Setup::learner(0));
+        training.launch(Setup::learner(0, AdamConfig::new().init()));
         Ok::<_, String>(())
     });
     let message = results
@@ -500,4 +540,75 @@ fn a_resume_from_a_checkpoint_equals_the_uninterrupted_run() {
             "rank {r}'s weights after resuming"
         );
     }
+}
+
+#[test]
+fn zero_adamw_on_the_ranks_trains_as_burn_s_adamw_on_one_device() {
+    let setup = Setup {
+        zero: true,
+        ..Setup::new()
+    };
+    check_parity(&setup, 2);
+    check_parity(&setup, 4);
+}
+
+#[test]
+fn a_sharded_optimizer_resumes_from_every_rank_s_own_checkpoint() {
+    let setup = Setup {
+        zero: true,
+        shuffle: Some(5),
+        checkpoint_every_rank: true,
+        ..Setup::new()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let whole = unwrap_all(setup.parallel(2, &dir.path().join("whole"), None));
+    let part = dir.path().join("part");
+    let first = Setup {
+        epochs: 2,
+        ..setup.clone()
+    };
+    unwrap_all(first.parallel(2, &part, None));
+    assert!(part.join("rank-1/checkpoint/optim-2.mpk").exists());
+    let resumed = Setup {
+        checkpoint: Some(2),
+        ..setup.clone()
+    };
+    let rest = unwrap_all(resumed.parallel(2, &part, None));
+    let per_epoch = setup.samples / setup.global_batch;
+    for (r, (whole, rest)) in whole.iter().zip(&rest).enumerate() {
+        assert_eq!(
+            rest.losses,
+            whole.losses[2 * per_epoch..],
+            "rank {r}'s losses"
+        );
+        assert_eq!(
+            rest.weights, whole.weights,
+            "rank {r}'s weights after resuming"
+        );
+    }
+
+    // Rank 0's checkpoint alone cannot resume a sharded optimizer: refused, naming why.
+    let shared = dir.path().join("shared");
+    let lead_only = Setup {
+        checkpoint_every_rank: false,
+        ..first
+    };
+    unwrap_all(lead_only.parallel(2, &shared, None));
+    let resumed = Setup {
+        checkpoint_every_rank: false,
+        ..resumed
+    };
+    let errors: Vec<String> = resumed
+        .parallel(2, &shared, None)
+        .into_iter()
+        .filter_map(|r| r.err().map(|e| e.to_string()))
+        .collect();
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("could not be loaded on rank(s) [1]")
+                && e.contains("holds the optimizer shard of rank 0 of 2")),
+        "{errors:?}"
+    );
 }

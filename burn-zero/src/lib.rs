@@ -6,6 +6,8 @@
 //!   to split into one equal part per rank, with views back to every parameter.
 //! - [`ShardedDataParallel`]: stages 1 (optimizer state) and 2 (and gradients, reduce-scattered
 //!   during backward).
+//! - [`ZeroAdamW`]: stage 1 as a burn `Optimizer` (PyTorch's `ZeroRedundancyOptimizer`), for
+//!   loops that average gradients themselves, such as burn-train's under burn-parallel-train.
 //! - [`FullyShardedDataParallel`]: stage 3 (and parameters): each unit is gathered just before
 //!   its forward and its backward, and let go after.
 //! - [`MixedPrecision`]: bf16 or f16 parameters and gradients, fp32 master weights in each
@@ -23,6 +25,7 @@ mod memory;
 mod optimizer;
 mod precision;
 mod reducer;
+mod redundancy;
 mod sharded;
 
 pub use error::ZeroError;
@@ -31,4 +34,5 @@ pub use fully_sharded::FullyShardedDataParallel;
 pub use memory::{ModelStateBytes, Precision, ZeroStage, estimate};
 pub use optimizer::ShardedAdamW;
 pub use precision::{LossScaleConfig, MixedPrecision, StepOutcome};
+pub use redundancy::{ZeroAdamW, ZeroAdamWRecord};
 pub use sharded::{ShardedDataParallel, ZeroConfig, ZeroStepStats};

@@ -14,6 +14,7 @@ use crate::precision::cast;
 
 /// The optimizer state of one rank's shard: first and second moments, fp32, and the fp32
 /// master weights when the parameters are kept in 16 bits.
+#[derive(Clone)]
 pub struct ShardedAdamW<B: Backend> {
     adamw: FusedAdamW,
     state: Option<AdamWState<B, 1>>,
@@ -66,6 +67,17 @@ impl<B: Backend> ShardedAdamW<B> {
             self.master = Some(updated.clone());
         }
         updated
+    }
+
+    /// The moments, once a step has made them.
+    pub fn state(&self) -> Option<&AdamWState<B, 1>> {
+        self.state.as_ref()
+    }
+
+    /// Replaces the moments (a checkpoint's).
+    pub fn with_state(mut self, state: Option<AdamWState<B, 1>>) -> Self {
+        self.state = state;
+        self
     }
 
     /// Steps taken so far.

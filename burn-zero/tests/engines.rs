@@ -506,3 +506,44 @@ fn gradients_from_outside_at_the_engines_loss_scale_match_its_own_backward() {
         assert_eq!(inside, outside);
     }
 }
+
+/// ZeroAdamW (ZeRO-1 as a burn `Optimizer`) given DDP's averaged gradients steps every replica
+/// exactly as burn's AdamW does, holding 1/world of the moments on each rank.
+#[test]
+fn zero_adamw_matches_burn_s_adamw_with_a_shard_of_the_state() {
+    let run = |world: usize, sharded: bool| {
+        launch(world, |ctx| {
+            let comm = ctx.world().clone();
+            let mut ddp = DistributedDataParallel::new(Net::new(), comm.clone(), DdpConfig::new())?;
+            let mut zero = burn_zero::ZeroAdamW::new(&adamw(), comm.clone()).unwrap();
+            let mut plain = adamw().init::<AD, Net<AD>>();
+            for step in 0..3 {
+                let loss = ddp.module().loss(batch(ctx.rank(), step), true);
+                let grads = ddp.backward(loss)?;
+                if sharded {
+                    ddp.step(&mut zero, 1e-2, grads);
+                } else {
+                    ddp.step(&mut plain, 1e-2, grads);
+                }
+            }
+            Ok::<_, burn_ddp::DdpError>((weights(ddp.module()), zero.state_bytes()))
+        })
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect::<Vec<_>>()
+    };
+    for world in [2, 3] {
+        let plain = run(world, false);
+        let zero = run(world, true);
+        // 75 parameters padded to a multiple of the group, two fp32 moments of one share.
+        let shard = 75usize.div_ceil(world);
+        for (rank, ((want, _), (got, state))) in plain.iter().zip(&zero).enumerate() {
+            assert_eq!(got, want, "rank {rank} of {world}");
+            assert_eq!(
+                *state,
+                2 * 4 * shard,
+                "rank {rank} of {world} holds its share"
+            );
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! ZeRO stage 1 as a burn `Optimizer` (PyTorch's `ZeroRedundancyOptimizer`): it takes the
+//! gradients a data-parallel loop has already averaged, steps AdamW on this rank's shard of the
+//! flat parameters only, so each rank holds 1/N of the moments, and all-gathers the updated
+//! shards into every replica. It drops into any loop that calls `Optimizer::step`: burn-train's
+//! `Learner` under burn-parallel-train's strategy, or a hand-written DDP loop.
+
+use burn::module::AutodiffModule;
+use burn::optim::{
+    AdamWConfig, AdamWState, AdaptiveMomentumState, GradientsParams, MultiGradientsParams,
+    Optimizer,
+};
+use burn::record::Record;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor};
+use burn_comm::Communicator;
+use burn_ddp::MissingGradient;
+use burn_ddp::params::{self, ParamSlot};
+
+use crate::optimizer::{ShardedAdamW, to_f32};
+use crate::{FlatLayout, ZeroError};
+
+type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+
+/// Parameters per flat unit, in bytes: units are all-gathered one by one after the step.
+const UNIT_CAP_BYTES: usize = 25 << 20;
+
+/// AdamW with its state sharded over a data-parallel group (ZeRO-1).
+///
+/// Every rank must pass the same, already averaged, gradients (DDP's or the strategy's), and a
+/// gradient for every trainable parameter: the flat shard steps all of its elements.
+#[derive(Clone)]
+pub struct ZeroAdamW<B: AutodiffBackend> {
+    comm: Communicator,
+    adamw: ShardedAdamW<Inner<B>>,
+    /// Built from the module at the first step.
+    layout: Option<FlatLayout>,
+}
+
+/// What [`ZeroAdamW`] checkpoints: this rank's shard of the moments, and whose shard it is.
+#[derive(Record, Clone)]
+pub struct ZeroAdamWRecord<B: burn::tensor::backend::Backend> {
+    /// The rank whose shard this is.
+    pub rank: usize,
+    /// The group size it was sharded over.
+    pub world: usize,
+    /// The moments of the shard (none before the first step).
+    pub state: Option<AdamWState<B, 1>>,
+}
+
+impl<B: AutodiffBackend> ZeroAdamW<B> {
+    /// AdamW as `config` describes it, sharded over `comm`. A config that clips gradients is
+    /// refused: burn clips each parameter's gradient alone, which a shard cannot reproduce.
+    pub fn new(config: &AdamWConfig, comm: Communicator) -> Result<Self, ZeroError> {
+        Ok(Self {
+            comm,
+            adamw: ShardedAdamW::new(config)?,
+            layout: None,
+        })
+    }
+
+    /// Bytes of optimizer state this rank holds (none before the first step).
+    pub fn state_bytes(&self) -> usize {
+        self.adamw.state_bytes()
+    }
+
+    fn try_step<M: AutodiffModule<B>>(
+        &mut self,
+        lr: f64,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<M, ZeroError> {
+        let all = params::slots::<B, M>(&module);
+        let trainable: Vec<usize> = (0..all.len()).filter(|&i| all[i].require_grad).collect();
+        let slots: Vec<&ParamSlot<B>> = trainable.iter().map(|&i| &all[i]).collect();
+        if let Some(slot) = slots.iter().find(|s| s.dtype != DType::F32) {
+            return Err(ZeroError::Config(format!(
+                "ZeroAdamW steps f32 parameters; `{}` is {:?} (for 16-bit parameters use burn-zero's ShardedDataParallel with MixedPrecision)",
+                slot.name, slot.dtype
+            )));
+        }
+        let mut missing = Vec::new();
+        let grad: Vec<Tensor<Inner<B>, 1>> = slots
+            .iter()
+            .map(|slot| {
+                (slot.take_param)(&mut grads).unwrap_or_else(|| {
+                    missing.push(MissingGradient {
+                        name: slot.name.clone(),
+                        ranks: vec![self.comm.rank()],
+                    });
+                    Tensor::zeros([slot.numel], &slot.device)
+                })
+            })
+            .collect();
+        if !missing.is_empty() {
+            return Err(ZeroError::MissingGradients(missing));
+        }
+        let layout = self.layout(&slots)?;
+        let rank = self.comm.rank();
+        let values: Vec<Tensor<Inner<B>, 1>> = slots.iter().map(|s| s.value.clone()).collect();
+        let units = 0..layout.units.len();
+        let shard = |of: &[Tensor<Inner<B>, 1>]| {
+            params::concat(
+                units
+                    .clone()
+                    .map(|u| layout.shard_of(u, rank, of))
+                    .collect(),
+            )
+        };
+        let grad = to_f32(shard(&grad));
+        let weights = shard(&values);
+        let updated = self.adamw.step(lr, grad, || weights);
+
+        // Every unit's shards gathered, all in flight at once.
+        let gathers: Vec<_> = layout
+            .split_shard(updated)
+            .into_iter()
+            .map(|part| self.comm.all_gather_async(part, 0))
+            .collect();
+        let mut new_values: Vec<Option<Tensor<Inner<B>, 1>>> = vec![None; all.len()];
+        for (unit, work) in gathers.into_iter().enumerate() {
+            let full = work.wait()?;
+            for (&p, value) in layout.units[unit]
+                .params
+                .iter()
+                .zip(layout.unflatten(unit, full))
+            {
+                new_values[trainable[p]] = Some(value);
+            }
+        }
+        let values = all
+            .iter()
+            .zip(new_values)
+            .map(|(slot, new)| new.unwrap_or_else(|| slot.value.clone()))
+            .collect();
+        Ok(params::load::<B, M>(module, values))
+    }
+
+    /// The layout of the first step, checked against this step's parameters.
+    fn layout(&mut self, slots: &[&ParamSlot<B>]) -> Result<FlatLayout, ZeroError> {
+        let numels: Vec<usize> = slots.iter().map(|s| s.numel).collect();
+        if let Some(layout) = &self.layout {
+            if layout.numels != numels {
+                return Err(ZeroError::Config(format!(
+                    "the module's trainable parameters changed since ZeroAdamW's first step ({} of them then, {} now); build a new ZeroAdamW for a new module",
+                    layout.numels.len(),
+                    numels.len()
+                )));
+            }
+            return Ok(layout.clone());
+        }
+        let dtypes = vec![DType::F32; numels.len()];
+        let order: Vec<usize> = (0..numels.len()).collect();
+        let layout =
+            FlatLayout::bucketed(&numels, &dtypes, &order, UNIT_CAP_BYTES, self.comm.size())?;
+        self.layout = Some(layout.clone());
+        Ok(layout)
+    }
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> Optimizer<M, B> for ZeroAdamW<B> {
+    type Record = ZeroAdamWRecord<B>;
+
+    fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
+        self.try_step(lr, module, grads).unwrap_or_else(|e| {
+            panic!(
+                "ZeroAdamW's step failed on rank {} of {}: {e}",
+                self.comm.rank(),
+                self.comm.size()
+            )
+        })
+    }
+
+    fn step_multi(&mut self, lr: f64, module: M, grads: MultiGradientsParams) -> M {
+        // burn-train's multi-device strategy; this optimizer is for one device per rank.
+        let _ = (lr, &module, grads);
+        panic!(
+            "ZeroAdamW takes one device's gradients per rank; burn-train's multi-device strategy is not data parallelism over a group, use burn-parallel-train's strategy"
+        )
+    }
+
+    fn to_record(&self) -> ZeroAdamWRecord<B> {
+        ZeroAdamWRecord {
+            rank: self.comm.rank(),
+            world: self.comm.size(),
+            state: self.adamw.state().map(|s| {
+                let m = &s.momentum;
+                AdamWState::new(AdaptiveMomentumState {
+                    time: m.time,
+                    moment_1: Tensor::from_inner(m.moment_1.clone()),
+                    moment_2: Tensor::from_inner(m.moment_2.clone()),
+                    max_moment_2: m.max_moment_2.clone().map(Tensor::from_inner),
+                })
+            }),
+        }
+    }
+
+    fn load_record(self, record: ZeroAdamWRecord<B>) -> Self {
+        let (rank, world) = (self.comm.rank(), self.comm.size());
+        if (record.rank, record.world) != (rank, world) {
+            panic!(
+                "this ZeroAdamW checkpoint holds the optimizer shard of rank {} of {}, and this is rank {rank} of {world}: give every rank its own checkpoint directory and resume with the same number of ranks",
+                record.rank, record.world
+            );
+        }
+        let state = record.state.map(|s| {
+            let m = s.momentum;
+            AdamWState::new(AdaptiveMomentumState {
+                time: m.time,
+                moment_1: m.moment_1.inner(),
+                moment_2: m.moment_2.inner(),
+                max_moment_2: m.max_moment_2.map(Tensor::inner),
+            })
+        });
+        Self {
+            adamw: self.adamw.with_state(state),
+            ..self
+        }
+    }
+}

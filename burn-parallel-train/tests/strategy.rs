@@ -15,11 +15,13 @@ use burn::optim::{AdamConfig, AdamWConfig, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
+use burn_comm::parallel::CommBackend;
 use burn_comm::{RankError, launch};
 use burn_parallel_train::{
     DataParallelStrategy, DataParallelTraining, DdpConfig, DdpStepStats, DistributedDataLoader,
     last_sync_stats, rank_directory,
 };
+use burn_tensor_parallel::{ColumnParallelLinear, RowParallelLinear, TensorParallel};
 use burn_train::checkpoint::KeepLastNCheckpoints;
 use burn_train::metric::LossMetric;
 use burn_train::{
@@ -611,4 +613,105 @@ fn a_sharded_optimizer_resumes_from_every_rank_s_own_checkpoint() {
                 && e.contains("holds the optimizer shard of rank 0 of 2")),
         "{errors:?}"
     );
+}
+
+/// The test network with its layers split over a tensor-parallel group: `w1` by columns,
+/// `w2` by rows (Megatron's MLP), built from the full network's weights.
+#[derive(Module, Debug)]
+struct TpNet<B: Backend> {
+    up: ColumnParallelLinear<B>,
+    down: RowParallelLinear<B>,
+}
+
+impl<B: CommBackend> TpNet<B> {
+    fn new(full: Net<B>, tp: &TensorParallel) -> Self {
+        Self {
+            up: ColumnParallelLinear::from_full(full.w1.val(), Some(full.b1.val()), tp, false)
+                .unwrap(),
+            down: RowParallelLinear::from_full(full.w2.val(), None, tp, true).unwrap(),
+        }
+    }
+
+    fn forward(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        let hidden = self.up.forward(batch.x).unwrap().tanh();
+        let logits = self.down.forward(hidden).unwrap();
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.clone(), batch.y.clone());
+        ClassificationOutput::new(loss, logits, batch.y)
+    }
+}
+
+impl TrainStep for TpNet<AD> {
+    type Input = Batch<AD>;
+    type Output = ClassificationOutput<AD>;
+
+    fn step(&self, batch: Batch<AD>) -> TrainOutput<ClassificationOutput<AD>> {
+        let output = self.forward(batch);
+        LOSSES.with(|l| l.borrow_mut().push(output.loss.clone().into_scalar()));
+        burn_parallel_train::backward(self, output.loss.clone(), output)
+    }
+}
+
+impl InferenceStep for TpNet<Flex> {
+    type Input = Batch<Flex>;
+    type Output = ClassificationOutput<Flex>;
+
+    fn step(&self, batch: Batch<Flex>) -> ClassificationOutput<Flex> {
+        self.forward(batch)
+    }
+}
+
+#[test]
+fn tensor_parallel_layers_train_under_the_strategy_over_the_data_parallel_group() {
+    let setup = Setup::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (want, _) = setup.single(&dir.path().join("single"));
+    let (dp, tp) = (2, 2);
+    let runs = launch(dp * tp, |ctx| {
+        let mesh = ctx
+            .mesh(&[("dp", dp), ("tp", tp)])
+            .map_err(|e| e.to_string())?;
+        let (dp_comm, tp_comm) = (mesh.group("dp").unwrap(), mesh.group("tp").unwrap());
+        let tensor_parallel = TensorParallel::new(tp_comm.clone());
+        // Every rank but dp rank 0's differs: the strategy broadcasts over dp only, so each
+        // tensor-parallel shard must come from its own dp rank 0.
+        let model = TpNet::<AD>::new(Net::new(dp_comm.rank() as u64), &tensor_parallel);
+        let train = DistributedDataLoader::new(
+            SampleBatcher,
+            dataset(setup.samples),
+            setup.global_batch / dp,
+            dp_comm,
+        )
+        .map_err(|e| e.to_string())?;
+        let valid = DataLoaderBuilder::new(SampleBatcher)
+            .batch_size(16)
+            .build(dataset(32));
+        // Each tensor-parallel rank's lead keeps its own shard, logs and checkpoints.
+        let mut training =
+            SupervisedTraining::new(rank_directory(dir.path(), tp_comm), train.into_arc(), valid)
+                .metrics((LossMetric::new(),))
+                .num_epochs(setup.epochs)
+                .with_application_logger(None)
+                .data_parallel(dp_comm.clone(), Default::default());
+        if tp_comm.rank() != 0 {
+            training = training.renderer(burn_parallel_train::QuietRenderer);
+        }
+        LOSSES.with(|l| l.borrow_mut().clear());
+        let optim = AdamConfig::new().init();
+        training.launch(Learner::new(model, optim, 1e-2));
+        Ok::<_, String>((dp_comm.rank(), LOSSES.with(|l| l.take())))
+    });
+    let runs: Vec<(usize, Vec<f32>)> = runs
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
+        .collect();
+    for tp_rank in 0..tp {
+        // Global rank = dp coordinate * tp + tp coordinate.
+        let column: Vec<&Vec<f32>> = (0..dp).map(|d| &runs[d * tp + tp_rank].1).collect();
+        let mean: Vec<f32> = (0..want.len())
+            .map(|s| column.iter().map(|l| l[s]).sum::<f32>() / dp as f32)
+            .collect();
+        assert_close(&format!("tp rank {tp_rank}'s loss"), &mean, &want, 1e-5);
+    }
 }

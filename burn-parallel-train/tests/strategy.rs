@@ -24,9 +24,10 @@ use burn_parallel_train::{
 use burn_tensor_parallel::{ColumnParallelLinear, RowParallelLinear, TensorParallel};
 use burn_train::checkpoint::KeepLastNCheckpoints;
 use burn_train::metric::LossMetric;
+use burn_train::metric::store::EventStoreClient;
 use burn_train::{
-    ClassificationOutput, InferenceStep, Interrupter, Learner, SupervisedTraining, TrainOutput,
-    TrainStep,
+    ClassificationOutput, EarlyStoppingStrategy, InferenceStep, Interrupter, Learner,
+    SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_zero::ZeroAdamW;
 
@@ -713,5 +714,48 @@ fn tensor_parallel_layers_train_under_the_strategy_over_the_data_parallel_group(
             .map(|s| column.iter().map(|l| l[s]).sum::<f32>() / dp as f32)
             .collect();
         assert_close(&format!("tp rank {tp_rank}'s loss"), &mean, &want, 1e-5);
+    }
+}
+
+/// Stops after `after` epochs.
+#[derive(Clone)]
+struct StopAfter(usize);
+
+impl EarlyStoppingStrategy for StopAfter {
+    fn should_stop(&mut self, epoch: usize, _store: &EventStoreClient) -> bool {
+        epoch >= self.0
+    }
+}
+
+#[test]
+fn rank_zero_s_early_stopping_stops_every_rank() {
+    let setup = Setup::new();
+    let dir = tempfile::tempdir().unwrap();
+    let runs = launch(3, |ctx| {
+        let comm = ctx.world().clone();
+        let train = DistributedDataLoader::new(
+            SampleBatcher,
+            dataset(setup.samples),
+            setup.global_batch / 4,
+            &comm,
+        )
+        .map_err(|e| e.to_string())?;
+        // The other ranks' own strategies would stop at once: only rank 0's may count.
+        let after = if comm.rank() == 0 { 2 } else { 1 };
+        let training = setup
+            .training(dir.path(), train.into_arc())
+            .early_stopping(StopAfter(after))
+            .data_parallel(comm, Default::default());
+        LOSSES.with(|l| l.borrow_mut().clear());
+        training.launch(Setup::learner(0, AdamConfig::new().init()));
+        Ok::<_, String>(LOSSES.with(|l| l.take()).len())
+    });
+    let per_epoch = setup.samples.div_ceil(3).div_ceil(setup.global_batch / 4);
+    for (rank, steps) in runs.into_iter().enumerate() {
+        assert_eq!(
+            steps.unwrap(),
+            2 * per_epoch,
+            "rank {rank} trained 2 of 3 epochs"
+        );
     }
 }

@@ -95,9 +95,10 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
         interrupter: &Interrupter,
         events: &mut SupervisedTrainingEventProcessor<LC>,
         epoch: &Progress,
-    ) {
+    ) -> EpochEnd {
         let mut iterator = loader.iter();
         stepper.start_epoch();
+        let mut end = EpochEnd::Done;
         let mut iteration = 0;
         loop {
             let item = iterator.next();
@@ -111,6 +112,7 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
                 Ok(Agreement::EpochDone) => break,
                 Ok(Agreement::Stop { rank }) => {
                     stop_with_peer(interrupter, rank);
+                    end = EpochEnd::Stopped;
                     break;
                 }
                 Ok(Agreement::Uneven { dry, with_batch }) => self.fail(format!(
@@ -139,9 +141,11 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
         if self.is_lead() {
             events.process_train(LearnerEvent::EndEpoch(epoch.items_processed));
         }
+        end
     }
 
-    /// The lead's validation epoch over the whole validation set.
+    /// The lead's validation epoch, over whatever its validation loader gives it: pass an
+    /// ordinary loader (not a `DistributedDataLoader`) to score the whole validation set.
     fn valid_epoch(
         learner: &Learner<LC>,
         loader: &ValidLoader<LC>,
@@ -169,6 +173,13 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
         }
         events.process_valid(LearnerEvent::EndEpoch(epoch.items_processed));
     }
+}
+
+/// How a training epoch ended, the same on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EpochEnd {
+    Done,
+    Stopped,
 }
 
 /// The text of a caught panic.
@@ -210,15 +221,15 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for DataParalle
                 let loaded = catch_unwind(AssertUnwindSafe(|| {
                     checkpointer.load_checkpoint(learner.clone(), &self.device, epoch)
                 }));
+                let here = match &loaded {
+                    Err(panic) => format!(" (here: {})", panic_message(&**panic)),
+                    Ok(_) => String::new(),
+                };
                 let failing = ranks_failing::<Inner<LC>>(&self.comm, &self.device, loaded.is_ok())
-                    .unwrap_or_else(|e| self.fail(e));
+                    .unwrap_or_else(|e| self.fail(format!("{e}{here}")));
                 match loaded {
                     Ok(resumed) if failing.is_empty() => learner = resumed,
-                    loaded => {
-                        let here = match loaded {
-                            Err(panic) => format!(" (here: {})", panic_message(&*panic)),
-                            Ok(_) => String::new(),
-                        };
+                    _ => {
                         self.fail(format!(
                             "the checkpoint of epoch {epoch} could not be loaded on rank(s) {failing:?}{here}; check that it exists in each rank's checkpoint directory"
                         ))
@@ -311,7 +322,7 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
         let interrupter = components.interrupter;
         for epoch in starting_epoch..=components.num_epochs {
             let progress = Progress::new(epoch, components.num_epochs);
-            self.train_epoch(
+            let end = self.train_epoch(
                 &mut learner,
                 &train,
                 &mut stepper,
@@ -319,7 +330,9 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
                 &mut events,
                 &progress,
             );
-            if interrupter.should_stop() {
+            // The group's decision, not this rank's interrupter, which may have been set since:
+            // a late interrupt is taken up by the next epoch's first agreement.
+            if end == EpochEnd::Stopped {
                 let reason = interrupter.get_message().unwrap_or("reason unknown".into());
                 log::info!("Training interrupted: {reason}");
                 break;

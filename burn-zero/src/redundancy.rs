@@ -140,10 +140,16 @@ impl<B: AutodiffBackend> ZeroAdamW<B> {
         let numels: Vec<usize> = slots.iter().map(|s| s.numel).collect();
         if let Some(layout) = &self.layout {
             if layout.numels != numels {
+                let changed = (0..numels.len().max(layout.numels.len()))
+                    .find(|&i| layout.numels.get(i) != numels.get(i))
+                    .expect("the lists differ somewhere");
+                let name = slots.get(changed).map_or("(none)", |s| s.name.as_str());
                 return Err(ZeroError::Config(format!(
-                    "the module's trainable parameters changed since ZeroAdamW's first step ({} of them then, {} now); build a new ZeroAdamW for a new module",
+                    "the module's trainable parameters changed since ZeroAdamW's first step: {} then, {} now, first differing at #{changed} `{name}` ({:?} elements then, {:?} now); build a new ZeroAdamW for a new module",
                     layout.numels.len(),
-                    numels.len()
+                    numels.len(),
+                    layout.numels.get(changed),
+                    numels.get(changed)
                 )));
             }
             return Ok(layout.clone());

@@ -7,17 +7,14 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{BasicOps, DType, Element, Tensor, TensorCreationOptions};
+use burn::tensor::{BasicOps, DType, Element, Tensor, TensorCreationOptions, TensorData};
 
 use crate::call::{Call, Op};
-use crate::kernels::{self, Region};
-use crate::local::{Group, Post, lock};
-use crate::shared::SharedBuffer;
+use crate::kernels;
+use crate::local::lock;
 use crate::stats::CommStats;
+use crate::transport::{Retired, Stream, Transport};
 use crate::{CommError, ReduceOp};
-
-/// Elements per cache line of the smallest element type: all-reduce slices start on one.
-const SLICE_ALIGN: usize = 64;
 
 /// What the worker thread is asked to do.
 enum Job {
@@ -27,34 +24,13 @@ enum Job {
     Free(Vec<Retired>),
 }
 
-type Retired = Box<dyn std::any::Any + Send>;
-
-/// A stream's state, held by whoever runs its next call (the worker, or a blocking caller while
-/// the stream is idle): calls are numbered in the order they run.
-struct Stream {
-    seq: u64,
-    /// Buffers a call is done with, freed after its caller has the result.
-    retired: Vec<Retired>,
-}
-
-impl Stream {
-    fn next_seq(&mut self) -> u64 {
-        self.seq += 1;
-        self.seq - 1
-    }
-
-    /// Frees `data` later, off the caller's critical path (freeing a large buffer unmaps it).
-    fn retire(&mut self, data: impl Send + 'static) {
-        self.retired.push(Box::new(data));
-    }
-}
-
 pub(crate) struct Inner {
-    pub(crate) group: Arc<Group>,
+    /// The transport that moves this group's data on host memory.
+    pub(crate) transport: Arc<dyn Transport>,
     /// This rank's index in the group.
     pub(crate) rank: usize,
-    /// The NCCL communicator that moves this group's data, when it is on NCCL; else the local
-    /// transport does.
+    /// The NCCL communicator that moves this group's data, when it is on NCCL; else
+    /// `transport` does.
     #[cfg(feature = "cuda")]
     pub(crate) nccl: Option<crate::nccl::Nccl>,
     jobs: Mutex<mpsc::Sender<Job>>,
@@ -114,28 +90,26 @@ impl<T> Work<T> {
 }
 
 impl Communicator {
-    /// Rank `rank` of `group`, on the local transport.
-    pub(crate) fn new(group: Arc<Group>, rank: usize) -> Self {
+    /// Rank `rank` of a group whose data `transport` moves.
+    pub(crate) fn new(transport: Arc<dyn Transport>, rank: usize) -> Self {
         Self::spawn(
-            group,
+            transport,
             rank,
             #[cfg(feature = "cuda")]
             None,
         )
     }
 
-    /// Rank `rank` of `group`, whose data NCCL moves when `nccl` is given.
+    /// Rank `rank` of a group, whose data NCCL moves when `nccl` is given (the transport then
+    /// keeps the group's bookkeeping only).
     pub(crate) fn spawn(
-        group: Arc<Group>,
+        transport: Arc<dyn Transport>,
         rank: usize,
         #[cfg(feature = "cuda")] nccl: Option<crate::nccl::Nccl>,
     ) -> Self {
         let (jobs, queue) = mpsc::channel::<Job>();
-        let name = format!("comm-{}-{}", group.name(), group.members()[rank]);
-        let stream = Arc::new(Mutex::new(Stream {
-            seq: 0,
-            retired: Vec::new(),
-        }));
+        let name = format!("comm-{}-{}", transport.name(), transport.members()[rank]);
+        let stream = Arc::new(Mutex::new(Stream::new()));
         let worker_stream = stream.clone();
         std::thread::Builder::new()
             .name(name)
@@ -156,7 +130,7 @@ impl Communicator {
             .expect("the OS refused to start a communication thread");
         Self {
             inner: Arc::new(Inner {
-                group,
+                transport,
                 rank,
                 #[cfg(feature = "cuda")]
                 nccl,
@@ -176,22 +150,22 @@ impl Communicator {
 
     /// The number of ranks in the group.
     pub fn size(&self) -> usize {
-        self.inner.group.members().len()
+        self.inner.transport.members().len()
     }
 
     /// This rank's index in the launched world.
     pub fn global_rank(&self) -> usize {
-        self.inner.group.members()[self.inner.rank]
+        self.inner.transport.members()[self.inner.rank]
     }
 
     /// The global ranks of the group, in group-rank order.
     pub fn ranks(&self) -> &[usize] {
-        self.inner.group.members()
+        self.inner.transport.members()
     }
 
     /// The group's name, as errors print it.
     pub fn group_name(&self) -> &str {
-        self.inner.group.name()
+        self.inner.transport.name()
     }
 
     /// Calls and payload bytes issued on this group by this rank (all clones of this handle
@@ -249,16 +223,16 @@ impl Communicator {
                 })
             })
         };
-        let world = self.inner.group.world();
+        let transport = &self.inner.transport;
         let jobs = || lock(&self.inner.jobs);
         if self.inline {
             let mut stream = lock(&self.inner.stream);
             if self.inner.queued.load(Ordering::SeqCst) == 0 {
-                world.job_started(rank);
+                transport.job_started(rank);
                 let _ = done.send(run(&self.inner, &mut stream));
                 let retired = std::mem::take(&mut stream.retired);
                 drop(stream);
-                world.job_finished(rank);
+                transport.job_finished(rank);
                 if !retired.is_empty() {
                     // Freeing a large buffer unmaps it: the worker does it, off this thread.
                     let _ = jobs().send(Job::Free(retired));
@@ -268,37 +242,37 @@ impl Communicator {
         }
         let inner = self.inner.clone();
         let call = Box::new(move |stream: &mut Stream| {
-            let _ = done.send(run(&inner, stream));
+            let result = run(&inner, stream);
             inner.queued.fetch_sub(1, Ordering::SeqCst);
-            inner.group.world().job_finished(rank);
+            inner.transport.job_finished(rank);
+            // Let go of the group before the caller learns the result: a process that then
+            // ends (and finalises MPI) must not find a group still held here.
+            drop(inner);
+            let _ = done.send(result);
         });
         // Counted before it is queued: a blocking caller that then finds the count at 0 under
         // the stream's lock knows no earlier call is waiting to run.
         self.inner.queued.fetch_add(1, Ordering::SeqCst);
-        world.job_started(rank);
+        transport.job_started(rank);
         // The worker catches every panic and lives as long as any handle, so this should not
         // fail; if it does, `wait` reports the lost thread and the job must not count as queued
         // or pending.
         if jobs().send(Job::Run(call)).is_err() {
             self.inner.queued.fetch_sub(1, Ordering::SeqCst);
-            world.job_finished(rank);
+            transport.job_finished(rank);
         }
         work
     }
 
     /// Submits a collective on `tensor`: every rank joins it even when `checked` refused its
-    /// arguments (see [`refuse`]), and a single-rank group returns `tensor` as it is.
+    /// arguments (see [`refuse`]), and a single-rank group returns `tensor` as it is. `body`
+    /// runs the host path; NCCL, when the group is on it, is taken before.
     fn collective<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         &self,
         call: Call,
         checked: Result<(), CommError>,
         tensor: Tensor<B, D, K>,
-        body: impl FnOnce(
-            &Inner,
-            &mut Stream,
-            Call,
-            Tensor<B, D, K>,
-        ) -> Result<Tensor<B, D, K>, CommError>
+        body: impl FnOnce(&Inner, &mut Stream, Call, Tensor<B, D, K>) -> Result<TensorData, CommError>
         + Send
         + 'static,
     ) -> Work<Tensor<B, D, K>> {
@@ -310,17 +284,19 @@ impl Communicator {
             if let Err(error) = checked {
                 return refuse(inner, stream, call, error);
             }
-            if inner.group.members().len() == 1 {
+            if inner.transport.members().len() == 1 {
                 return Ok(tensor);
             }
             #[cfg(feature = "cuda")]
             if let Some(nccl) = &inner.nccl {
-                let size = inner.group.members().len();
+                let size = inner.transport.members().len();
                 return nccl
                     .collective(call.op, size, tensor)
                     .map_err(|failure| inner.nccl_error(&call.to_string(), failure));
             }
-            body(inner, stream, call, tensor)
+            let (device, dtype) = (tensor.device(), tensor.dtype());
+            let out = body(inner, stream, call, tensor)?;
+            Ok(Tensor::from_data(out, (&device, dtype)))
         })
     }
 
@@ -389,27 +365,10 @@ impl Communicator {
         let call = Call::new(op, tensor.dtype(), &tensor.dims());
         let checked = self.check_reducible(op, tensor.dtype(), reduce);
         self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
-            let device = tensor.device();
-            let mut data = tensor.into_data();
-            let dtype = data.dtype;
-            let (me, size) = (inner.rank, inner.group.members().len());
-            let (len, elem) = (data.num_elements(), dtype.size());
-            let post = Post::in_place(call, &mut data);
+            let data = tensor.into_data();
             inner
-                .group
-                .rendezvous(me, stream.next_seq(), post, |posts| {
-                    // Reduce this rank's slice of every input, in rank order, and write it back to
-                    // all of them: every rank ends with the same bits, in its own buffer.
-                    // (Measured faster than reducing into one shared output: see BENCHMARKS.md.)
-                    let mine = kernels::partition(len, size, me, SLICE_ALIGN);
-                    let at = |p: &Post| p.input.wrapping_add(mine.start * elem);
-                    let srcs: Vec<*const u8> = posts.iter().map(at).collect();
-                    let dsts: Vec<*mut u8> = srcs.iter().map(|&p| p as *mut u8).collect();
-                    // SAFETY: every rank owns a disjoint slice of all inputs until `done`, and
-                    // in-place posts carry pointers that may be written through.
-                    unsafe { kernels::reduce(dtype, reduce, &srcs, &dsts, mine.len()) };
-                })?;
-            Ok(Tensor::from_data(data, (&device, dtype)))
+                .transport
+                .all_reduce(inner.rank, stream, call, data, reduce)
         })
     }
 
@@ -435,48 +394,10 @@ impl Communicator {
             .check_plain(op, tensor.dtype())
             .and_then(|_| self.check_dim::<D>(op, dim));
         self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
-            let device = tensor.device();
             let data = tensor.into_data();
-            let (dtype, shape) = (data.dtype, data.shape.as_slice().to_vec());
-            let (me, size) = (inner.rank, inner.group.members().len());
-            let mut out_shape = shape.clone();
-            out_shape[dim] *= size;
-            // Rank 0 provides the one output buffer; each rank writes its own part of it.
-            let mut post = Post::bare(call);
-            if me == 0 {
-                let bytes = out_shape.iter().product::<usize>() * dtype.size();
-                post.shared = Some(SharedBuffer::uninit(bytes));
-            }
-            let out = inner
-                .group
-                .rendezvous(me, stream.next_seq(), post, |posts| {
-                    let out = posts[0].shared.clone().expect("rank 0 shares the output");
-                    let mut start = vec![0; D];
-                    start[dim] = me * shape[dim];
-                    // SAFETY: each rank writes only its own part of the shared output.
-                    unsafe {
-                        kernels::copy_box(
-                            Region {
-                                ptr: data.bytes.as_ptr(),
-                                shape: &shape,
-                                start: &[0; D],
-                            },
-                            Region {
-                                ptr: out.ptr(),
-                                shape: &out_shape,
-                                start: &start,
-                            },
-                            &shape,
-                            dtype.size(),
-                        )
-                    };
-                    out
-                })?;
-            stream.retire(data);
-            Ok(Tensor::from_data(
-                out.view(out_shape, dtype),
-                (&device, dtype),
-            ))
+            inner
+                .transport
+                .all_gather(inner.rank, stream, call, data, dim)
         })
     }
 
@@ -506,36 +427,10 @@ impl Communicator {
             .and_then(|_| self.check_divisible(op, &dims, dim))
             .and_then(|_| self.check_reducible(op, tensor.dtype(), reduce));
         self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
-            let device = tensor.device();
             let data = tensor.into_data();
-            let dtype = data.dtype;
-            let (me, size) = (inner.rank, inner.group.members().len());
-            let mut out_shape = dims.to_vec();
-            out_shape[dim] /= size;
-            let out = SharedBuffer::uninit(out_shape.iter().product::<usize>() * dtype.size());
-            // Rows of the [outer, dims[dim] * inner] view; this rank reduces part `me` of each.
-            let outer: usize = dims[..dim].iter().product();
-            let row: usize = dims[dim..].iter().product();
-            let part = row / size;
-            let post = Post::read_only(call, &data);
-            let elem = dtype.size();
             inner
-                .group
-                .rendezvous(me, stream.next_seq(), post, |posts| {
-                    for o in 0..outer {
-                        let offset = (o * row + me * part) * elem;
-                        let srcs: Vec<*const u8> =
-                            posts.iter().map(|p| p.input.wrapping_add(offset)).collect();
-                        let dst = out.ptr().wrapping_add(o * part * elem);
-                        // SAFETY: peers' inputs are read-only during the call; `out` is ours.
-                        unsafe { kernels::reduce(dtype, reduce, &srcs, &[dst], part) };
-                    }
-                })?;
-            stream.retire(data);
-            Ok(Tensor::from_data(
-                out.view(out_shape, dtype),
-                (&device, dtype),
-            ))
+                .transport
+                .reduce_scatter(inner.rank, stream, call, data, reduce, dim)
         })
     }
 
@@ -561,25 +456,16 @@ impl Communicator {
             .check_plain(op, tensor.dtype())
             .and_then(|_| self.check_rank(op, root));
         self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
-            let device = tensor.device();
-            let (me, dtype, shape) = (inner.rank, tensor.dtype(), tensor.dims().to_vec());
-            // The root shares its buffer as it is: the transport copies nothing.
-            let mut post = Post::bare(call);
-            if me == root {
-                post.shared = Some(SharedBuffer::from_data(tensor.into_data()));
+            let data = if inner.rank == root {
+                Some(tensor.into_data())
             } else {
-                // Only its shape mattered.
+                // Only its shape mattered: no copy to the host.
                 stream.retire(tensor);
-            }
-            let out = inner
-                .group
-                .rendezvous(me, stream.next_seq(), post, |posts| {
-                    posts[root]
-                        .shared
-                        .clone()
-                        .expect("the root shares its tensor")
-                })?;
-            Ok(Tensor::from_data(out.view(shape, dtype), (&device, dtype)))
+                None
+            };
+            inner
+                .transport
+                .broadcast(inner.rank, stream, call, data, root)
         })
     }
 
@@ -615,47 +501,10 @@ impl Communicator {
             .and_then(|_| self.check_dim::<D>(op, concat_dim))
             .and_then(|_| self.check_divisible(op, &dims, split_dim));
         self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
-            let device = tensor.device();
             let data = tensor.into_data();
-            let dtype = data.dtype;
-            let (me, size) = (inner.rank, inner.group.members().len());
-            let mut part = dims.to_vec();
-            part[split_dim] /= size;
-            let mut out_shape = part.clone();
-            out_shape[concat_dim] *= size;
-            let out = SharedBuffer::uninit(out_shape.iter().product::<usize>() * dtype.size());
-            let post = Post::read_only(call, &data);
             inner
-                .group
-                .rendezvous(me, stream.next_seq(), post, |posts| {
-                    let (mut from, mut to) = (vec![0; D], vec![0; D]);
-                    from[split_dim] = me * part[split_dim];
-                    for (k, p) in posts.iter().enumerate() {
-                        to[concat_dim] = k * part[concat_dim];
-                        // SAFETY: peers' inputs are read-only during the call; `out` is ours.
-                        unsafe {
-                            kernels::copy_box(
-                                Region {
-                                    ptr: p.input,
-                                    shape: &dims,
-                                    start: &from,
-                                },
-                                Region {
-                                    ptr: out.ptr(),
-                                    shape: &out_shape,
-                                    start: &to,
-                                },
-                                &part,
-                                dtype.size(),
-                            )
-                        };
-                    }
-                })?;
-            stream.retire(data);
-            Ok(Tensor::from_data(
-                out.view(out_shape, dtype),
-                (&device, dtype),
-            ))
+                .transport
+                .all_to_all(inner.rank, stream, call, data, split_dim, concat_dim)
         })
     }
 
@@ -670,15 +519,12 @@ impl Communicator {
         self.submit(call.to_string(), move |inner, stream| {
             #[cfg(feature = "cuda")]
             if let Some(nccl) = &inner.nccl {
-                let size = inner.group.members().len();
+                let size = inner.transport.members().len();
                 return nccl
                     .barrier(size)
                     .map_err(|failure| inner.nccl_error(&call.to_string(), failure));
             }
-            let post = Post::bare(call);
-            inner
-                .group
-                .rendezvous(inner.rank, stream.next_seq(), post, |_| ())
+            inner.transport.join(inner.rank, stream, call)
         })
     }
 
@@ -718,7 +564,7 @@ impl Communicator {
                 return crate::nccl_p2p::send(inner, nccl, dst, tensor)
                     .map_err(|failure| inner.nccl_error(&op, failure));
             }
-            inner.group.send(inner.rank, dst, tensor.into_data())
+            inner.transport.send(inner.rank, dst, tensor.into_data())
         })
     }
 
@@ -750,18 +596,8 @@ impl Communicator {
             if let Some(nccl) = &inner.nccl {
                 return crate::nccl_p2p::recv(inner, nccl, src, shape, options, &op);
             }
-            let device = options.device;
-            let data = inner.group.recv(inner.rank, src, &op)?;
-            if data.dtype != dtype || data.shape.as_slice() != shape {
-                return Err(CommError::Mismatch {
-                    group: inner.group.name().to_string(),
-                    rank: inner.group.members()[inner.rank],
-                    mine: op,
-                    other_rank: inner.group.members()[src],
-                    theirs: format!("send of {:?} {:?}", data.dtype, data.shape.as_slice()),
-                });
-            }
-            Ok(Tensor::from_data(data, (&device, dtype)))
+            let data = inner.transport.recv(inner.rank, src, &op, dtype, &shape)?;
+            Ok(Tensor::from_data(data, (&options.device, dtype)))
         })
     }
 
@@ -776,21 +612,10 @@ impl Communicator {
                 return crate::nccl::split(inner, nccl, name, color)
                     .map_err(|failure| inner.nccl_error(&call.to_string(), failure));
             }
-            let seq = stream.next_seq();
-            let post = Post {
-                color,
-                ..Post::bare(call)
-            };
-            let me = inner.rank;
-            let group = inner.group.rendezvous(me, seq, post, |posts| {
-                inner.group.split_group(seq, name, posts, me)
-            })?;
-            let rank = group
-                .members()
-                .iter()
-                .position(|&r| r == inner.group.members()[me])
-                .expect("a rank is a member of the group of its own colour");
-            Ok(Communicator::new(group, rank))
+            let (transport, rank) = inner
+                .transport
+                .split(inner.rank, stream, call, name, color)?;
+            Ok(Communicator::new(transport, rank))
         })
         .wait()
     }
@@ -834,9 +659,7 @@ fn refuse<T>(
     if inner.nccl.is_some() {
         return Err(error);
     }
-    inner
-        .group
-        .rendezvous(inner.rank, stream.next_seq(), Post::bare(call), |_| ())?;
+    inner.transport.join(inner.rank, stream, call)?;
     Err(error)
 }
 

@@ -51,6 +51,11 @@ pub struct RankContext {
 }
 
 impl RankContext {
+    #[cfg(feature = "mpi")]
+    pub(crate) fn new(world: Communicator) -> Self {
+        Self { world }
+    }
+
     /// This rank, `0..world_size()`.
     pub fn rank(&self) -> usize {
         self.world.rank()

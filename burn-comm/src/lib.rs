@@ -31,6 +31,8 @@ mod kernels;
 mod launch;
 mod local;
 mod mesh;
+#[cfg(feature = "mpi")]
+mod mpi;
 #[cfg(feature = "cuda")]
 mod nccl;
 #[cfg(feature = "cuda")]
@@ -40,9 +42,11 @@ mod nccl_tensor;
 #[cfg(any(feature = "cuda", test))]
 mod pair_ids;
 pub mod parallel;
+mod process;
 mod shared;
 mod stats;
 mod store;
+mod transport;
 
 pub use call::ReduceOp;
 pub use communicator::{Communicator, Work};
@@ -50,5 +54,6 @@ pub use env::{ProcessEnv, Rendezvous};
 pub use error::CommError;
 pub use launch::{DEFAULT_TIMEOUT, LaunchConfig, RankContext, RankError, launch, launch_with};
 pub use mesh::DeviceMesh;
+pub use process::{Launcher, Process, mpirun};
 pub use stats::{CommStats, OpStats};
 pub use store::{Store, StoreError, StoreServer};

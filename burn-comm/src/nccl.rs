@@ -31,7 +31,7 @@ use cudarc::nccl::sys::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResul
 
 use crate::call::Op;
 use crate::communicator::Inner;
-use crate::local::{World, lock};
+use crate::local::{Group, World, lock};
 use crate::nccl_p2p::Peers;
 use crate::nccl_tensor::{Cuda, from_cube, to_cube};
 use crate::store::Store;
@@ -80,7 +80,7 @@ impl Communicator {
             )));
         }
         let id = std::array::from_fn(|i| all[i + 1] as u8);
-        let group = &self.inner.group;
+        let group = self.inner.local_group();
         let nccl = Nccl::init(
             device,
             id,
@@ -159,17 +159,26 @@ impl Communicator {
 }
 
 impl Inner {
+    /// The local group that keeps an NCCL group's bookkeeping (its world's rank status and
+    /// pair ids): NCCL communicators are always made over one.
+    pub(crate) fn local_group(&self) -> &Group {
+        self.transport
+            .as_any()
+            .downcast_ref::<Group>()
+            .expect("an NCCL communicator keeps its bookkeeping on a local group")
+    }
+
     /// The error of `op` that failed on NCCL.
     pub(crate) fn nccl_error(&self, op: &str, failure: Failure) -> CommError {
         match failure {
             Failure::Now(reason) => CommError::Transport {
                 op: op.to_string(),
-                group: self.group.name().to_string(),
-                rank: self.group.members()[self.rank],
+                group: self.transport.name().to_string(),
+                rank: self.transport.members()[self.rank],
                 reason,
             },
             Failure::Earlier(cause) => CommError::GroupBroken {
-                group: self.group.name().to_string(),
+                group: self.transport.name().to_string(),
                 cause,
             },
         }
@@ -184,16 +193,16 @@ pub(crate) fn split(
     name: String,
     color: usize,
 ) -> Result<Communicator, Failure> {
-    let colors = nccl.all_gather_value(color, inner.group.members().len())?;
+    let colors = nccl.all_gather_value(color, inner.transport.members().len())?;
     let members = colors
         .iter()
-        .zip(inner.group.members())
+        .zip(inner.transport.members())
         .filter(|(c, _)| **c == color)
         .map(|(_, &rank)| rank)
         .collect();
     let rank = colors[..inner.rank].iter().filter(|&&c| c == color).count();
     let part = nccl.split(color, inner.rank)?;
-    let group = inner.group.world().new_group(name, members);
+    let group = inner.local_group().world().new_group(name, members);
     Ok(Communicator::spawn(group, rank, Some(part)))
 }
 

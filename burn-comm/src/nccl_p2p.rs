@@ -138,7 +138,7 @@ pub(crate) fn send<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         Entry::Occupied(pair) => pair.into_mut(),
         Entry::Vacant(slot) => slot.insert(Outgoing::start(
             nccl,
-            inner.group.world().clone(),
+            inner.local_group().world().clone(),
             pair_key(nccl, inner.rank, dst),
         )?),
     };
@@ -185,7 +185,7 @@ pub(crate) fn recv<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         Entry::Occupied(pair) => pair.into_mut(),
         Entry::Vacant(slot) => {
             let key = pair_key(nccl, src, inner.rank);
-            let pair = Pair::join_as_receiver(nccl, inner.group.world(), &key)
+            let pair = Pair::join_as_receiver(nccl, inner.local_group().world(), &key)
                 .map_err(|reason| failed(Failure::Now(reason)))?;
             slot.insert(pair)
         }
@@ -207,10 +207,10 @@ pub(crate) fn recv<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         pair.drain(bytes).map_err(from_src)?;
         half_read.finished();
         return Err(CommError::Mismatch {
-            group: inner.group.name().to_string(),
-            rank: inner.group.members()[inner.rank],
+            group: inner.transport.name().to_string(),
+            rank: inner.transport.members()[inner.rank],
             mine: format!("recv(from {src}) of {dtype:?} {shape:?}"),
-            other_rank: inner.group.members()[src],
+            other_rank: inner.transport.members()[src],
             theirs,
         });
     }

@@ -1,0 +1,1081 @@
+//! The MPI transport: ranks are processes, on one machine or many, and MPI moves the bytes.
+//!
+//! MPI only moves bytes here. Every reduction is done by this crate's kernels, in group-rank
+//! order, so an all-reduce gives every rank the same bits as the local transport does, whatever
+//! algorithm MPI picks, and works on every dtype the kernels know (bf16 and f16 included).
+//!
+//! MPI neither times out nor checks that ranks make the same call, so every collective starts
+//! with a header exchange: each rank sends every peer a short header naming its call, point to
+//! point, and waits for theirs. A peer whose header does not come within the group's timeout is
+//! named in a [`CommError::Timeout`]; a peer that called something else gets a
+//! [`CommError::Mismatch`] naming both calls. Only then do the ranks start the collective itself,
+//! non-blocking and polled, so that it is bounded by the timeout too.
+//!
+//! Each group has three communicators, so that the headers, the collectives and the user's
+//! point-to-point messages never match each other's messages.
+
+use std::any::Any;
+use std::ffi::c_int;
+use std::mem::ManuallyDrop;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use burn::tensor::{DType, TensorData};
+use mpi::ffi;
+
+use crate::call::Call;
+use crate::kernels::{self, Region};
+use crate::local::lock;
+use crate::shared::SharedBuffer;
+use crate::transport::{Stream, Transport, describe_message, mismatched_message};
+use crate::{CommError, ReduceOp};
+
+/// Bytes of a call's header: the call number and the call, as text.
+const HEADER: usize = 256;
+/// Tags on the point-to-point communicator: a message's header, then its payload.
+const TAG_HEADER: c_int = 1;
+const TAG_PAYLOAD: c_int = 2;
+/// Up to this many bytes, an all-reduce gathers every rank's whole tensor and reduces it on
+/// every rank: one round instead of two.
+const SMALL_ALL_REDUCE: usize = 32 * 1024;
+/// Elements per cache line of the smallest element type: all-reduce slices start on one.
+const SLICE_ALIGN: usize = 64;
+
+/// An MPI communicator handle. With `MPI_THREAD_MULTIPLE`, any thread may use it.
+#[derive(Clone, Copy)]
+struct Comm(ffi::MPI_Comm);
+
+// SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE; a group's calls are ordered by its
+// stream, and its sends are completed by one thread.
+unsafe impl Send for Comm {}
+unsafe impl Sync for Comm {}
+
+impl Comm {
+    fn dup(self) -> Comm {
+        let mut out = std::mem::MaybeUninit::uninit();
+        // SAFETY: a valid communicator; MPI writes the new one.
+        check(
+            unsafe { ffi::MPI_Comm_dup(self.0, out.as_mut_ptr()) },
+            "MPI_Comm_dup",
+        );
+        Comm(unsafe { out.assume_init() })
+    }
+
+    /// Frees the communicator; the caller holds [`FINALIZED`]'s read lock and saw `false`.
+    fn free(mut self) {
+        // SAFETY: a communicator this group made and nobody uses any more.
+        unsafe { ffi::MPI_Comm_free(&mut self.0) };
+    }
+}
+
+/// Whether MPI has been finalised. Finalising takes the write lock; whatever may call MPI
+/// outside a collective (a group's drop, its send thread) holds the read lock meanwhile, so
+/// MPI is never called after `MPI_Finalize`.
+static FINALIZED: RwLock<bool> = RwLock::new(false);
+
+/// MPI for this process, initialised with `MPI_THREAD_MULTIPLE` and finalised on drop.
+pub(crate) struct Session {
+    universe: ManuallyDrop<mpi::environment::Universe>,
+}
+
+impl Session {
+    pub fn init() -> Result<Self, String> {
+        use mpi::Threading;
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
+            .ok_or("MPI is already initialised in this process; make one Process per process")?;
+        if threading != Threading::Multiple {
+            return Err(format!(
+                "this MPI library provides only {threading:?} threading, and burn-comm calls MPI from several threads (MPI_THREAD_MULTIPLE); use an MPI built with thread support, such as Debian's Open MPI"
+            ));
+        }
+        Ok(Self {
+            universe: ManuallyDrop::new(universe),
+        })
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let mut finalized = FINALIZED.write().unwrap_or_else(|e| e.into_inner());
+        *finalized = true;
+        // SAFETY: dropped once, here; the universe's drop calls MPI_Finalize.
+        unsafe { ManuallyDrop::drop(&mut self.universe) };
+    }
+}
+
+/// MPI's return codes are errors only with MPI_ERRORS_RETURN; the default handler aborts the
+/// job first, printing MPI's own message. This catches what gets through.
+fn check(code: c_int, what: &str) {
+    assert!(code == 0, "{what} failed with MPI error code {code}");
+}
+
+/// An MPI datatype of `elem` contiguous bytes, made once per size: collectives count in
+/// elements, so a message may hold up to 2^31 - 1 of them rather than of bytes.
+fn unit(elem: usize) -> ffi::MPI_Datatype {
+    struct Units(Mutex<Vec<(usize, ffi::MPI_Datatype)>>);
+    // SAFETY: datatype handles are plain values, usable from any thread under
+    // MPI_THREAD_MULTIPLE.
+    unsafe impl Sync for Units {}
+    unsafe impl Send for Units {}
+    static UNITS: Units = Units(Mutex::new(Vec::new()));
+    let mut units = lock(&UNITS.0);
+    if let Some(&(_, unit)) = units.iter().find(|(size, _)| *size == elem) {
+        return unit;
+    }
+    let mut unit = std::mem::MaybeUninit::uninit();
+    // SAFETY: MPI is initialised; the new type is committed before use.
+    let unit = unsafe {
+        check(
+            ffi::MPI_Type_contiguous(elem as c_int, byte(), unit.as_mut_ptr()),
+            "MPI_Type_contiguous",
+        );
+        let mut unit = unit.assume_init();
+        check(ffi::MPI_Type_commit(&mut unit), "MPI_Type_commit");
+        unit
+    };
+    units.push((elem, unit));
+    unit
+}
+
+fn byte() -> ffi::MPI_Datatype {
+    // SAFETY: a constant of the MPI library.
+    unsafe { ffi::RSMPI_UINT8_T }
+}
+
+/// Requests in flight and the buffers they use, which must outlive them.
+struct InFlight {
+    requests: Vec<ffi::MPI_Request>,
+    /// Which peer (group rank) each request waits for, to name it on a timeout.
+    peers: Vec<usize>,
+    buffers: Vec<Box<dyn Any + Send>>,
+}
+
+// SAFETY: requests are plain handles; only one thread tests them at a time.
+unsafe impl Send for InFlight {}
+
+impl InFlight {
+    fn new() -> Self {
+        Self {
+            requests: Vec::new(),
+            peers: Vec::new(),
+            buffers: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, peer: usize, start: impl FnOnce(*mut ffi::MPI_Request) -> c_int) {
+        let mut request = std::mem::MaybeUninit::uninit();
+        check(start(request.as_mut_ptr()), "starting an MPI request");
+        // SAFETY: MPI wrote the request.
+        self.requests.push(unsafe { request.assume_init() });
+        self.peers.push(peer);
+    }
+
+    /// Tests every request once; whether all are complete.
+    fn test(&mut self) -> bool {
+        let null = unsafe { ffi::RSMPI_REQUEST_NULL };
+        let mut all = true;
+        for request in &mut self.requests {
+            if *request == null {
+                continue;
+            }
+            let mut flag: c_int = 0;
+            // SAFETY: a live request (MPI sets it to null once complete).
+            check(
+                unsafe { ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE) },
+                "MPI_Test",
+            );
+            all &= flag != 0;
+        }
+        all
+    }
+
+    /// The peers of the requests not complete.
+    fn pending(&self) -> Vec<usize> {
+        let null = unsafe { ffi::RSMPI_REQUEST_NULL };
+        let mut peers: Vec<usize> = self
+            .requests
+            .iter()
+            .zip(&self.peers)
+            .filter(|(r, _)| **r != null)
+            .map(|(_, &p)| p)
+            .collect();
+        peers.dedup();
+        peers
+    }
+
+    /// Polls until every request is complete, or until `deadline()` has passed (it is asked
+    /// again at every poll): then the requests and their buffers are abandoned (MPI may still
+    /// use them) and the peers still pending are returned.
+    fn wait(mut self, deadline: impl Fn() -> Instant) -> Result<(), Vec<usize>> {
+        let mut backoff = Backoff::new();
+        loop {
+            if self.test() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline() {
+                return Err(self.pending());
+            }
+            backoff.pause();
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // MPI may still read or write the buffers of requests not complete: leak them rather
+        // than free memory MPI uses.
+        if !self.pending().is_empty() {
+            std::mem::forget(std::mem::take(&mut self.buffers));
+        }
+    }
+}
+
+/// How a polling thread waits between tests: spins first (a collective among processes on one
+/// machine takes microseconds), then yields, then sleeps, so a long wait leaves the cores to the
+/// computation.
+struct Backoff {
+    start: Instant,
+    spins: u32,
+}
+
+impl Backoff {
+    fn new() -> Self {
+        Self {
+            start: Instant::now(),
+            spins: 0,
+        }
+    }
+
+    fn pause(&mut self) {
+        self.spins += 1;
+        if self.spins < 64 {
+            std::hint::spin_loop();
+        } else if self.start.elapsed() < Duration::from_millis(2) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
+/// Now plus `timeout`, or a year from now for a timeout too long to represent.
+fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600))
+}
+
+/// Counts and displacements of a `v` collective, in bytes, as MPI takes them.
+fn counts(parts: impl Iterator<Item = (usize, usize)>) -> Result<(Vec<c_int>, Vec<c_int>), usize> {
+    let mut counts = Vec::new();
+    let mut displs = Vec::new();
+    for (start, len) in parts {
+        let end = start + len;
+        let fit = |v: usize| c_int::try_from(v).map_err(|_| end);
+        counts.push(fit(len)?);
+        displs.push(fit(start)?);
+    }
+    Ok((counts, displs))
+}
+
+/// One group of processes, as this process sees it.
+pub(crate) struct MpiGroup {
+    name: String,
+    /// Global ranks, in group-rank order.
+    members: Vec<usize>,
+    /// This process's rank in the group.
+    me: usize,
+    /// The collectives' data.
+    data: Comm,
+    /// The headers that open every collective.
+    control: Comm,
+    /// The user's sends and receives.
+    p2p: Comm,
+    timeout: Duration,
+    /// The first failure; every later call fails with it.
+    broken: Mutex<Option<CommError>>,
+    /// The thread that completes this group's sends, started by the first one.
+    sender: Mutex<Option<Sender>>,
+}
+
+struct Sender {
+    queue: mpsc::Sender<InFlight>,
+    thread: JoinHandle<()>,
+    /// Set when the group is dropped: every send still queued must be done by then.
+    drain: Arc<OnceLock<Instant>>,
+}
+
+impl MpiGroup {
+    /// The world of this process's MPI job (MPI is initialised).
+    pub(crate) fn world(timeout: Duration) -> Arc<Self> {
+        // SAFETY: a constant of the MPI library.
+        let world = Comm(unsafe { ffi::RSMPI_COMM_WORLD });
+        let (mut rank, mut size) = (0, 0);
+        // SAFETY: MPI is initialised.
+        unsafe {
+            ffi::MPI_Comm_rank(world.0, &mut rank);
+            ffi::MPI_Comm_size(world.0, &mut size);
+        }
+        Arc::new(Self::over(
+            "world".to_string(),
+            (0..size as usize).collect(),
+            rank as usize,
+            world.dup(),
+            timeout,
+        ))
+    }
+
+    fn over(name: String, members: Vec<usize>, me: usize, data: Comm, timeout: Duration) -> Self {
+        Self {
+            name,
+            members,
+            me,
+            control: data.dup(),
+            p2p: data.dup(),
+            data,
+            timeout,
+            broken: Mutex::new(None),
+            sender: Mutex::new(None),
+        }
+    }
+
+    /// This process's rank in the group.
+    pub(crate) fn rank(&self) -> usize {
+        self.me
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn deadline(&self) -> Instant {
+        deadline_after(self.timeout)
+    }
+
+    fn broken(&self) -> Result<(), CommError> {
+        match &*lock(&self.broken) {
+            Some(cause) => Err(CommError::GroupBroken {
+                group: self.name.clone(),
+                cause: cause.to_string(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Records `error` as the group's failure and returns it.
+    fn break_with(&self, error: CommError) -> CommError {
+        lock(&self.broken).get_or_insert_with(|| error.clone());
+        error
+    }
+
+    fn timeout_error(&self, op: String, missing: Vec<usize>) -> CommError {
+        self.break_with(CommError::Timeout {
+            op,
+            group: self.name.clone(),
+            rank: self.members[self.me],
+            missing: missing.into_iter().map(|r| self.members[r]).collect(),
+            after: self.timeout,
+        })
+    }
+
+    /// Opens call `seq`: sends `call`'s header to every peer and checks theirs. On return every
+    /// rank of the group is in the same call.
+    fn open(&self, stream: &mut Stream, call: &Call) -> Result<u64, CommError> {
+        self.broken()?;
+        let seq = stream.next_seq();
+        let text = call.to_string();
+        let size = self.size();
+        // Boxed: on a timeout they are leaked with the requests that use them.
+        let mine = Box::new(header(seq, &text));
+        let mut inbox = vec![[0u8; HEADER]; size];
+        let inbox_base = inbox.as_mut_ptr();
+        let mut flight = InFlight::new();
+        for peer in (0..size).filter(|&p| p != self.me) {
+            // SAFETY: inside `inbox`, which is not touched again until the requests complete.
+            let buf = unsafe { inbox_base.add(peer) }.cast::<u8>();
+            // SAFETY: `inbox` and `mine` outlive the requests.
+            flight.push(peer, |r| unsafe {
+                ffi::MPI_Irecv(
+                    buf.cast(),
+                    HEADER as c_int,
+                    byte(),
+                    peer as c_int,
+                    0,
+                    self.control.0,
+                    r,
+                )
+            });
+            flight.push(peer, |r| unsafe {
+                ffi::MPI_Isend(
+                    mine.as_ptr().cast(),
+                    HEADER as c_int,
+                    byte(),
+                    peer as c_int,
+                    0,
+                    self.control.0,
+                    r,
+                )
+            });
+        }
+        let deadline = self.deadline();
+        if let Err(missing) = flight.wait(|| deadline) {
+            std::mem::forget(mine);
+            std::mem::forget(inbox);
+            return Err(self.timeout_error(format!("{text} (call {seq})"), missing));
+        }
+        let inbox_of = |peer: usize| &inbox[peer];
+        // This rank's own call as its peers read it (a long text is cut short in the header).
+        let named = |rank: usize| match rank == self.me {
+            true => parse_header(&mine),
+            false => parse_header(inbox_of(rank)),
+        };
+        let first = named(0);
+        if let Some(other) = (1..size).find(|&r| named(r) != first) {
+            let theirs = named(other);
+            let describe = |(seq, text): (u64, String)| format!("{text} (call {seq})");
+            return Err(self.break_with(CommError::Mismatch {
+                group: self.name.clone(),
+                rank: self.members[0],
+                mine: describe(first),
+                other_rank: self.members[other],
+                theirs: describe(theirs),
+            }));
+        }
+        Ok(seq)
+    }
+
+    /// Waits for the collective in `flight`. Every rank joined it (their headers came), so it
+    /// can only outlive the timeout if a peer died or froze inside it; MPI may then still write
+    /// to this rank's buffers, so the watchdog ends the job instead of returning.
+    fn finish(&self, op: &Call, seq: u64, flight: InFlight) -> Result<(), CommError> {
+        let deadline = self.deadline();
+        if flight.wait(|| deadline).is_err() {
+            let peers = (0..self.size()).filter(|&r| r != self.me).collect();
+            let error = self.timeout_error(format!("{op} (call {seq}, data exchange)"), peers);
+            abort(&format!(
+                "rank {} ends the job: {error}",
+                self.members[self.me]
+            ));
+        }
+        Ok(())
+    }
+
+    fn too_large(&self, call: &Call, elems: usize) -> CommError {
+        CommError::InvalidArgument {
+            op: call.to_string(),
+            group: self.name.clone(),
+            reason: format!(
+                "a message of {elems} elements is beyond what MPI can count in one call (2^31 - 1); split the tensor"
+            ),
+        }
+    }
+
+    /// Every rank's `len` elements of `elem` bytes at `src`, concatenated in rank order at `dst`.
+    fn all_gather_elems(
+        &self,
+        call: &Call,
+        seq: u64,
+        (src, len): (*const u8, usize),
+        dst: *mut u8,
+        elem: usize,
+    ) -> Result<(), CommError> {
+        let count = c_int::try_from(len).map_err(|_| self.too_large(call, len))?;
+        let mut flight = InFlight::new();
+        // SAFETY: `src` holds `len` elements and `dst` `size * len`, both alive until the call
+        // ends (a call that outlives the timeout ends the job, see `finish`).
+        flight.push(0, |r| unsafe {
+            ffi::MPI_Iallgather(
+                src.cast(),
+                count,
+                unit(elem),
+                dst.cast(),
+                count,
+                unit(elem),
+                self.data.0,
+                r,
+            )
+        });
+        self.finish(call, seq, flight)
+    }
+
+    /// Block `r` of `send` (`block` elements of `elem` bytes each) to rank `r`; block `r` of
+    /// `recv` from rank `r`.
+    fn all_to_all_elems(
+        &self,
+        call: &Call,
+        seq: u64,
+        (send, block): (*const u8, usize),
+        recv: *mut u8,
+        elem: usize,
+    ) -> Result<(), CommError> {
+        let count = c_int::try_from(block).map_err(|_| self.too_large(call, block))?;
+        let mut flight = InFlight::new();
+        // SAFETY: both buffers hold `size * block` elements and outlive the call.
+        flight.push(0, |r| unsafe {
+            ffi::MPI_Ialltoall(
+                send.cast(),
+                count,
+                unit(elem),
+                recv.cast(),
+                count,
+                unit(elem),
+                self.data.0,
+                r,
+            )
+        });
+        self.finish(call, seq, flight)
+    }
+
+    fn sender(&self) -> mpsc::Sender<InFlight> {
+        let mut sender = lock(&self.sender);
+        let sender = sender.get_or_insert_with(|| {
+            let (queue, inbox) = mpsc::channel::<InFlight>();
+            let timeout = self.timeout;
+            let drain = Arc::new(OnceLock::new());
+            let deadline = drain.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("mpi-send-{}", self.name))
+                .spawn(move || complete_sends(inbox, timeout, &deadline))
+                .expect("the OS refused to start a thread");
+            Sender {
+                queue,
+                thread,
+                drain,
+            }
+        });
+        sender.queue.clone()
+    }
+}
+
+/// Completes a group's sends in the background, in the order they were queued (MPI needs the
+/// sender to make progress on large messages). Gives up on a send after `timeout`, or at the
+/// `drain` deadline the group's drop sets.
+fn complete_sends(inbox: mpsc::Receiver<InFlight>, timeout: Duration, drain: &OnceLock<Instant>) {
+    for flight in inbox {
+        let finalized = FINALIZED.read().unwrap_or_else(|e| e.into_inner());
+        if *finalized {
+            // A group that outlived MPI: its sends can no longer complete.
+            std::mem::forget(flight);
+            continue;
+        }
+        let own = deadline_after(timeout);
+        // A send not received in time: the receiver reports the timeout.
+        let _ = flight.wait(|| drain.get().map_or(own, |&d| d.min(own)));
+    }
+}
+
+impl Drop for MpiGroup {
+    fn drop(&mut self) {
+        // Deliver what is queued before the communicators go, within one timeout in all.
+        if let Some(sender) = lock(&self.sender).take() {
+            let _ = sender.drain.set(deadline_after(self.timeout));
+            drop(sender.queue);
+            let _ = sender.thread.join();
+        }
+        let finalized = FINALIZED.read().unwrap_or_else(|e| e.into_inner());
+        if !*finalized {
+            for comm in [self.data, self.control, self.p2p] {
+                comm.free();
+            }
+        }
+    }
+}
+
+fn header(seq: u64, text: &str) -> [u8; HEADER] {
+    let mut out = [0u8; HEADER];
+    out[..8].copy_from_slice(&seq.to_le_bytes());
+    let text = &text.as_bytes()[..text.len().min(HEADER - 10)];
+    out[8..10].copy_from_slice(&(text.len() as u16).to_le_bytes());
+    out[10..10 + text.len()].copy_from_slice(text);
+    out
+}
+
+fn parse_header(bytes: &[u8; HEADER]) -> (u64, String) {
+    let seq = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+    let len = (u16::from_le_bytes([bytes[8], bytes[9]]) as usize).min(HEADER - 10);
+    (
+        seq,
+        String::from_utf8_lossy(&bytes[10..10 + len]).into_owned(),
+    )
+}
+
+/// A message's header on the point-to-point communicator: its payload's length and what it is.
+fn message_header(bytes: usize, what: &str) -> [u8; HEADER] {
+    header(bytes as u64, what)
+}
+
+impl Transport for MpiGroup {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    fn all_reduce(
+        &self,
+        me: usize,
+        stream: &mut Stream,
+        call: Call,
+        mut data: TensorData,
+        reduce: ReduceOp,
+    ) -> Result<TensorData, CommError> {
+        let seq = self.open(stream, &call)?;
+        let (dtype, size) = (data.dtype, self.size());
+        let (len, elem) = (data.num_elements(), dtype.size());
+        let bytes = len * elem;
+        if bytes <= SMALL_ALL_REDUCE {
+            // One round: every rank reduces the whole tensor, in rank order.
+            let all = SharedBuffer::uninit(size * bytes);
+            self.all_gather_elems(&call, seq, (data.bytes.as_ptr(), len), all.ptr(), elem)?;
+            let srcs: Vec<*const u8> = (0..size)
+                .map(|r| all.ptr().wrapping_add(r * bytes).cast_const())
+                .collect();
+            // SAFETY: `all` holds every rank's tensor; `data` is ours.
+            unsafe { kernels::reduce(dtype, reduce, &srcs, &[data.bytes.as_mut_ptr()], len) };
+            stream.retire(all);
+            return Ok(data);
+        }
+        // Reduce-scatter (each rank reduces its slice of every rank's tensor, in rank order),
+        // then all-gather the reduced slices.
+        let slices: Vec<_> = (0..size)
+            .map(|r| kernels::partition(len, size, r, SLICE_ALIGN))
+            .collect();
+        let mine = slices[me].clone();
+        let part = mine.len() * elem;
+        let received = SharedBuffer::uninit(size * part);
+        let reduced = SharedBuffer::uninit(part);
+        // Counted in elements.
+        let (send_counts, send_displs) = counts(slices.iter().map(|s| (s.start, s.len())))
+            .map_err(|n| self.too_large(&call, n))?;
+        let (recv_counts, recv_displs) = counts((0..size).map(|r| (r * mine.len(), mine.len())))
+            .map_err(|n| self.too_large(&call, n))?;
+        let mut flight = InFlight::new();
+        // SAFETY: the buffers outlive the call; counts and displacements stay inside them.
+        flight.push(0, |r| unsafe {
+            ffi::MPI_Ialltoallv(
+                data.bytes.as_ptr().cast(),
+                send_counts.as_ptr(),
+                send_displs.as_ptr(),
+                unit(elem),
+                received.ptr().cast(),
+                recv_counts.as_ptr(),
+                recv_displs.as_ptr(),
+                unit(elem),
+                self.data.0,
+                r,
+            )
+        });
+        self.finish(&call, seq, flight)?;
+        let srcs: Vec<*const u8> = (0..size)
+            .map(|r| received.ptr().wrapping_add(r * part).cast_const())
+            .collect();
+        // SAFETY: `received` holds every rank's slice; `reduced` is ours.
+        unsafe { kernels::reduce(dtype, reduce, &srcs, &[reduced.ptr()], mine.len()) };
+        let part_count = send_counts[me];
+        let mut flight = InFlight::new();
+        // SAFETY: as above; `reduced` and `data` do not overlap.
+        flight.push(0, |r| unsafe {
+            ffi::MPI_Iallgatherv(
+                reduced.ptr().cast_const().cast(),
+                part_count,
+                unit(elem),
+                data.bytes.as_mut_ptr().cast(),
+                send_counts.as_ptr(),
+                send_displs.as_ptr(),
+                unit(elem),
+                self.data.0,
+                r,
+            )
+        });
+        self.finish(&call, seq, flight)?;
+        stream.retire(received);
+        Ok(data)
+    }
+
+    fn all_gather(
+        &self,
+        me: usize,
+        stream: &mut Stream,
+        call: Call,
+        data: TensorData,
+        dim: usize,
+    ) -> Result<TensorData, CommError> {
+        let _ = me;
+        let seq = self.open(stream, &call)?;
+        let (dtype, shape) = (data.dtype, data.shape.as_slice().to_vec());
+        let size = self.size();
+        let bytes = data.bytes.len();
+        let mut out_shape = shape.clone();
+        out_shape[dim] *= size;
+        let gathered = SharedBuffer::uninit(size * bytes);
+        let elem = dtype.size();
+        let len = data.num_elements();
+        self.all_gather_elems(&call, seq, (data.bytes.as_ptr(), len), gathered.ptr(), elem)?;
+        stream.retire(data);
+        if shape[..dim].iter().product::<usize>() == 1 {
+            // Rank blocks are already the concatenation along `dim`.
+            return Ok(gathered.view(out_shape, dtype));
+        }
+        let out = SharedBuffer::uninit(size * bytes);
+        let mut start = vec![0; shape.len()];
+        for r in 0..size {
+            start[dim] = r * shape[dim];
+            // SAFETY: block `r` of `gathered` is rank r's tensor; its box lies inside `out`.
+            unsafe {
+                kernels::copy_box(
+                    Region {
+                        ptr: gathered.ptr().wrapping_add(r * bytes).cast_const(),
+                        shape: &shape,
+                        start: &vec![0; shape.len()],
+                    },
+                    Region {
+                        ptr: out.ptr(),
+                        shape: &out_shape,
+                        start: &start,
+                    },
+                    &shape,
+                    dtype.size(),
+                )
+            };
+        }
+        stream.retire(gathered);
+        Ok(out.view(out_shape, dtype))
+    }
+
+    fn reduce_scatter(
+        &self,
+        _me: usize,
+        stream: &mut Stream,
+        call: Call,
+        data: TensorData,
+        reduce: ReduceOp,
+        dim: usize,
+    ) -> Result<TensorData, CommError> {
+        let seq = self.open(stream, &call)?;
+        let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
+        let (size, elem) = (self.size(), dtype.size());
+        let mut out_shape = dims.clone();
+        out_shape[dim] /= size;
+        // Rows of the [outer, dims[dim] * inner] view; rank r reduces part r of each.
+        let outer: usize = dims[..dim].iter().product();
+        let row: usize = dims[dim..].iter().product();
+        let part = row / size;
+        // Rank r's block: part r of every row.
+        let block = outer * part * elem;
+        let packed;
+        let send = if outer == 1 {
+            data.bytes.as_ptr()
+        } else {
+            packed = SharedBuffer::uninit(size * block);
+            for r in 0..size {
+                for o in 0..outer {
+                    // SAFETY: inside `data` and inside `packed`, which do not overlap.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            data.bytes.as_ptr().add((o * row + r * part) * elem),
+                            packed.ptr().add(r * block + o * part * elem),
+                            part * elem,
+                        )
+                    };
+                }
+            }
+            packed.ptr().cast_const()
+        };
+        let received = SharedBuffer::uninit(size * block);
+        self.all_to_all_elems(&call, seq, (send, block / elem), received.ptr(), elem)?;
+        let out = SharedBuffer::uninit(block);
+        let srcs: Vec<*const u8> = (0..size)
+            .map(|r| received.ptr().wrapping_add(r * block).cast_const())
+            .collect();
+        // SAFETY: `received` holds every rank's block; `out` is ours.
+        unsafe { kernels::reduce(dtype, reduce, &srcs, &[out.ptr()], outer * part) };
+        stream.retire(data);
+        stream.retire(received);
+        Ok(out.view(out_shape, dtype))
+    }
+
+    fn broadcast(
+        &self,
+        me: usize,
+        stream: &mut Stream,
+        call: Call,
+        data: Option<TensorData>,
+        root: usize,
+    ) -> Result<TensorData, CommError> {
+        let seq = self.open(stream, &call)?;
+        let (shape, dtype) = (
+            call.shape.clone(),
+            call.dtype.expect("a broadcast carries a tensor"),
+        );
+        let (elems, elem) = (shape.iter().product::<usize>(), dtype.size());
+        let bytes = elems * elem;
+        let count = c_int::try_from(elems).map_err(|_| self.too_large(&call, elems))?;
+        // The root's buffer is only read; the others' is fresh and written only here.
+        let (root_data, out) = match data {
+            Some(data) if me == root => (Some(data), None),
+            _ => (None, Some(SharedBuffer::uninit(bytes))),
+        };
+        let buf = match (&root_data, &out) {
+            (Some(data), _) => data.bytes.as_ptr().cast_mut(),
+            (None, Some(out)) => out.ptr(),
+            (None, None) => unreachable!("one of the two is set"),
+        };
+        let mut flight = InFlight::new();
+        // SAFETY: `buf` holds `bytes` bytes and outlives the call.
+        flight.push(0, |r| unsafe {
+            ffi::MPI_Ibcast(buf.cast(), count, unit(elem), root as c_int, self.data.0, r)
+        });
+        self.finish(&call, seq, flight)?;
+        Ok(match (root_data, out) {
+            (Some(data), _) => data,
+            (None, Some(out)) => out.view(shape, dtype),
+            (None, None) => unreachable!("one of the two is set"),
+        })
+    }
+
+    fn all_to_all(
+        &self,
+        me: usize,
+        stream: &mut Stream,
+        call: Call,
+        data: TensorData,
+        split_dim: usize,
+        concat_dim: usize,
+    ) -> Result<TensorData, CommError> {
+        let _ = me;
+        let seq = self.open(stream, &call)?;
+        let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
+        let (size, elem) = (self.size(), dtype.size());
+        let mut part = dims.clone();
+        part[split_dim] /= size;
+        let mut out_shape = part.clone();
+        out_shape[concat_dim] *= size;
+        let block = part.iter().product::<usize>() * elem;
+        let zero = vec![0; dims.len()];
+        // Part r of the input, made contiguous, is block r of `send`.
+        let send = SharedBuffer::uninit(size * block);
+        let mut at = zero.clone();
+        for r in 0..size {
+            at[split_dim] = r * part[split_dim];
+            // SAFETY: the box lies inside `data`; block r of `send` holds it.
+            unsafe {
+                kernels::copy_box(
+                    Region {
+                        ptr: data.bytes.as_ptr(),
+                        shape: &dims,
+                        start: &at,
+                    },
+                    Region {
+                        ptr: send.ptr().add(r * block),
+                        shape: &part,
+                        start: &zero,
+                    },
+                    &part,
+                    elem,
+                )
+            };
+        }
+        stream.retire(data);
+        let received = SharedBuffer::uninit(size * block);
+        let sent = (send.ptr().cast_const(), block / elem);
+        self.all_to_all_elems(&call, seq, sent, received.ptr(), elem)?;
+        let out = SharedBuffer::uninit(size * block);
+        let mut at = zero.clone();
+        for r in 0..size {
+            at[concat_dim] = r * part[concat_dim];
+            // SAFETY: block r of `received` is rank r's part; its box lies inside `out`.
+            unsafe {
+                kernels::copy_box(
+                    Region {
+                        ptr: received.ptr().add(r * block).cast_const(),
+                        shape: &part,
+                        start: &zero,
+                    },
+                    Region {
+                        ptr: out.ptr(),
+                        shape: &out_shape,
+                        start: &at,
+                    },
+                    &part,
+                    elem,
+                )
+            };
+        }
+        stream.retire(send);
+        stream.retire(received);
+        Ok(out.view(out_shape, dtype))
+    }
+
+    fn join(&self, _me: usize, stream: &mut Stream, call: Call) -> Result<(), CommError> {
+        // Every rank has sent its header and received every peer's: a barrier.
+        self.open(stream, &call).map(|_| ())
+    }
+
+    fn send(&self, me: usize, to: usize, data: TensorData) -> Result<(), CommError> {
+        let _ = me;
+        self.broken()?;
+        let bytes = data.bytes.len();
+        let op = format!("send(to {to})");
+        let count = c_int::try_from(bytes).map_err(|_| CommError::InvalidArgument {
+            op: op.clone(),
+            group: self.name.clone(),
+            reason: format!(
+                "a message of {bytes} bytes is beyond what MPI can count in one call (2^31 - 1 bytes); split the tensor"
+            ),
+        })?;
+        // Boxed: MPI reads it after this function returns.
+        let head = Box::new(message_header(
+            bytes,
+            &describe_message(data.dtype, data.shape.as_slice()),
+        ));
+        let mut flight = InFlight::new();
+        // SAFETY: `head` and `data` move into `flight`, which lives until the sends complete.
+        flight.push(to, |r| unsafe {
+            ffi::MPI_Isend(
+                head.as_ptr().cast(),
+                HEADER as c_int,
+                byte(),
+                to as c_int,
+                TAG_HEADER,
+                self.p2p.0,
+                r,
+            )
+        });
+        flight.push(to, |r| unsafe {
+            ffi::MPI_Isend(
+                data.bytes.as_ptr().cast(),
+                count,
+                byte(),
+                to as c_int,
+                TAG_PAYLOAD,
+                self.p2p.0,
+                r,
+            )
+        });
+        flight.buffers.push(head);
+        flight.buffers.push(Box::new(data));
+        self.sender()
+            .send(flight)
+            .map_err(|_| CommError::Transport {
+                op,
+                group: self.name.clone(),
+                rank: self.members[self.me],
+                reason: "the thread that completes sends is gone".to_string(),
+            })
+    }
+
+    fn recv(
+        &self,
+        me: usize,
+        from: usize,
+        op: &str,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<TensorData, CommError> {
+        self.broken()?;
+        let mut head = Box::new([0u8; HEADER]);
+        let mut flight = InFlight::new();
+        let buf = head.as_mut_ptr();
+        // SAFETY: `head` outlives the request (leaked with it on a timeout).
+        flight.push(from, |r| unsafe {
+            ffi::MPI_Irecv(
+                buf.cast(),
+                HEADER as c_int,
+                byte(),
+                from as c_int,
+                TAG_HEADER,
+                self.p2p.0,
+                r,
+            )
+        });
+        let deadline = self.deadline();
+        if let Err(missing) = flight.wait(|| deadline) {
+            std::mem::forget(head);
+            return Err(self.timeout_error(op.to_string(), missing));
+        }
+        let (bytes, sent) = parse_header(&head);
+        let bytes = bytes as usize;
+        // Compared as the sender's header carries it (a long text is cut short).
+        let wanted = parse_header(&message_header(bytes, &describe_message(dtype, shape))).1;
+        let payload = SharedBuffer::uninit(bytes);
+        let mut flight = InFlight::new();
+        // SAFETY: `payload` holds the `bytes` bytes the sender announced and outlives the call.
+        flight.push(from, |r| unsafe {
+            ffi::MPI_Irecv(
+                payload.ptr().cast(),
+                bytes as c_int,
+                byte(),
+                from as c_int,
+                TAG_PAYLOAD,
+                self.p2p.0,
+                r,
+            )
+        });
+        if let Err(missing) = flight.wait(|| deadline) {
+            std::mem::forget(payload);
+            return Err(self.timeout_error(op.to_string(), missing));
+        }
+        // The payload was taken even when it is not what was expected, so the next message
+        // from `from` is read correctly.
+        mismatched_message(self, me, from, op, &wanted, &sent)?;
+        Ok(payload.view(shape.to_vec(), dtype))
+    }
+
+    fn split(
+        &self,
+        me: usize,
+        stream: &mut Stream,
+        call: Call,
+        name: String,
+        color: usize,
+    ) -> Result<(Arc<dyn Transport>, usize), CommError> {
+        let seq = self.open(stream, &call)?;
+        let size = self.size();
+        let mine = (color as u64).to_le_bytes();
+        let mut colors = vec![0u8; 8 * size];
+        self.all_gather_elems(&call, seq, (mine.as_ptr(), 1), colors.as_mut_ptr(), 8)?;
+        let colors: Vec<u64> = colors
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        let members: Vec<usize> = (0..size)
+            .filter(|&r| colors[r] == color as u64)
+            .map(|r| self.members[r])
+            .collect();
+        let rank = colors[..me].iter().filter(|&&c| c == color as u64).count();
+        // MPI's colours are non-negative ints; ours are any usize, so split by the index of
+        // the first rank of each colour instead.
+        let mpi_color = colors
+            .iter()
+            .position(|&c| c == color as u64)
+            .expect("my colour") as c_int;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: every rank of the group is in this call (its header came).
+        check(
+            unsafe { ffi::MPI_Comm_split(self.data.0, mpi_color, me as c_int, comm.as_mut_ptr()) },
+            "MPI_Comm_split",
+        );
+        let comm = Comm(unsafe { comm.assume_init() });
+        Ok((
+            Arc::new(Self::over(name, members, rank, comm, self.timeout)),
+            rank,
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Prints `message` and ends every process of the job (MPI_Abort), with exit code 1.
+pub(crate) fn abort(message: &str) -> ! {
+    eprintln!("{message}");
+    // SAFETY: callable from any thread once MPI is initialised; it does not return.
+    unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
+    std::process::exit(1)
+}

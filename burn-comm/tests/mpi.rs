@@ -1,0 +1,294 @@
+//! The MPI transport with real processes. Run as a test (no launcher's variables), this program
+//! starts itself under `mpirun` at 2, 3 and 4 processes, once per case, and checks how each job
+//! ended; started by `mpirun`, it is one rank of the case named by its first argument.
+//!
+//! Every collective is compared bit for bit with the local transport, run on threads inside each
+//! process with the same inputs (both reduce in rank order with the same kernels). The fault
+//! cases check that a rank that panics, fails, stalls, calls something else or is killed ends
+//! the whole job within seconds, with a sentence naming the rank and the cause.
+
+mod common;
+
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn_comm::{CommError, Communicator, Launcher, Process, RankContext, ReduceOp, launch};
+use common::{B, random};
+
+fn main() {
+    match Launcher::from_env() {
+        Launcher::Alone => orchestrate(),
+        _ => {
+            let case = std::env::args().nth(1).expect("a case to run");
+            let process = Process::from_env()
+                .expect("joined the MPI job")
+                .expect("started by mpirun");
+            process.run(|ctx| rank_case(&case, ctx));
+        }
+    }
+}
+
+/// The test harness's side: one `mpirun` per case.
+fn orchestrate() {
+    let started = Instant::now();
+    for world in [2, 3, 4] {
+        let out = mpirun(world, "collectives", &[]);
+        assert_ok(&out, &format!("collectives at {world} processes"));
+        println!("collectives at {world} processes: ok");
+    }
+    let faults: [(&str, &[&str]); 5] = [
+        ("panic", &["rank 1 panicked: rank 1 gives up"]),
+        (
+            "error",
+            &["rank 1 failed: the mesh dp=3 x tp=5 has 15 ranks"],
+        ),
+        (
+            "stall",
+            &[
+                "rank 0 failed: all_reduce(sum) on F32 [4] (call 1) on group 'world' timed out",
+                "ranks [1] never joined",
+            ],
+        ),
+        (
+            "mismatch",
+            &[
+                "mismatched calls on group 'world'",
+                "all_gather(dim 0) on F32 [4]",
+            ],
+        ),
+        ("killed", &["rank 1", "signal 9"]),
+    ];
+    for (case, expected) in faults {
+        let begun = Instant::now();
+        let out = mpirun(2, case, &[("BURN_COMM_TIMEOUT_SECS", "2")]);
+        let took = begun.elapsed();
+        let text = transcript(&out);
+        assert!(!out.status.success(), "the {case} job succeeded:\n{text}");
+        for sentence in expected {
+            assert!(
+                text.contains(sentence),
+                "the {case} job did not say {sentence:?}:\n{text}"
+            );
+        }
+        assert!(
+            took < Duration::from_secs(30),
+            "the {case} job took {took:?} to end:\n{text}"
+        );
+        println!("{case}: ended in {took:.1?}");
+    }
+    println!("all MPI cases passed in {:.1?}", started.elapsed());
+}
+
+fn mpirun(world: usize, case: &str, env: &[(&str, &str)]) -> Output {
+    let exe = std::env::current_exe().expect("the test's own path");
+    burn_comm::mpirun(world)
+        .arg(exe)
+        .arg(case)
+        .envs(env.iter().copied())
+        .output()
+        .expect("mpirun runs (install Open MPI: apt-get install openmpi-bin libopenmpi-dev)")
+}
+
+fn transcript(out: &Output) -> String {
+    format!(
+        "status {}\n--- stdout\n{}--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn assert_ok(out: &Output, what: &str) {
+    assert!(out.status.success(), "{what} failed:\n{}", transcript(out));
+}
+
+/// One rank's side of `case`.
+fn rank_case(case: &str, ctx: RankContext) -> Result<(), CommError> {
+    let world = ctx.world();
+    let x = Tensor::<B, 1>::from_floats([1.0, 2.0, 3.0, 4.0], &Default::default());
+    match case {
+        "collectives" => collectives(&ctx),
+        "panic" => {
+            if ctx.rank() == 1 {
+                panic!("rank 1 gives up");
+            }
+            world.all_reduce(x, ReduceOp::Sum).map(drop)
+        }
+        "error" => {
+            if ctx.rank() == 1 {
+                // A mesh that does not fit the world: the rank's function returns the error.
+                ctx.mesh(&[("dp", 3), ("tp", 5)])?;
+            }
+            world.all_reduce(x, ReduceOp::Sum).map(drop)
+        }
+        "stall" => {
+            world.barrier()?;
+            if ctx.rank() == 1 {
+                // Stalls well past the timeout: rank 0's watchdog must end the job first.
+                std::thread::sleep(Duration::from_secs(60));
+            }
+            world.all_reduce(x, ReduceOp::Sum).map(drop)
+        }
+        "mismatch" => {
+            if ctx.rank() == 0 {
+                world.all_reduce(x, ReduceOp::Sum).map(drop)
+            } else {
+                world.all_gather(x, 0).map(drop)
+            }
+        }
+        "killed" => {
+            world.barrier()?;
+            if ctx.rank() == 1 {
+                let pid = std::process::id().to_string();
+                let _ = std::process::Command::new("kill")
+                    .args(["-9", &pid])
+                    .status();
+            }
+            world.all_reduce(x, ReduceOp::Sum).map(drop)
+        }
+        other => panic!("unknown case {other}"),
+    }
+}
+
+/// Runs `f` on this job's world over MPI and, with the same inputs, on threads over the local
+/// transport; the two must give the same bits.
+fn same_as_threads(
+    ctx: &RankContext,
+    what: &str,
+    f: impl Fn(&Communicator, usize) -> Result<TensorData, CommError> + Sync,
+) -> Result<(), CommError> {
+    let mpi = f(ctx.world(), ctx.rank())?;
+    let threads = launch(ctx.world_size(), |local| f(local.world(), local.rank()));
+    let local = threads
+        .into_iter()
+        .nth(ctx.rank())
+        .expect("one result per rank")
+        .unwrap_or_else(|e| panic!("{what} on threads: {e}"));
+    assert_eq!(mpi.dtype, local.dtype, "{what}: dtype");
+    assert_eq!(mpi.shape, local.shape, "{what}: shape");
+    assert!(
+        mpi.as_bytes() == local.as_bytes(),
+        "{what}: rank {} got other bits over MPI than over threads",
+        ctx.rank()
+    );
+    Ok(())
+}
+
+fn collectives(ctx: &RankContext) -> Result<(), CommError> {
+    let n = ctx.world_size();
+    let input = |seed: u64, rank: usize, shape: [usize; 2], dtype: DType| {
+        random(seed * 100 + rank as u64, shape, dtype)
+    };
+    // Below and above the size where an all-reduce switches from one round to two.
+    for (seed, shape) in [(1, [3, 5]), (2, [7, 3001])] {
+        for dtype in [DType::F32, DType::BF16, DType::F64] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                let what = format!("all_reduce({op}) of {dtype:?} {shape:?}");
+                same_as_threads(ctx, &what, |c, r| {
+                    Ok(c.all_reduce(input(seed, r, shape, dtype), op)?.into_data())
+                })?;
+            }
+        }
+    }
+    let ints = |r: usize| {
+        Tensor::<B, 1, Int>::from_ints([r as i32 * 7 - 3, 11, -(r as i32)], &Default::default())
+    };
+    same_as_threads(ctx, "all_reduce of ints", |c, r| {
+        Ok(c.all_reduce(ints(r), ReduceOp::Sum)?.into_data())
+    })?;
+    // Every rank holds the same bits of an all-reduce.
+    let reduced = ctx
+        .world()
+        .all_reduce(input(3, ctx.rank(), [5, 4001], DType::F32), ReduceOp::Sum)?;
+    let everyone = ctx
+        .world()
+        .all_gather(reduced.clone().unsqueeze::<3>(), 0)?;
+    for r in 0..n {
+        let theirs = everyone.clone().slice(r..r + 1).squeeze::<2>().into_data();
+        assert!(
+            theirs.as_bytes() == reduced.clone().into_data().as_bytes(),
+            "rank {r}'s all-reduce differs from rank {}'s",
+            ctx.rank()
+        );
+    }
+    for dim in [0, 1] {
+        let shape = [2 * n, 3 * n];
+        same_as_threads(ctx, &format!("all_gather(dim {dim})"), |c, r| {
+            Ok(c.all_gather(input(4, r, [2, 3], DType::F32), dim)?
+                .into_data())
+        })?;
+        for op in [ReduceOp::Sum, ReduceOp::Max] {
+            same_as_threads(ctx, &format!("reduce_scatter({op}, dim {dim})"), |c, r| {
+                Ok(c.reduce_scatter(input(5, r, shape, DType::F32), op, dim)?
+                    .into_data())
+            })?;
+        }
+        same_as_threads(ctx, &format!("all_to_all(split {dim})"), |c, r| {
+            Ok(c.all_to_all(input(6, r, shape, DType::F16), dim, 1 - dim)?
+                .into_data())
+        })?;
+    }
+    same_as_threads(ctx, "broadcast", |c, r| {
+        Ok(c.broadcast(input(7, r, [4, 9], DType::F32), n - 1)?
+            .into_data())
+    })?;
+    // Point to point around the ring, two messages per pair, in order.
+    same_as_threads(ctx, "send and recv", |c, r| {
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        c.send(input(8, r, [3, 2], DType::F32), next)?;
+        c.send(input(9, r, [3, 2], DType::F32), next)?;
+        let first: Tensor<B, 2> = c.recv(prev, [3, 2], &Default::default())?;
+        let second: Tensor<B, 2> = c.recv(prev, [3, 2], &Default::default())?;
+        Ok(Tensor::cat(vec![first, second], 0).into_data())
+    })?;
+    // A message of another shape than expected is a mismatch naming both, not garbage.
+    let (next, prev) = ((ctx.rank() + 1) % n, (ctx.rank() + n - 1) % n);
+    ctx.world().send(input(10, 0, [2, 2], DType::F32), next)?;
+    let wrong = ctx
+        .world()
+        .recv::<B, 2, burn::tensor::Float>(prev, [4, 1], &Default::default());
+    let message = wrong.expect_err("a mismatched receive fails").to_string();
+    assert!(
+        message.contains("recv(from") && message.contains("send of F32 [2, 2]"),
+        "{message}"
+    );
+    ctx.world().barrier()?;
+    // The async forms overlap: two in flight, then waited for.
+    same_as_threads(ctx, "async all_reduce", |c, r| {
+        let a = c.all_reduce_async(input(11, r, [2, 50], DType::F32), ReduceOp::Sum);
+        let b = c.all_gather_async(input(12, r, [2, 5], DType::F32), 1);
+        let (a, b) = (a.wait()?, b.wait()?);
+        Ok(Tensor::cat(vec![a, b], 1).into_data())
+    })?;
+    // Sub-groups: even and odd ranks, and a mesh when the world allows one.
+    same_as_threads(ctx, "split", |c, r| {
+        let half = c.split("parity", r % 2)?;
+        Ok(half
+            .all_reduce(input(13, r, [3, 3], DType::F32), ReduceOp::Sum)?
+            .into_data())
+    })?;
+    if n == 4 {
+        let mesh = ctx.mesh(&[("dp", 2), ("tp", 2)])?;
+        let tp = mesh
+            .group("tp")?
+            .all_gather(input(14, ctx.rank(), [1, 2], DType::F32), 0)?;
+        let dp = mesh.group("dp")?.all_reduce(tp, ReduceOp::Sum)?;
+        let (dp_rank, tp_rank) = (mesh.coord("dp")?, mesh.coord("tp")?);
+        let expected: Tensor<B, 2> = (0..2)
+            .map(|d| {
+                let rows = (0..2)
+                    .map(|t| input(14, d * 2 + t, [1, 2], DType::F32))
+                    .collect();
+                Tensor::cat(rows, 0)
+            })
+            .reduce(|a, b| a + b)
+            .expect("two replicas");
+        assert_eq!(
+            dp.into_data().as_bytes(),
+            expected.into_data().as_bytes(),
+            "mesh dp {dp_rank} tp {tp_rank}"
+        );
+    }
+    ctx.world().barrier()
+}

@@ -3,6 +3,10 @@
 //! MASTER_ADDR, MASTER_PORT), prefixes every line they print with their rank, and stops them
 //! all as soon as one fails.
 //!
+//! With `--mpi`, the ranks are started through `mpirun` instead (CPU ranks talk through MPI,
+//! which only processes that `mpirun` started can join): `--hostfile` names the machines, and
+//! Open MPI's own variables tell each process its rank.
+//!
 //! Each rank runs in its own process group, so stopping a rank stops whatever it started (a
 //! shell's children, say); Ctrl-C or SIGTERM to the launcher stops every rank the same way.
 
@@ -33,6 +37,13 @@ struct Args {
     /// Port of the rendezvous store; 0 picks a free one (single machine only).
     #[arg(long, default_value_t = 29500)]
     master_port: u16,
+    /// Start the ranks through mpirun (CPU ranks on burn-comm's MPI transport) instead of
+    /// with torchrun's variables (NCCL).
+    #[arg(long)]
+    mpi: bool,
+    /// With --mpi: the machines and their slots, in Open MPI's hostfile format.
+    #[arg(long, requires = "mpi")]
+    hostfile: Option<String>,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<String>,
@@ -54,6 +65,9 @@ fn run(args: Args) -> Result<ExitCode, String> {
             "--nproc-per-node must be at least 1 and --node-rank ({}) below --nnodes ({})",
             args.node_rank, args.nnodes
         ));
+    }
+    if args.mpi {
+        return run_mpi(&args);
     }
     let port = match args.master_port {
         0 if args.nnodes > 1 => {
@@ -114,6 +128,27 @@ fn run(args: Args) -> Result<ExitCode, String> {
         thread::sleep(Duration::from_millis(10));
     }
     Ok(code)
+}
+
+/// Starts the ranks through mpirun, which supervises them: it stops every rank when one fails
+/// and forwards Ctrl-C.
+fn run_mpi(args: &Args) -> Result<ExitCode, String> {
+    if args.nnodes > 1 {
+        return Err(
+            "with --mpi, one burn-launch starts the whole job: list the machines in --hostfile instead of --nnodes/--node-rank".into(),
+        );
+    }
+    let mut mpirun = burn_comm::mpirun(args.nproc_per_node);
+    if let Some(hostfile) = &args.hostfile {
+        mpirun.arg("--hostfile").arg(hostfile);
+    }
+    let status = mpirun.args(&args.command).status().map_err(|e| {
+        format!("cannot start mpirun ({e}); install Open MPI (apt-get install openmpi-bin)")
+    })?;
+    Ok(match status.success() {
+        true => ExitCode::SUCCESS,
+        false => ExitCode::from(exit_code(status)),
+    })
 }
 
 /// Waits for every child; when one fails, stops the others and returns its exit code.

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn_comm::RankContext;
 use burn_ddp::{BackwardHooks, DdpConfig};
 use burn_pipeline::ScheduleKind;
 use burn_tensor_parallel::TpBackend;
@@ -17,7 +18,7 @@ use llama::data::{Dataset, MarkovSource, TokenCorpus};
 use llama::pipeline::Balance;
 use llama::plan::Plan;
 use llama::tokenizer::TextTokenizer;
-use llama::train::{StepMetrics, Strategy, TrainConfig, train};
+use llama::train::{Layout, StepMetrics, Strategy, TrainConfig, train};
 use llama::{Llama, LlamaConfig, hf};
 
 #[derive(Parser)]
@@ -303,10 +304,23 @@ fn parse_size(text: &str) -> Result<u64, String> {
 }
 
 fn main() {
-    let result = match Cli::parse().command {
-        Command::Train(args) => run_train(*args),
-        Command::Eval(args) => run_eval(args),
-        Command::Plan(args) => run_plan(args),
+    let command = Cli::parse().command;
+    // Under mpirun this process is one rank; a rank that fails ends the whole job, naming it.
+    let process = burn_comm::Process::from_env().unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        std::process::exit(1)
+    });
+    let result = match (command, process) {
+        (Command::Train(args), Some(process)) => {
+            process.run(|ctx| run_train(*args, Some(ctx)));
+            Ok(())
+        }
+        (Command::Train(args), None) => run_train(*args, None),
+        (_, Some(_)) => Err(
+            "only `llama train` runs as one process per rank; run `llama eval` and `llama plan` without mpirun".into(),
+        ),
+        (Command::Eval(args), None) => run_eval(args),
+        (Command::Plan(args), None) => run_plan(args),
     };
     if let Err(message) = result {
         eprintln!("error: {message}");
@@ -359,7 +373,15 @@ fn run_plan(args: PlanArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn run_train(args: TrainArgs) -> Result<(), String> {
+/// Trains as `llama train` was asked to; `process` is this process's rank when the job runs
+/// one process per rank, of which rank 0 alone prints and writes files.
+fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), String> {
+    let lead = process.as_ref().is_none_or(|ctx| ctx.rank() == 0);
+    if !lead {
+        args.save = None;
+        args.metrics = None;
+        args.schedule_svg = None;
+    }
     let name = args.model.clone().unwrap_or_else(|| "tiny".into());
     let mut model = LlamaConfig::preset(&name).ok_or_else(|| {
         format!(
@@ -455,6 +477,7 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     }
     config.nccl = args.nccl;
     config.init_from = args.init_from.clone();
+    config.process = process;
     let layout = config.layout().map_err(|e| e.to_string())?;
     check_outputs(&args)?;
 
@@ -484,18 +507,36 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
     if config.model.vocab_size < 256 && args.data.is_some() && tokenizer.is_none() {
         return Err("byte-level data needs a vocabulary of at least 256".into());
     }
+    if lead {
+        print_run(&args, &name, &config, &layout, &*data);
+    }
+    match args.device {
+        Device::Cpu => train_on::<Autodiff<Flex>>(&config, &*data, &Default::default(), &args),
+        Device::Cuda => train_on_cuda(&config, &*data, &args),
+    }
+}
+
+/// What the run will do, before it starts.
+fn print_run(
+    args: &TrainArgs,
+    name: &str,
+    config: &TrainConfig,
+    layout: &Layout,
+    data: &dyn Dataset,
+) {
+    let strategy = config.strategy;
     println!(
         "model {} ({:.2}M parameters), {} x {} tokens per step, dp {} ({:?}) x tp {}{} x pp {}{}, {} micro-batch(es) of {} per replica",
         args.init_from
             .as_ref()
-            .map_or(name, |d| d.display().to_string()),
+            .map_or(name.to_string(), |d| d.display().to_string()),
         config.model.num_params() as f64 / 1e6,
         config.batch_size,
         config.seq_len,
         config.dp,
         strategy,
         config.tp,
-        describe_tp(&config),
+        describe_tp(config),
         config.pp,
         if config.pp > 1 {
             format!(
@@ -512,16 +553,11 @@ fn run_train(args: TrainArgs) -> Result<(), String> {
         layout.micro
     );
     if config.zero != ZeroStage::Replicated {
-        println!("zero: {}", describe_zero(&config));
+        println!("zero: {}", describe_zero(config));
     }
     println!("data: {}", data.describe());
     if let Some(floor) = data.loss_floor() {
         println!("loss floor: {floor:.4} nats/token (the entropy of the source at this --seq-len)");
-    }
-
-    match args.device {
-        Device::Cpu => train_on::<Autodiff<Flex>>(&config, &*data, &Default::default(), &args),
-        Device::Cuda => train_on_cuda(&config, &*data, &args),
     }
 }
 
@@ -595,6 +631,10 @@ where
     let started = Instant::now();
     let model = train::<B>(config, data, device, &mut on_step).map_err(|e| e.to_string())?;
     bar.finish_and_clear();
+    if config.process.as_ref().is_some_and(|ctx| ctx.rank() != 0) {
+        // Rank 0 reports and saves.
+        return Ok(());
+    }
     if let Some(e) = write_error {
         return Err(format!("cannot write the metrics: {e}"));
     }

@@ -109,6 +109,9 @@ pub struct TrainConfig {
     /// Move the ranks' data with NCCL, in GPU memory (builds with the `cuda` feature, CUDA
     /// tensors only); else through host memory (the local transport).
     pub nccl: bool,
+    /// This process's rank when the job runs one process per rank (started by `mpirun`, see
+    /// `burn_comm::Process`); None: the ranks are threads of this process.
+    pub process: Option<burn_comm::RankContext>,
 }
 
 impl TrainConfig {
@@ -141,6 +144,7 @@ impl TrainConfig {
             max_grad_norm: None,
             init_from: None,
             nccl: false,
+            process: None,
         }
     }
 
@@ -741,6 +745,7 @@ where
     B::InnerBackend: TpBackend,
 {
     config.layout()?;
+    check_processes(config)?;
     let init = || -> Result<Llama<B>, TrainError> {
         match &config.init_from {
             None => Ok(Llama::init(&config.model, config.seed, device)),
@@ -767,7 +772,7 @@ where
         return Ok(train_rank(config, data, None, init()?, device, on_step)?.valid());
     }
     let ranks = config.dp * config.tp;
-    let mut results = launch_ranks(ranks, config.nccl, on_step, |world, forward| {
+    let mut results = launch_ranks(config, ranks, on_step, |world, forward| {
         let model = init()?;
         let data_parallel =
             |group: &Communicator| (config.strategy != Strategy::Single).then_some(group.clone());
@@ -787,18 +792,54 @@ where
     Ok(results.remove(0))
 }
 
-/// Runs `rank` on `ranks` threads, each with its world communicator (on NCCL with `nccl`) and a
-/// reporter that hands rank 0's step metrics to `on_step`; returns every rank's result, or the
-/// error that caused the run to fail (see [`first_cause`]).
+/// Refuses a job whose processes do not match the layout's ranks, and the layouts that do not
+/// run as processes yet.
+fn check_processes(config: &TrainConfig) -> Result<(), TrainError> {
+    let Some(ctx) = &config.process else {
+        return Ok(());
+    };
+    let ranks = config.dp * config.pp * config.tp;
+    if ctx.world_size() != ranks {
+        return Err(TrainError::Config(format!(
+            "this layout (dp {} x pp {} x tp {}) needs {ranks} ranks but the job has {} processes; start it with `mpirun -n {ranks}`, or without mpirun to run the ranks as threads",
+            config.dp,
+            config.pp,
+            config.tp,
+            ctx.world_size()
+        )));
+    }
+    if config.pp > 1 {
+        return Err(TrainError::Config(
+            "--pp does not run as one process per rank yet (the stages are joined on one process at the end); run it without mpirun, as threads".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Runs `rank` on `ranks` ranks, each with its world communicator (on NCCL with
+/// `config.nccl`) and a reporter that hands rank 0's step metrics to `on_step`. The ranks are
+/// threads, or this process alone when the job runs one process per rank (`config.process`);
+/// returns every rank's result (this process's only, then), or the error that caused the run
+/// to fail (see [`first_cause`]).
 pub(crate) fn launch_ranks<T: Send>(
+    config: &TrainConfig,
     ranks: usize,
-    nccl: bool,
     on_step: &mut (dyn FnMut(&StepMetrics) + Send),
     rank: impl Fn(&Communicator, &mut dyn FnMut(&StepMetrics)) -> Result<T, TrainError> + Sync,
 ) -> Result<Vec<T>, TrainError> {
+    if let Some(ctx) = &config.process {
+        let world = world_of(ctx, config.nccl)?;
+        let lead = ctx.rank() == 0;
+        let mut forward = |m: &StepMetrics| {
+            if lead {
+                on_step(m);
+            }
+        };
+        return Ok(vec![rank(&world, &mut forward)?]);
+    }
     let on_step = std::sync::Mutex::new(on_step);
     let results = burn_comm::launch(ranks, |ctx| {
-        let world = world_of(&ctx, nccl)?;
+        let world = world_of(&ctx, config.nccl)?;
         let mut forward = |m: &StepMetrics| {
             if ctx.rank() == 0 {
                 (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
@@ -857,7 +898,7 @@ where
     B::InnerBackend: TpBackend,
 {
     let ranks = config.dp * config.pp * config.tp;
-    let results = launch_ranks(ranks, config.nccl, on_step, |world, forward| {
+    let results = launch_ranks(config, ranks, on_step, |world, forward| {
         // Tensor-parallel peers are neighbours on the mesh, then the stages of a pipeline.
         let mesh = DeviceMesh::new(
             world,

@@ -127,7 +127,7 @@ where
     B::InnerBackend: TpBackend,
 {
     let ranks = config.dp * config.tp;
-    let mut results = launch_ranks(ranks, config.nccl, on_step, |world, forward| {
+    let mut results = launch_ranks(config, ranks, on_step, |world, forward| {
         let mesh = DeviceMesh::new(world, &[("dp", config.dp), ("tp", config.tp)])?;
         let dp = mesh.group("dp")?;
         let units = units(init()?, config);

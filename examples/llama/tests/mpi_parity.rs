@@ -1,0 +1,158 @@
+//! `llama train` as one process per rank under `mpirun`, against the same run on one device:
+//! the losses of every step agree to rtol 1e-5, as in the threaded parity tests. Rank 0 alone
+//! prints and writes the metrics and the weights. The layouts run one after another: each job
+//! already has more processes than this machine has cores.
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+const RUN: [&str; 11] = [
+    "train",
+    "--steps",
+    "4",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--warmup",
+    "2",
+    "--lr",
+    "0.003",
+];
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("llama-mpi-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn transcript(out: &Output) -> String {
+    format!(
+        "status {}\n--- stdout\n{}--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// `llama train` with `layout`, as `ranks` processes under mpirun (0: one process, no mpirun),
+/// writing its metrics to `metrics`.
+fn train(ranks: usize, layout: &[&str], metrics: &Path, extra: &[&str]) -> Output {
+    let llama = env!("CARGO_BIN_EXE_llama");
+    let mut command = match ranks {
+        0 => std::process::Command::new(llama),
+        n => {
+            let mut command = burn_comm::mpirun(n);
+            command.arg(llama);
+            command
+        }
+    };
+    command
+        .args(RUN)
+        .args(layout)
+        .arg("--metrics")
+        .arg(metrics)
+        .args(extra)
+        .output()
+        .expect("llama runs (under mpirun: install openmpi-bin)")
+}
+
+fn losses(metrics: &Path) -> Vec<f64> {
+    std::fs::read_to_string(metrics)
+        .unwrap_or_else(|e| panic!("{}: {e}", metrics.display()))
+        .lines()
+        .map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).unwrap();
+            value["loss"].as_f64().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn every_layout_as_processes_matches_threads_and_one_device() {
+    let dir = scratch("parity");
+    // (processes, layout, flags the one-device run shares)
+    let layouts: [(usize, &[&str], &[&str]); 6] = [
+        (2, &["--dp", "2"], &[]),
+        (2, &["--tp", "2", "--sp"], &[]),
+        (2, &["--dp", "2", "--zero", "3"], &[]),
+        (
+            2,
+            &["--dp", "2", "--zero", "2"],
+            &["--clip-grad-norm", "0.5"],
+        ),
+        (2, &["--dp", "2", "--zero", "1", "--dtype", "bf16"], &[]),
+        (4, &["--dp", "2", "--tp", "2"], &[]),
+    ];
+    for (ranks, layout, shared) in layouts {
+        let name = [layout, shared].concat().join(" ");
+        let file = |what: &str| dir.join(format!("{}-{what}", name.replace(' ', "_")));
+        let one_device = file("single.jsonl");
+        let out = train(0, shared, &one_device, &[]);
+        assert!(out.status.success(), "{}", transcript(&out));
+        let threads = file("threads.jsonl");
+        let out = train(0, &[layout, shared].concat(), &threads, &[]);
+        assert!(
+            out.status.success(),
+            "{name} as threads: {}",
+            transcript(&out)
+        );
+        let (metrics, weights) = (file("processes.jsonl"), file("weights"));
+        let args = [shared, &["--save", weights.to_str().unwrap()]].concat();
+        let out = train(ranks, layout, &metrics, &args);
+        let text = transcript(&out);
+        assert!(out.status.success(), "{name}: {text}");
+
+        // MPI reduces in rank order with the local transport's kernels: the same bits.
+        let actual = losses(&metrics);
+        assert_eq!(
+            actual,
+            losses(&threads),
+            "{name}: processes against threads"
+        );
+        let expected = losses(&one_device);
+        assert_eq!(actual.len(), expected.len(), "{name}: one line per step");
+        // bf16 rounds the weights each step: one device in f32 is no oracle for it.
+        if !layout.contains(&"bf16") {
+            for (step, (a, e)) in actual.iter().zip(&expected).enumerate() {
+                assert!(
+                    (a - e).abs() <= 1e-5 * e.abs(),
+                    "{name}: step {} loss {a} against one device's {e}",
+                    step + 1
+                );
+            }
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            stdout.matches("done:").count(),
+            1,
+            "{name}: rank 0 alone reports\n{text}"
+        );
+        assert!(
+            weights.join("model.safetensors").exists(),
+            "{name}: rank 0 saves"
+        );
+        println!("{name} as {ranks} processes: losses {actual:?}");
+    }
+}
+
+#[test]
+fn a_job_of_the_wrong_size_or_an_unsupported_layout_is_refused_with_a_sentence() {
+    let dir = scratch("refused");
+    let metrics = dir.join("m.jsonl");
+    let out = train(3, &["--dp", "2"], &metrics, &[]);
+    assert!(!out.status.success());
+    let text = transcript(&out);
+    assert!(
+        text.contains("needs 2 ranks but the job has 3 processes; start it with `mpirun -n 2`"),
+        "{text}"
+    );
+    let out = train(2, &["--pp", "2"], &metrics, &[]);
+    assert!(!out.status.success());
+    let text = transcript(&out);
+    assert!(
+        text.contains("--pp does not run as one process per rank yet"),
+        "{text}"
+    );
+}

@@ -9,6 +9,7 @@ use llama::data::{Dataset, MarkovSource};
 use serde::Serialize;
 
 pub mod activations;
+pub mod collectives;
 pub mod kernel_device;
 pub mod memory;
 

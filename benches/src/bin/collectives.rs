@@ -6,10 +6,9 @@
 
 use std::time::{Duration, Instant};
 
-use burn::backend::Flex;
-use burn::tensor::{Tensor, TensorData};
-use burn_comm::{Communicator, ReduceOp, launch};
-use clap::{Parser, ValueEnum};
+use benches::collectives::{Op, elements, human, iterations, slowest_median, time_rank};
+use burn_comm::launch;
+use clap::Parser;
 use serde::Serialize;
 
 #[derive(Parser)]
@@ -35,72 +34,6 @@ struct Args {
     json: String,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "snake_case")]
-enum Op {
-    AllReduce,
-    AllGather,
-    ReduceScatter,
-    Broadcast,
-}
-
-impl Op {
-    fn all() -> Vec<Op> {
-        vec![
-            Op::AllReduce,
-            Op::AllGather,
-            Op::ReduceScatter,
-            Op::Broadcast,
-        ]
-    }
-
-    /// nccl-tests' factor from algorithm to bus bandwidth: the fraction of the data every rank
-    /// must move over its link in an optimal algorithm.
-    fn bus_factor(self, n: usize) -> f64 {
-        let n = n as f64;
-        match self {
-            Op::AllReduce => 2.0 * (n - 1.0) / n,
-            Op::AllGather | Op::ReduceScatter => (n - 1.0) / n,
-            Op::Broadcast => 1.0,
-        }
-    }
-
-    /// Elements each rank brings for a message of `elems` (nccl-tests' size: the whole buffer
-    /// for all-reduce and broadcast, the gathered output for all-gather, the input for
-    /// reduce-scatter).
-    fn input_elems(self, elems: usize, n: usize) -> usize {
-        match self {
-            Op::AllGather => elems / n,
-            _ => elems,
-        }
-    }
-
-    fn run(self, comm: &Communicator, x: Tensor<Flex, 1>) -> Tensor<Flex, 1> {
-        let result = match self {
-            Op::AllReduce => comm.all_reduce(x, ReduceOp::Sum),
-            Op::AllGather => comm.all_gather(x, 0),
-            Op::ReduceScatter => comm.reduce_scatter(x, ReduceOp::Sum, 0),
-            Op::Broadcast => comm.broadcast(x, 0),
-        };
-        result.expect("collective failed")
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce",
-            Op::AllGather => "all_gather",
-            Op::ReduceScatter => "reduce_scatter",
-            Op::Broadcast => "broadcast",
-        }
-    }
-}
-
-impl std::fmt::Display for Op {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.name().replace('_', "-"))
-    }
-}
-
 #[derive(Serialize)]
 struct Row {
     op: Op,
@@ -114,51 +47,15 @@ struct Row {
     busbw_over_memcpy: f64,
 }
 
-/// Enough iterations for about 2 GB moved, within [5, 200].
-fn iterations(bytes: usize) -> usize {
-    ((2usize << 30) / bytes.max(1)).clamp(5, 200)
-}
-
-fn median(mut times: Vec<Duration>) -> Duration {
-    times.sort();
-    times[times.len() / 2]
-}
-
 /// The median time of `iters` calls of `op` on `world` ranks: each call's time is the slowest
 /// rank's, measured from a barrier.
 fn time_collective(op: Op, world: usize, elems: usize, iters: usize) -> Duration {
-    let per_rank = launch(world, |ctx| {
-        let comm = ctx.world();
-        let values = vec![1.0f32; op.input_elems(elems, world)];
-        let len = values.len();
-        let mut times = Vec::with_capacity(iters);
-        for i in 0..iters + 2 {
-            // A fresh, uniquely owned input: burn hands its buffer over without a copy.
-            let x = Tensor::<Flex, 1>::from_data(
-                TensorData::new(values.clone(), [len]),
-                &Default::default(),
-            );
-            comm.barrier()?;
-            let start = Instant::now();
-            let out = op.run(comm, x);
-            let elapsed = start.elapsed();
-            drop(out);
-            // No rank prepares its next input while a peer is still being timed.
-            comm.barrier()?;
-            if i >= 2 {
-                times.push(elapsed);
-            }
-        }
-        Ok::<_, burn_comm::CommError>(times)
-    });
-    let per_rank: Vec<Vec<Duration>> = per_rank
-        .into_iter()
-        .map(|r| r.expect("rank failed"))
-        .collect();
-    let slowest = (0..iters)
-        .map(|i| per_rank.iter().map(|t| t[i]).max().unwrap())
-        .collect();
-    median(slowest)
+    let per_rank: Vec<Vec<Duration>> =
+        launch(world, |ctx| time_rank(ctx.world(), op, elems, iters))
+            .into_iter()
+            .map(|r| r.expect("rank failed"))
+            .collect();
+    slowest_median(&per_rank)
 }
 
 /// The median time of copying `bytes` between two existing buffers on one thread.
@@ -172,18 +69,8 @@ fn time_memcpy(bytes: usize, iters: usize) -> Duration {
             std::hint::black_box(&mut dst);
             start.elapsed()
         })
-        .skip(2)
-        .collect();
-    median(times)
-}
-
-fn human(bytes: usize) -> String {
-    match bytes {
-        b if b >= 1 << 30 => format!("{} GiB", b >> 30),
-        b if b >= 1 << 20 => format!("{} MiB", b >> 20),
-        b if b >= 1 << 10 => format!("{} KiB", b >> 10),
-        b => format!("{b} B"),
-    }
+        .skip(2);
+    Duration::from_secs_f64(benches::median(times.map(|t| t.as_secs_f64())))
 }
 
 fn main() {
@@ -204,8 +91,7 @@ fn main() {
         for &op in &args.ops {
             let mut bytes = args.min_bytes;
             while bytes <= args.max_bytes {
-                // Whole f32 elements, divisible by the world size.
-                let elems = (bytes / 4 / world).max(1) * world;
+                let elems = elements(bytes, world);
                 let size = elems * 4;
                 let iters = iterations(size);
                 let time = time_collective(op, world, elems, iters).as_secs_f64();

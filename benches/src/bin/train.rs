@@ -4,7 +4,8 @@
 //! global batch (strong scaling) and a fixed per-rank batch (weak scaling).
 //!
 //! Every rank is one thread with one compute thread (burn's CPU backend is built without its
-//! thread pool here), so N ranks need N cores to scale. The row "N independent runs" trains N
+//! thread pool here), so N ranks need N cores to scale. With the `mpi` feature, DDP also runs as
+//! N processes under `mpirun` (this bench starts itself), beside the same DDP as N threads. The row "N independent runs" trains N
 //! single-device models at once without any communication: the most this machine gives N
 //! concurrent ranks, the ceiling for weak scaling. Runs are repeated in interleaved rounds
 //! (`--repeats`) so that drift of the machine's speed hits every configuration alike.
@@ -89,7 +90,7 @@ fn main() {
     ddp_serial.ddp = DdpConfig::new().with_overlap(false);
     let mut weak_serial = base(Strategy::Ddp, n, b * n);
     weak_serial.ddp = DdpConfig::new().with_overlap(false);
-    let runs: Vec<(&str, String, TrainConfig, usize)> = vec![
+    let mut runs: Vec<(&str, String, TrainConfig, usize)> = vec![
         (
             "strong",
             "single-device burn".into(),
@@ -147,12 +148,47 @@ fn main() {
         ),
     ];
 
+    if cfg!(feature = "mpi") {
+        runs.insert(
+            3,
+            (
+                "strong",
+                format!("DDP, {n} processes"),
+                base(Strategy::Ddp, n, b),
+                0,
+            ),
+        );
+        let weak = runs.iter().position(|r| r.0 == "weak").expect("weak runs") + 3;
+        runs.insert(
+            weak,
+            (
+                "weak",
+                format!("DDP, {n} processes"),
+                base(Strategy::Ddp, n, b * n),
+                0,
+            ),
+        );
+    }
+    if let Some(which) = std::env::var_os(PROCESS_RUN) {
+        // Started by `run` under mpirun: this process is one rank of that run.
+        let name = which.to_string_lossy();
+        let config = &runs
+            .iter()
+            .find(|r| r.1 == name)
+            .expect("a run of this bench")
+            .2;
+        return run_as_process(config, &data);
+    }
+
     // Interleaved rounds: every configuration once per round.
     let mut counted: Vec<Vec<StepMetrics>> = vec![Vec::new(); runs.len()];
     for round in 0..args.repeats {
         for (i, (_, name, config, copies)) in runs.iter().enumerate() {
             eprintln!("round {}/{}: {name}", round + 1, args.repeats);
-            let steps = run(config, *copies, &data);
+            let steps = match copies {
+                0 => run_processes(name, config.dp),
+                copies => run(config, *copies, &data),
+            };
             counted[i].extend_from_slice(&steps[args.warmup..]);
         }
     }
@@ -171,8 +207,8 @@ fn main() {
         let row = Row {
             scaling,
             name,
-            ranks: config.dp * copies,
-            global_batch: config.batch_size * copies,
+            ranks: config.dp * copies.max(1),
+            global_batch: config.batch_size * copies.max(1),
             tokens_per_s,
             step_s: median(steps.iter().map(|m| m.seconds)),
             comm_wait_ms: median(steps.iter().map(|m| m.comm_wait_s)) * 1e3,
@@ -200,6 +236,69 @@ fn main() {
     println!("DDP on 1 rank costs {overhead:+.1}% step time against the plain loop");
 
     benches::write_json(&args.json, &rows);
+}
+
+/// Names the run that a process started under mpirun is a rank of.
+const PROCESS_RUN: &str = "BENCH_TRAIN_PROCESS_RUN";
+
+/// The run `name` as `ranks` processes under mpirun, each computing on one thread; returns rank
+/// 0's step metrics.
+fn run_processes(name: &str, ranks: usize) -> Vec<StepMetrics> {
+    let exe = std::env::current_exe().expect("the bench's own path");
+    let out = burn_comm::mpirun(ranks)
+        .arg(exe)
+        .args(std::env::args().skip(1))
+        .env(PROCESS_RUN, name)
+        .output()
+        .expect("mpirun runs (install openmpi-bin)");
+    assert!(
+        out.status.success(),
+        "{name} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| line.strip_prefix(STEP))
+        .map(|json| {
+            let v: serde_json::Value = serde_json::from_str(json).expect("step metrics");
+            let number = |key: &str| v[key].as_f64().unwrap_or(f64::NAN);
+            StepMetrics {
+                step: number("step") as usize,
+                loss: number("loss"),
+                lr: number("lr"),
+                tokens: number("tokens") as usize,
+                tokens_per_s: number("tokens_per_s"),
+                seconds: number("seconds"),
+                elapsed: number("elapsed"),
+                comm_wait_s: number("comm_wait_s"),
+                model_state_bytes: None,
+                loss_scale: None,
+                skipped: false,
+                grad_norm: None,
+            }
+        })
+        .collect()
+}
+
+/// Rank 0's lines of step metrics, read back by `run_processes`.
+const STEP: &str = "STEP ";
+
+/// One rank of a run under mpirun: trains `config` as this process's rank.
+fn run_as_process(config: &TrainConfig, data: &MarkovSource) {
+    let process = burn_comm::Process::from_env()
+        .expect("joined the MPI job")
+        .expect("started by mpirun");
+    process.run(|ctx| {
+        let lead = ctx.rank() == 0;
+        let mut config = config.clone();
+        config.process = Some(ctx);
+        train::<Autodiff<Flex>>(&config, data, &Default::default(), &mut |m| {
+            if lead {
+                println!("{STEP}{}", serde_json::to_string(m).expect("serialises"));
+            }
+        })
+        .map(drop)
+    });
 }
 
 /// Trains `config`, or `copies` independent single-device copies of it at once; returns every

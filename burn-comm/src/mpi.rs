@@ -111,8 +111,17 @@ fn check(code: c_int, what: &str) {
     assert!(code == 0, "{what} failed with MPI error code {code}");
 }
 
-/// An MPI datatype of `elem` contiguous bytes, made once per size: collectives count in
-/// elements, so a message may hold up to 2^31 - 1 of them rather than of bytes.
+/// How a collective moving `total` bytes of `elem`-byte elements counts: in bytes while they fit
+/// MPI's `int` (MPI's fastest path), else in elements of a contiguous datatype, so a message may
+/// hold up to 2^31 - 1 elements. Returns the bytes per count and the datatype.
+fn units(total: usize, elem: usize) -> (usize, ffi::MPI_Datatype) {
+    match c_int::try_from(total) {
+        Ok(_) => (1, byte()),
+        Err(_) => (elem, unit(elem)),
+    }
+}
+
+/// An MPI datatype of `elem` contiguous bytes, made once per size.
 fn unit(elem: usize) -> ffi::MPI_Datatype {
     struct Units(Mutex<Vec<(usize, ffi::MPI_Datatype)>>);
     // SAFETY: datatype handles are plain values, usable from any thread under
@@ -371,13 +380,17 @@ impl MpiGroup {
     }
 
     fn timeout_error(&self, op: String, missing: Vec<usize>) -> CommError {
-        self.break_with(CommError::Timeout {
+        self.break_with(self.timeout_error_unrecorded(op, missing))
+    }
+
+    fn timeout_error_unrecorded(&self, op: String, missing: Vec<usize>) -> CommError {
+        CommError::Timeout {
             op,
             group: self.name.clone(),
             rank: self.members[self.me],
             missing: missing.into_iter().map(|r| self.members[r]).collect(),
             after: self.timeout,
-        })
+        }
     }
 
     /// Opens call `seq`: sends `call`'s header to every peer and checks theirs. On return every
@@ -446,19 +459,19 @@ impl MpiGroup {
         Ok(seq)
     }
 
-    /// Waits for the collective in `flight`. Every rank joined it (their headers came), so it
-    /// can only outlive the timeout if a peer died or froze inside it; MPI may then still write
-    /// to this rank's buffers, so the watchdog ends the job instead of returning.
-    fn finish(&self, op: &Call, seq: u64, flight: InFlight) -> Result<(), CommError> {
-        let deadline = self.deadline();
-        if flight.wait(|| deadline).is_err() {
-            let peers = (0..self.size()).filter(|&r| r != self.me).collect();
-            let error = self.timeout_error(format!("{op} (call {seq}, data exchange)"), peers);
-            abort(&format!(
-                "rank {} ends the job: {error}",
-                self.members[self.me]
-            ));
-        }
+    /// Runs the data phase of call `seq`, blocking (MPI's own collectives, faster than its
+    /// non-blocking ones for small messages). Every rank joined the call (their headers came),
+    /// so it can only outlive the timeout if a peer died or froze inside it; MPI may then
+    /// still write to this rank's buffers, so the watchdog ends the job instead.
+    fn exchange(&self, op: &Call, seq: u64, run: impl FnOnce() -> c_int) -> Result<(), CommError> {
+        let peers = (0..self.size()).filter(|&r| r != self.me).collect();
+        let error =
+            self.timeout_error_unrecorded(format!("{op} (call {seq}, data exchange)"), peers);
+        let message = format!("rank {} ends the job: {error}", self.members[self.me]);
+        check(
+            watchdog::watch(self.deadline(), message, run),
+            "an MPI collective",
+        );
         Ok(())
     }
 
@@ -481,23 +494,13 @@ impl MpiGroup {
         dst: *mut u8,
         elem: usize,
     ) -> Result<(), CommError> {
-        let count = c_int::try_from(len).map_err(|_| self.too_large(call, len))?;
-        let mut flight = InFlight::new();
+        let (per, ty) = units(self.size() * len * elem, elem);
+        let count = c_int::try_from(len * elem / per).map_err(|_| self.too_large(call, len))?;
         // SAFETY: `src` holds `len` elements and `dst` `size * len`, both alive until the call
-        // ends (a call that outlives the timeout ends the job, see `finish`).
-        flight.push(0, |r| unsafe {
-            ffi::MPI_Iallgather(
-                src.cast(),
-                count,
-                unit(elem),
-                dst.cast(),
-                count,
-                unit(elem),
-                self.data.0,
-                r,
-            )
-        });
-        self.finish(call, seq, flight)
+        // ends (a call that outlives the timeout ends the job, see `exchange`).
+        self.exchange(call, seq, || unsafe {
+            ffi::MPI_Allgather(src.cast(), count, ty, dst.cast(), count, ty, self.data.0)
+        })
     }
 
     /// Block `r` of `send` (`block` elements of `elem` bytes each) to rank `r`; block `r` of
@@ -510,22 +513,12 @@ impl MpiGroup {
         recv: *mut u8,
         elem: usize,
     ) -> Result<(), CommError> {
-        let count = c_int::try_from(block).map_err(|_| self.too_large(call, block))?;
-        let mut flight = InFlight::new();
+        let (per, ty) = units(self.size() * block * elem, elem);
+        let count = c_int::try_from(block * elem / per).map_err(|_| self.too_large(call, block))?;
         // SAFETY: both buffers hold `size * block` elements and outlive the call.
-        flight.push(0, |r| unsafe {
-            ffi::MPI_Ialltoall(
-                send.cast(),
-                count,
-                unit(elem),
-                recv.cast(),
-                count,
-                unit(elem),
-                self.data.0,
-                r,
-            )
-        });
-        self.finish(call, seq, flight)
+        self.exchange(call, seq, || unsafe {
+            ffi::MPI_Alltoall(send.cast(), count, ty, recv.cast(), count, ty, self.data.0)
+        })
     }
 
     fn sender(&self) -> mpsc::Sender<InFlight> {
@@ -648,50 +641,48 @@ impl Transport for MpiGroup {
         let part = mine.len() * elem;
         let received = SharedBuffer::uninit(size * part);
         let reduced = SharedBuffer::uninit(part);
-        // Counted in elements.
-        let (send_counts, send_displs) = counts(slices.iter().map(|s| (s.start, s.len())))
-            .map_err(|n| self.too_large(&call, n))?;
-        let (recv_counts, recv_displs) = counts((0..size).map(|r| (r * mine.len(), mine.len())))
-            .map_err(|n| self.too_large(&call, n))?;
-        let mut flight = InFlight::new();
+        // In counts of `per` bytes.
+        let (per, ty) = units(len * elem, elem);
+        let scale = elem / per;
+        let (send_counts, send_displs) =
+            counts(slices.iter().map(|s| (s.start * scale, s.len() * scale)))
+                .map_err(|_| self.too_large(&call, len))?;
+        let (recv_counts, recv_displs) =
+            counts((0..size).map(|r| (r * mine.len() * scale, mine.len() * scale)))
+                .map_err(|_| self.too_large(&call, len))?;
         // SAFETY: the buffers outlive the call; counts and displacements stay inside them.
-        flight.push(0, |r| unsafe {
-            ffi::MPI_Ialltoallv(
+        self.exchange(&call, seq, || unsafe {
+            ffi::MPI_Alltoallv(
                 data.bytes.as_ptr().cast(),
                 send_counts.as_ptr(),
                 send_displs.as_ptr(),
-                unit(elem),
+                ty,
                 received.ptr().cast(),
                 recv_counts.as_ptr(),
                 recv_displs.as_ptr(),
-                unit(elem),
+                ty,
                 self.data.0,
-                r,
             )
-        });
-        self.finish(&call, seq, flight)?;
+        })?;
         let srcs: Vec<*const u8> = (0..size)
             .map(|r| received.ptr().wrapping_add(r * part).cast_const())
             .collect();
         // SAFETY: `received` holds every rank's slice; `reduced` is ours.
         unsafe { kernels::reduce(dtype, reduce, &srcs, &[reduced.ptr()], mine.len()) };
         let part_count = send_counts[me];
-        let mut flight = InFlight::new();
         // SAFETY: as above; `reduced` and `data` do not overlap.
-        flight.push(0, |r| unsafe {
-            ffi::MPI_Iallgatherv(
+        self.exchange(&call, seq, || unsafe {
+            ffi::MPI_Allgatherv(
                 reduced.ptr().cast_const().cast(),
                 part_count,
-                unit(elem),
+                ty,
                 data.bytes.as_mut_ptr().cast(),
                 send_counts.as_ptr(),
                 send_displs.as_ptr(),
-                unit(elem),
+                ty,
                 self.data.0,
-                r,
             )
-        });
-        self.finish(&call, seq, flight)?;
+        })?;
         stream.retire(received);
         Ok(data)
     }
@@ -813,7 +804,8 @@ impl Transport for MpiGroup {
         );
         let (elems, elem) = (shape.iter().product::<usize>(), dtype.size());
         let bytes = elems * elem;
-        let count = c_int::try_from(elems).map_err(|_| self.too_large(&call, elems))?;
+        let (per, ty) = units(bytes, elem);
+        let count = c_int::try_from(bytes / per).map_err(|_| self.too_large(&call, elems))?;
         // The root's buffer is only read; the others' is fresh and written only here.
         let (root_data, out) = match data {
             Some(data) if me == root => (Some(data), None),
@@ -824,12 +816,10 @@ impl Transport for MpiGroup {
             (None, Some(out)) => out.ptr(),
             (None, None) => unreachable!("one of the two is set"),
         };
-        let mut flight = InFlight::new();
         // SAFETY: `buf` holds `bytes` bytes and outlives the call.
-        flight.push(0, |r| unsafe {
-            ffi::MPI_Ibcast(buf.cast(), count, unit(elem), root as c_int, self.data.0, r)
-        });
-        self.finish(&call, seq, flight)?;
+        self.exchange(&call, seq, || unsafe {
+            ffi::MPI_Bcast(buf.cast(), count, ty, root as c_int, self.data.0)
+        })?;
         Ok(match (root_data, out) {
             (Some(data), _) => data,
             (None, Some(out)) => out.view(shape, dtype),
@@ -1069,6 +1059,58 @@ impl Transport for MpiGroup {
     #[cfg(feature = "cuda")]
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+/// Ends the job when a blocking MPI call outlives its deadline: the caller cannot return while
+/// MPI may still write to its buffers, so a thread of its own watches.
+mod watchdog {
+    use std::sync::{Mutex, Once};
+    use std::time::{Duration, Instant};
+
+    use crate::local::lock;
+
+    struct Watched {
+        next_id: u64,
+        /// Calls in progress: id, deadline, what to print if it passes.
+        calls: Vec<(u64, Instant, String)>,
+    }
+
+    static WATCHED: Mutex<Watched> = Mutex::new(Watched {
+        next_id: 0,
+        calls: Vec::new(),
+    });
+    static PATROL: Once = Once::new();
+
+    /// Runs `run`; if it has not returned by `deadline`, prints `message` and ends the job.
+    pub fn watch<R>(deadline: Instant, message: String, run: impl FnOnce() -> R) -> R {
+        PATROL.call_once(|| {
+            std::thread::Builder::new()
+                .name("mpi-watchdog".into())
+                .spawn(patrol)
+                .expect("the OS refused to start a thread");
+        });
+        let id = {
+            let mut watched = lock(&WATCHED);
+            let id = watched.next_id;
+            watched.next_id += 1;
+            watched.calls.push((id, deadline, message));
+            id
+        };
+        let result = run();
+        lock(&WATCHED).calls.retain(|call| call.0 != id);
+        result
+    }
+
+    fn patrol() {
+        loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let now = Instant::now();
+            let watched = lock(&WATCHED);
+            if let Some((_, _, message)) = watched.calls.iter().find(|call| call.1 <= now) {
+                super::abort(message);
+            }
+        }
     }
 }
 

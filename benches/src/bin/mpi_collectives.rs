@@ -216,7 +216,11 @@ fn gather(world: &Communicator, times: &[Duration]) -> Vec<Vec<Duration>> {
         .to_vec()
         .expect("f32 times");
     all.chunks(len)
-        .map(|rank| rank.iter().map(|&us| Duration::from_secs_f32(us * 1e-6)).collect())
+        .map(|rank| {
+            rank.iter()
+                .map(|&us| Duration::from_secs_f32(us * 1e-6))
+                .collect()
+        })
         .collect()
 }
 

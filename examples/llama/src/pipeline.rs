@@ -7,7 +7,7 @@ use std::fmt;
 use std::ops::Range;
 use std::time::Instant;
 
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -390,7 +390,11 @@ where
         .iter()
         .map(|&s| stages[s].take().expect("each stage once"))
         .collect();
-    drop(stages);
+    // With one process per rank, the other stages are kept as the shapes to receive them into.
+    let elsewhere: Vec<Option<LlamaStage<B::InnerBackend>>> = match config.process {
+        Some(_) => stages.into_iter().map(|s| s.map(|s| s.valid())).collect(),
+        None => Vec::new(),
+    };
 
     // Under sequence parallelism each tensor-parallel rank sends its part of the sequence.
     let sequence_parts = match groups.tp {
@@ -438,7 +442,72 @@ where
             (chunks, spans)
         }
     };
-    Ok((mine.into_iter().zip(chunks).collect(), spans))
+    let trained = mine.into_iter().zip(chunks).collect();
+    if config.process.is_none() {
+        return Ok((trained, spans));
+    }
+    let whole = share_stages(groups.pp, executor.schedule(), trained, elsewhere)?;
+    Ok((whole, spans))
+}
+
+/// With one process per rank, the stages trained on other ranks are not in this process: each
+/// pipeline rank broadcasts its stages to the rest of its pipeline, so every rank ends with the
+/// whole model, as the threads' run does (replicas and tensor-parallel peers hold the same
+/// stages). `elsewhere` holds the other stages' shapes. Weights travel as f32.
+fn share_stages<B: Backend>(
+    pp: &Communicator,
+    schedule: &Schedule,
+    trained: Vec<(usize, LlamaStage<B>)>,
+    mut elsewhere: Vec<Option<LlamaStage<B>>>,
+) -> Result<Vec<(usize, LlamaStage<B>)>, TrainError> {
+    for (s, stage) in trained {
+        elsewhere[s] = Some(stage);
+    }
+    elsewhere
+        .into_iter()
+        .enumerate()
+        .map(|(s, stage)| {
+            let stage = stage.expect("every stage is trained here or kept as a shape");
+            let mut from_owner = FromOwner {
+                comm: pp,
+                root: schedule.rank_of(s),
+                failed: None,
+            };
+            let stage = stage.map(&mut from_owner);
+            match from_owner.failed {
+                None => Ok((s, stage)),
+                Some(error) => Err(error.into()),
+            }
+        })
+        .collect()
+}
+
+/// Replaces every float parameter by the `root` rank's, in f32.
+struct FromOwner<'a> {
+    comm: &'a Communicator,
+    root: usize,
+    /// The first failure; the later parameters are left as they are.
+    failed: Option<CommError>,
+}
+
+impl<B: Backend> ModuleMapper<B> for FromOwner<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        param.map(|tensor| {
+            if self.failed.is_some() {
+                return tensor;
+            }
+            match self
+                .comm
+                .broadcast(tensor.clone().cast(DType::F32), self.root)
+            {
+                Ok(value) => value,
+                Err(error) => {
+                    self.failed = Some(error);
+                    tensor
+                }
+            }
+        })
+    }
 }
 
 /// What every step of one rank's training shares.

@@ -808,9 +808,9 @@ fn check_processes(config: &TrainConfig) -> Result<(), TrainError> {
             ctx.world_size()
         )));
     }
-    if config.pp > 1 {
+    if config.schedule_svg.is_some() {
         return Err(TrainError::Config(
-            "--pp does not run as one process per rank yet (the stages are joined on one process at the end); run it without mpirun, as threads".into(),
+            "--schedule-svg draws every pipeline rank's timeline, which one process does not hold: run the pipeline without mpirun, as threads, to draw it".into(),
         ));
     }
     Ok(())
@@ -925,9 +925,10 @@ where
         ranks: Vec::new(),
         virtual_stages: config.virtual_stages,
     };
-    // Ranks come back in order, pp before tp: the first copy's are in stage order.
+    // Ranks come back in order, pp before tp: the first copy's are in stage order. A process
+    // (one rank per process) holds every stage (see `pipeline::share_stages`).
     for (first_copy, rank_stages, spans) in results {
-        if first_copy {
+        if first_copy || config.process.is_some() {
             stages.extend(rank_stages);
             timeline.ranks.push(spans);
         }

@@ -73,7 +73,30 @@ fn losses(metrics: &Path) -> Vec<f64> {
 fn every_layout_as_processes_matches_threads_and_one_device() {
     let dir = scratch("parity");
     // (processes, layout, flags the one-device run shares)
-    let layouts: [(usize, &[&str], &[&str]); 6] = [
+    let interleaved = [
+        "--pp",
+        "2",
+        "--micro-batches",
+        "4",
+        "--schedule",
+        "interleaved",
+        "--virtual-stages",
+        "2",
+    ];
+    let pipeline = |schedule| ["--pp", "2", "--micro-batches", "4", "--schedule", schedule];
+    let (gpipe, one_f_one_b, zero_bubble) =
+        (pipeline("gpipe"), pipeline("1f1b"), pipeline("zb-h1"));
+    let dp_pp_tp = [
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--tp",
+        "2",
+        "--micro-batches",
+        "2",
+    ];
+    let layouts: [(usize, &[&str], &[&str]); 11] = [
         (2, &["--dp", "2"], &[]),
         (2, &["--tp", "2", "--sp"], &[]),
         (2, &["--dp", "2", "--zero", "3"], &[]),
@@ -84,6 +107,11 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
         ),
         (2, &["--dp", "2", "--zero", "1", "--dtype", "bf16"], &[]),
         (4, &["--dp", "2", "--tp", "2"], &[]),
+        (2, &gpipe, &[]),
+        (2, &one_f_one_b, &[]),
+        (2, &zero_bubble, &[]),
+        (2, &interleaved, &[]),
+        (8, &dp_pp_tp, &[]),
     ];
     for (ranks, layout, shared) in layouts {
         let name = [layout, shared].concat().join(" ");
@@ -91,8 +119,9 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
         let one_device = file("single.jsonl");
         let out = train(0, shared, &one_device, &[]);
         assert!(out.status.success(), "{}", transcript(&out));
-        let threads = file("threads.jsonl");
-        let out = train(0, &[layout, shared].concat(), &threads, &[]);
+        let (threads, threads_weights) = (file("threads.jsonl"), file("threads-weights"));
+        let save = ["--save", threads_weights.to_str().unwrap()];
+        let out = train(0, &[layout, shared].concat(), &threads, &save);
         assert!(
             out.status.success(),
             "{name} as threads: {}",
@@ -129,16 +158,18 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
             1,
             "{name}: rank 0 alone reports\n{text}"
         );
+        // Rank 0 saves the whole model, the same bits as the threads' run saves.
+        let read = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
         assert!(
-            weights.join("model.safetensors").exists(),
-            "{name}: rank 0 saves"
+            read(&weights) == read(&threads_weights),
+            "{name}: the processes saved other weights than the threads"
         );
         println!("{name} as {ranks} processes: losses {actual:?}");
     }
 }
 
 #[test]
-fn a_job_of_the_wrong_size_or_an_unsupported_layout_is_refused_with_a_sentence() {
+fn a_job_of_the_wrong_size_or_an_unsupported_output_is_refused_with_a_sentence() {
     let dir = scratch("refused");
     let metrics = dir.join("m.jsonl");
     let out = train(3, &["--dp", "2"], &metrics, &[]);
@@ -148,11 +179,17 @@ fn a_job_of_the_wrong_size_or_an_unsupported_layout_is_refused_with_a_sentence()
         text.contains("needs 2 ranks but the job has 3 processes; start it with `mpirun -n 2`"),
         "{text}"
     );
-    let out = train(2, &["--pp", "2"], &metrics, &[]);
+    let svg = dir.join("schedule.svg");
+    let out = train(
+        2,
+        &["--pp", "2"],
+        &metrics,
+        &["--schedule-svg", svg.to_str().unwrap()],
+    );
     assert!(!out.status.success());
     let text = transcript(&out);
     assert!(
-        text.contains("--pp does not run as one process per rank yet"),
+        text.contains("--schedule-svg draws every pipeline rank's timeline"),
         "{text}"
     );
 }

@@ -171,3 +171,48 @@ fn sigterm_to_the_launcher_stops_every_rank_and_what_it_started() {
         "a rank's child outlived the launcher"
     );
 }
+
+#[test]
+fn with_mpi_the_ranks_start_through_mpirun_on_the_hostfile_machines() {
+    let dir = std::env::temp_dir().join(format!("burn-launch-mpi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let hostfile = dir.join("hosts");
+    std::fs::write(&hostfile, "localhost slots=3\n").unwrap();
+    let script = "echo \"$OMPI_COMM_WORLD_RANK/$OMPI_COMM_WORLD_SIZE\"";
+    let (code, stdout, stderr, _) = launch(&[
+        "--mpi",
+        "--hostfile",
+        hostfile.to_str().unwrap(),
+        "--nproc-per-node",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let mut lines: Vec<&str> = stdout.lines().collect();
+    lines.sort();
+    assert_eq!(lines, ["0/3", "1/3", "2/3"], "{stderr}");
+
+    // A rank that fails fails the job, with its code.
+    let (code, _, _, took) =
+        launch(&["--mpi", "--nproc-per-node", "2", "--", "sh", "-c", "exit 3"]);
+    assert_ne!(code, 0);
+    assert!(took < Duration::from_secs(30), "{took:?}");
+
+    let (code, _, stderr, _) = launch(&[
+        "--mpi",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--",
+        "true",
+    ]);
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("list the machines in --hostfile"),
+        "{stderr}"
+    );
+}

@@ -170,11 +170,11 @@ fn main() {
         );
     }
     if let Some(which) = std::env::var_os(PROCESS_RUN) {
-        // Started by `run` under mpirun: this process is one rank of that run.
-        let name = which.to_string_lossy();
+        // Started by `run_processes` under mpirun: this process is one rank of that run.
+        let which = which.to_string_lossy();
         let config = &runs
             .iter()
-            .find(|r| r.1 == name)
+            .find(|r| process_run(r.0, &r.1) == which)
             .expect("a run of this bench")
             .2;
         return run_as_process(config, &data);
@@ -186,7 +186,7 @@ fn main() {
         for (i, (_, name, config, copies)) in runs.iter().enumerate() {
             eprintln!("round {}/{}: {name}", round + 1, args.repeats);
             let steps = match copies {
-                0 => run_processes(name, config.dp),
+                0 => run_processes(&process_run(runs[i].0, name), config.dp),
                 copies => run(config, *copies, &data),
             };
             counted[i].extend_from_slice(&steps[args.warmup..]);
@@ -240,6 +240,11 @@ fn main() {
 
 /// Names the run that a process started under mpirun is a rank of.
 const PROCESS_RUN: &str = "BENCH_TRAIN_PROCESS_RUN";
+
+/// The value of [`PROCESS_RUN`] for run `name` of `scaling` (the names repeat across scalings).
+fn process_run(scaling: &str, name: &str) -> String {
+    format!("{scaling}: {name}")
+}
 
 /// The run `name` as `ranks` processes under mpirun, each computing on one thread; returns rank
 /// 0's step metrics.

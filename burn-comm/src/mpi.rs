@@ -641,8 +641,10 @@ impl Transport for MpiGroup {
         let part = mine.len() * elem;
         let received = SharedBuffer::uninit(size * part);
         let reduced = SharedBuffer::uninit(part);
-        // In counts of `per` bytes.
-        let (per, ty) = units(len * elem, elem);
+        // In counts of `per` bytes, chosen from the largest buffer any rank uses (every rank
+        // computes the same slices).
+        let largest = slices.iter().map(|s| s.len()).max().unwrap_or(0);
+        let (per, ty) = units((len + size * largest) * elem, elem);
         let scale = elem / per;
         let (send_counts, send_displs) =
             counts(slices.iter().map(|s| (s.start * scale, s.len() * scale)))
@@ -1106,9 +1108,13 @@ mod watchdog {
         loop {
             std::thread::sleep(Duration::from_millis(200));
             let now = Instant::now();
-            let watched = lock(&WATCHED);
-            if let Some((_, _, message)) = watched.calls.iter().find(|call| call.1 <= now) {
-                super::abort(message);
+            let overdue = lock(&WATCHED)
+                .calls
+                .iter()
+                .find(|call| call.1 <= now)
+                .map(|call| call.2.clone());
+            if let Some(message) = overdue {
+                super::abort(&message);
             }
         }
     }

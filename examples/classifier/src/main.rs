@@ -1,5 +1,6 @@
 //! `classifier --ranks N`: trains the spiral classifier with burn-train on one device (N = 1) or
-//! data-parallel as N ranks (threads of this process), and prints the validation result.
+//! data-parallel as N ranks, and prints the validation result. The ranks are threads of this
+//! process, or processes when it is started by `mpirun -n N` (built with `--features mpi`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -7,7 +8,7 @@ use std::process::ExitCode;
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn_comm::launch;
+use burn_comm::{Process, RankContext, launch};
 use clap::Parser;
 use classifier::{Classifier, TrainConfig, train};
 
@@ -42,7 +43,20 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(&args) {
+    let result = match Process::from_env() {
+        Err(e) => Err(e.to_string()),
+        Ok(None) => run(&args, None),
+        Ok(Some(process)) => {
+            // This process is one rank; a rank that fails ends the whole job, naming it.
+            let lead = process.rank() == 0;
+            let line = process.run(|ctx| run(&args, Some(ctx)));
+            if lead {
+                println!("{line}");
+            }
+            return ExitCode::SUCCESS;
+        }
+    };
+    match result {
         Ok(line) => {
             println!("{line}");
             ExitCode::SUCCESS
@@ -54,7 +68,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: &Args) -> Result<String, String> {
+/// Trains as asked; `process` is this process's rank when the ranks are processes.
+fn run(args: &Args, process: Option<RankContext>) -> Result<String, String> {
     if args.ranks == 0 || args.epochs == 0 || args.batch_size == 0 {
         return Err("--ranks, --epochs and --batch-size must be at least 1".into());
     }
@@ -78,7 +93,17 @@ fn run(args: &Args) -> Result<String, String> {
     // values: take them now, so each rank's clone is this model.
     let model = model.clone().load_record(model.into_record());
 
-    let evaluation = if args.ranks == 1 {
+    let evaluation = if let Some(ctx) = process {
+        if ctx.world_size() != args.ranks {
+            return Err(format!(
+                "--ranks {} but the job has {} processes; start it with `mpirun -n {}`",
+                args.ranks,
+                ctx.world_size(),
+                args.ranks
+            ));
+        }
+        train(&config, model, device, Some(&ctx))?
+    } else if args.ranks == 1 {
         train(&config, model, device, None)?
     } else {
         let results = launch(args.ranks, |rank| {

@@ -104,3 +104,49 @@ fn bad_flags_are_refused_with_a_sentence() {
         "{text}"
     );
 }
+
+/// Under mpirun every rank is a process: the run prints what the same ranks as threads print,
+/// once (rank 0), and a job of the wrong size is refused.
+#[cfg(feature = "mpi")]
+#[test]
+fn ranks_as_processes_train_what_ranks_as_threads_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let flags = |name: &str| {
+        let dir = path(name);
+        ["--ranks", "2", "--epochs", "2", "--no-shuffle", "--dir"]
+            .into_iter()
+            .map(String::from)
+            .chain([dir])
+            .collect::<Vec<_>>()
+    };
+    let threads = Command::new(env!("CARGO_BIN_EXE_classifier"))
+        .args(flags("threads"))
+        .output()
+        .unwrap();
+    assert!(threads.status.success(), "{threads:?}");
+    let processes = burn_comm::mpirun(2)
+        .arg(env!("CARGO_BIN_EXE_classifier"))
+        .args(flags("processes"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&processes.stdout).to_string()
+        + &String::from_utf8_lossy(&processes.stderr);
+    assert!(processes.status.success(), "{text}");
+    assert_eq!(
+        String::from_utf8_lossy(&processes.stdout),
+        String::from_utf8_lossy(&threads.stdout),
+        "{text}"
+    );
+    let wrong = burn_comm::mpirun(3)
+        .arg(env!("CARGO_BIN_EXE_classifier"))
+        .args(flags("wrong"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&wrong.stderr);
+    assert!(!wrong.status.success());
+    assert!(
+        text.contains("--ranks 2 but the job has 3 processes"),
+        "{text}"
+    );
+}

@@ -1,6 +1,6 @@
 //! One program per rank: a process learns its rank context from the launcher that started it
-//! (`mpirun`, `srun`, or `burn-launch`, which starts CPU ranks through `mpirun`), and runs the
-//! same per-rank function that [`launch`](crate::launch) runs on threads.
+//! (`mpirun`, `srun`, or `burn-launch --mpi`, which starts the ranks through `mpirun`), and
+//! runs the same per-rank function that [`launch`](crate::launch) runs on threads.
 
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -85,17 +85,17 @@ impl Process {
     /// Joins the job this process was started in: `Ok(None)` when it was started alone (run
     /// the ranks as threads with [`launch`](crate::launch) then). MPI is initialised here and
     /// finalised when the `Process` is dropped; the collectives' timeout is
-    /// `BURN_COMM_TIMEOUT_SECS` (see [`LaunchConfig::new`]).
+    /// `BURN_COMM_TIMEOUT_SECS` (see [`LaunchConfig::new`](crate::LaunchConfig::new)).
     ///
     /// Refused with a sentence: an MPI launch of a program built without the `mpi` feature
     /// (each process would silently run the whole job alone), torchrun's variables without
-    /// MPI's (CPU ranks meet through MPI: start them with `mpirun` or `burn-launch`), and a
+    /// MPI's (CPU ranks meet through MPI: start them with `mpirun` or `burn-launch --mpi`), and a
     /// world that MPI sees otherwise than the launcher.
     pub fn from_env() -> Result<Option<Self>, CommError> {
         match Launcher::from_env() {
             Launcher::Alone => Ok(None),
             Launcher::Torchrun => Err(CommError::Config(
-                "this process was started with torchrun's variables (RANK, WORLD_SIZE) but not by an MPI launcher: CPU ranks meet through MPI, so start them with `burn-launch --nproc-per-node N -- PROG` (which uses mpirun on CPU) or `mpirun -n N PROG`; for CUDA ranks on NCCL, use `Communicator::nccl_world`".into(),
+                "this process was started with torchrun's variables (RANK, WORLD_SIZE) but not by an MPI launcher: CPU ranks meet through MPI, so start them with `burn-launch --mpi --nproc-per-node N -- PROG` (which starts them through mpirun) or `mpirun -n N PROG`; for CUDA ranks on NCCL, use `Communicator::nccl_world`".into(),
             )),
             Launcher::Mpi { rank, world_size } => Self::join_mpi(rank, world_size).map(Some),
         }
@@ -139,17 +139,6 @@ impl Process {
     /// The rank context [`run`](Process::run) gives its function.
     pub fn context(&self) -> &RankContext {
         &self.context
-    }
-
-    /// Refuses a job of another size than `expected` ranks, naming both.
-    pub fn expect_world_size(&self, expected: usize) -> Result<(), CommError> {
-        if self.world_size() != expected {
-            return Err(CommError::Config(format!(
-                "the job was started with {} processes but this run needs {expected} ranks; start it with `mpirun -n {expected}` (or `burn-launch --nproc-per-node {expected}`)",
-                self.world_size()
-            )));
-        }
-        Ok(())
     }
 
     /// Runs `f` as this process's rank and returns its result. A rank whose function panics

@@ -81,6 +81,12 @@ pub fn iterations(bytes: usize) -> usize {
     ((2usize << 30) / bytes.max(1)).clamp(5, 200)
 }
 
+/// The message sizes from `min` to `max` bytes, each `step` times the one before.
+pub fn sizes(min: usize, max: usize, step: usize) -> impl Iterator<Item = usize> {
+    std::iter::successors(Some(min), move |&bytes| Some(bytes * step))
+        .take_while(move |&bytes| bytes <= max)
+}
+
 /// Whole f32 elements near `bytes`, divisible by the world size.
 pub fn elements(bytes: usize, world: usize) -> usize {
     (bytes / 4 / world).max(1) * world

@@ -233,6 +233,10 @@ unsafe fn reduce_typed<T: Reducible>(
     }
 }
 
+/// Elements per cache line of the smallest element type: the alignment a transport gives
+/// [`partition`] so that ranks reducing neighbouring slices do not share cache lines.
+pub(crate) const SLICE_ALIGN: usize = 64;
+
 /// The part of `0..len` that rank `index` of `parts` owns. Boundaries fall on multiples of
 /// `align` so that ranks writing neighbouring parts do not share cache lines.
 pub(crate) fn partition(len: usize, parts: usize, index: usize, align: usize) -> Range<usize> {
@@ -246,6 +250,66 @@ pub(crate) struct Region<'a, P> {
     pub ptr: P,
     pub shape: &'a [usize],
     pub start: &'a [usize],
+}
+
+/// Copies the whole row-major tensor of shape `part` at `src` into `dst`, of shape `whole`, as
+/// part `index` of the concatenation along `dim` that `whole` is.
+///
+/// # Safety
+/// As [`copy_box`]: `src` holds a `part`, `dst` a `whole` that contains part `index`, and no
+/// other thread writes that part of `dst` during the call.
+pub(crate) unsafe fn copy_to_part(
+    src: *const u8,
+    part: &[usize],
+    (dst, whole): (*mut u8, &[usize]),
+    (dim, index): (usize, usize),
+    elem_size: usize,
+) {
+    let zero = vec![0; part.len()];
+    let mut start = zero.clone();
+    start[dim] = index * part[dim];
+    let src = Region {
+        ptr: src,
+        shape: part,
+        start: &zero,
+    };
+    let dst = Region {
+        ptr: dst,
+        shape: whole,
+        start: &start,
+    };
+    // SAFETY: the caller's guarantees are copy_box's.
+    unsafe { copy_box(src, dst, part, elem_size) }
+}
+
+/// Copies part `index` along `dim` of the row-major `whole` at `src` into `dst`, which holds it
+/// whole, as a tensor of shape `part`.
+///
+/// # Safety
+/// As [`copy_box`]: `src` holds a `whole` that contains part `index`, `dst` a `part`, and no
+/// other thread writes `dst` during the call.
+pub(crate) unsafe fn copy_from_part(
+    (src, whole): (*const u8, &[usize]),
+    (dim, index): (usize, usize),
+    dst: *mut u8,
+    part: &[usize],
+    elem_size: usize,
+) {
+    let zero = vec![0; part.len()];
+    let mut start = zero.clone();
+    start[dim] = index * part[dim];
+    let src = Region {
+        ptr: src,
+        shape: whole,
+        start: &start,
+    };
+    let dst = Region {
+        ptr: dst,
+        shape: part,
+        start: &zero,
+    };
+    // SAFETY: the caller's guarantees are copy_box's.
+    unsafe { copy_box(src, dst, part, elem_size) }
 }
 
 /// Copies a box of shape `extent` between two row-major buffers of `elem_size`-byte elements.

@@ -551,9 +551,6 @@ impl Group {
     }
 }
 
-/// Elements per cache line of the smallest element type: all-reduce slices start on one.
-const SLICE_ALIGN: usize = 64;
-
 impl Transport for Group {
     fn name(&self) -> &str {
         &self.name
@@ -587,7 +584,7 @@ impl Transport for Group {
             // Reduce this rank's slice of every input, in rank order, and write it back to all
             // of them: every rank ends with the same bits, in its own buffer.
             // (Measured faster than reducing into one shared output: see BENCHMARKS.md.)
-            let mine = kernels::partition(len, size, me, SLICE_ALIGN);
+            let mine = kernels::partition(len, size, me, kernels::SLICE_ALIGN);
             let at = |p: &Post| p.input.wrapping_add(mine.start * elem);
             let srcs: Vec<*const u8> = posts.iter().map(at).collect();
             let dsts: Vec<*mut u8> = srcs.iter().map(|&p| p as *mut u8).collect();
@@ -617,24 +614,10 @@ impl Transport for Group {
         }
         let out = self.rendezvous(me, stream.next_seq(), post, |posts| {
             let out = posts[0].shared.clone().expect("rank 0 shares the output");
-            let mut start = vec![0; shape.len()];
-            start[dim] = me * shape[dim];
+            let dst = (out.ptr(), out_shape.as_slice());
             // SAFETY: each rank writes only its own part of the shared output.
             unsafe {
-                kernels::copy_box(
-                    Region {
-                        ptr: data.bytes.as_ptr(),
-                        shape: &shape,
-                        start: &vec![0; shape.len()],
-                    },
-                    Region {
-                        ptr: out.ptr(),
-                        shape: &out_shape,
-                        start: &start,
-                    },
-                    &shape,
-                    dtype.size(),
-                )
+                kernels::copy_to_part(data.bytes.as_ptr(), &shape, dst, (dim, me), dtype.size())
             };
             out
         })?;

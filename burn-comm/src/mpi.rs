@@ -9,7 +9,7 @@
 //! point, and waits for theirs. A peer whose header does not come within the group's timeout is
 //! named in a [`CommError::Timeout`]; a peer that called something else gets a
 //! [`CommError::Mismatch`] naming both calls. Only then do the ranks start the collective itself,
-//! non-blocking and polled, so that it is bounded by the timeout too.
+//! with MPI's blocking call under a watchdog that ends the job if it outlives the timeout.
 //!
 //! Each group has three communicators, so that the headers, the collectives and the user's
 //! point-to-point messages never match each other's messages.
@@ -26,7 +26,7 @@ use burn::tensor::{DType, TensorData};
 use mpi::ffi;
 
 use crate::call::Call;
-use crate::kernels::{self, Region};
+use crate::kernels;
 use crate::local::lock;
 use crate::shared::SharedBuffer;
 use crate::transport::{Stream, Transport, describe_message, mismatched_message};
@@ -40,8 +40,6 @@ const TAG_PAYLOAD: c_int = 2;
 /// Up to this many bytes, an all-reduce gathers every rank's whole tensor and reduces it on
 /// every rank: one round instead of two.
 const SMALL_ALL_REDUCE: usize = 32 * 1024;
-/// Elements per cache line of the smallest element type: all-reduce slices start on one.
-const SLICE_ALIGN: usize = 64;
 
 /// An MPI communicator handle. With `MPI_THREAD_MULTIPLE`, any thread may use it.
 #[derive(Clone, Copy)]
@@ -276,7 +274,8 @@ fn deadline_after(timeout: Duration) -> Instant {
         .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600))
 }
 
-/// Counts and displacements of a `v` collective, in bytes, as MPI takes them.
+/// Counts and displacements of a `v` collective, as MPI takes them (`int`s); an error gives the
+/// end of the part that does not fit.
 fn counts(parts: impl Iterator<Item = (usize, usize)>) -> Result<(Vec<c_int>, Vec<c_int>), usize> {
     let mut counts = Vec::new();
     let mut displs = Vec::new();
@@ -635,7 +634,7 @@ impl Transport for MpiGroup {
         // Reduce-scatter (each rank reduces its slice of every rank's tensor, in rank order),
         // then all-gather the reduced slices.
         let slices: Vec<_> = (0..size)
-            .map(|r| kernels::partition(len, size, r, SLICE_ALIGN))
+            .map(|r| kernels::partition(len, size, r, kernels::SLICE_ALIGN))
             .collect();
         let mine = slices[me].clone();
         let part = mine.len() * elem;
@@ -691,13 +690,12 @@ impl Transport for MpiGroup {
 
     fn all_gather(
         &self,
-        me: usize,
+        _me: usize,
         stream: &mut Stream,
         call: Call,
         data: TensorData,
         dim: usize,
     ) -> Result<TensorData, CommError> {
-        let _ = me;
         let seq = self.open(stream, &call)?;
         let (dtype, shape) = (data.dtype, data.shape.as_slice().to_vec());
         let size = self.size();
@@ -714,25 +712,11 @@ impl Transport for MpiGroup {
             return Ok(gathered.view(out_shape, dtype));
         }
         let out = SharedBuffer::uninit(size * bytes);
-        let mut start = vec![0; shape.len()];
         for r in 0..size {
-            start[dim] = r * shape[dim];
-            // SAFETY: block `r` of `gathered` is rank r's tensor; its box lies inside `out`.
+            let block = gathered.ptr().wrapping_add(r * bytes).cast_const();
+            // SAFETY: block `r` of `gathered` is rank r's tensor; part r lies inside `out`.
             unsafe {
-                kernels::copy_box(
-                    Region {
-                        ptr: gathered.ptr().wrapping_add(r * bytes).cast_const(),
-                        shape: &shape,
-                        start: &vec![0; shape.len()],
-                    },
-                    Region {
-                        ptr: out.ptr(),
-                        shape: &out_shape,
-                        start: &start,
-                    },
-                    &shape,
-                    dtype.size(),
-                )
+                kernels::copy_to_part(block, &shape, (out.ptr(), &out_shape), (dim, r), elem)
             };
         }
         stream.retire(gathered);
@@ -793,7 +777,7 @@ impl Transport for MpiGroup {
 
     fn broadcast(
         &self,
-        me: usize,
+        _me: usize,
         stream: &mut Stream,
         call: Call,
         data: Option<TensorData>,
@@ -808,37 +792,32 @@ impl Transport for MpiGroup {
         let bytes = elems * elem;
         let (per, ty) = units(bytes, elem);
         let count = c_int::try_from(bytes / per).map_err(|_| self.too_large(&call, elems))?;
-        // The root's buffer is only read; the others' is fresh and written only here.
-        let (root_data, out) = match data {
-            Some(data) if me == root => (Some(data), None),
-            _ => (None, Some(SharedBuffer::uninit(bytes))),
+        // The root sends its own buffer, which MPI only reads; the others receive into a fresh
+        // one (the error side, as an either).
+        let buffer = match data {
+            Some(data) => Ok(data),
+            None => Err(SharedBuffer::uninit(bytes)),
         };
-        let buf = match (&root_data, &out) {
-            (Some(data), _) => data.bytes.as_ptr().cast_mut(),
-            (None, Some(out)) => out.ptr(),
-            (None, None) => unreachable!("one of the two is set"),
+        let buf = match &buffer {
+            Ok(data) => data.bytes.as_ptr().cast_mut(),
+            Err(fresh) => fresh.ptr(),
         };
         // SAFETY: `buf` holds `bytes` bytes and outlives the call.
         self.exchange(&call, seq, || unsafe {
             ffi::MPI_Bcast(buf.cast(), count, ty, root as c_int, self.data.0)
         })?;
-        Ok(match (root_data, out) {
-            (Some(data), _) => data,
-            (None, Some(out)) => out.view(shape, dtype),
-            (None, None) => unreachable!("one of the two is set"),
-        })
+        Ok(buffer.unwrap_or_else(|fresh| fresh.view(shape, dtype)))
     }
 
     fn all_to_all(
         &self,
-        me: usize,
+        _me: usize,
         stream: &mut Stream,
         call: Call,
         data: TensorData,
         split_dim: usize,
         concat_dim: usize,
     ) -> Result<TensorData, CommError> {
-        let _ = me;
         let seq = self.open(stream, &call)?;
         let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
         let (size, elem) = (self.size(), dtype.size());
@@ -847,25 +826,16 @@ impl Transport for MpiGroup {
         let mut out_shape = part.clone();
         out_shape[concat_dim] *= size;
         let block = part.iter().product::<usize>() * elem;
-        let zero = vec![0; dims.len()];
         // Part r of the input, made contiguous, is block r of `send`.
         let send = SharedBuffer::uninit(size * block);
-        let mut at = zero.clone();
         for r in 0..size {
-            at[split_dim] = r * part[split_dim];
-            // SAFETY: the box lies inside `data`; block r of `send` holds it.
+            let input = (data.bytes.as_ptr(), dims.as_slice());
+            // SAFETY: part r lies inside `data`; block r of `send` holds it.
             unsafe {
-                kernels::copy_box(
-                    Region {
-                        ptr: data.bytes.as_ptr(),
-                        shape: &dims,
-                        start: &at,
-                    },
-                    Region {
-                        ptr: send.ptr().add(r * block),
-                        shape: &part,
-                        start: &zero,
-                    },
+                kernels::copy_from_part(
+                    input,
+                    (split_dim, r),
+                    send.ptr().add(r * block),
                     &part,
                     elem,
                 )
@@ -876,26 +846,11 @@ impl Transport for MpiGroup {
         let sent = (send.ptr().cast_const(), block / elem);
         self.all_to_all_elems(&call, seq, sent, received.ptr(), elem)?;
         let out = SharedBuffer::uninit(size * block);
-        let mut at = zero.clone();
         for r in 0..size {
-            at[concat_dim] = r * part[concat_dim];
-            // SAFETY: block r of `received` is rank r's part; its box lies inside `out`.
-            unsafe {
-                kernels::copy_box(
-                    Region {
-                        ptr: received.ptr().add(r * block).cast_const(),
-                        shape: &part,
-                        start: &zero,
-                    },
-                    Region {
-                        ptr: out.ptr(),
-                        shape: &out_shape,
-                        start: &at,
-                    },
-                    &part,
-                    elem,
-                )
-            };
+            let from = received.ptr().wrapping_add(r * block).cast_const();
+            let dst = (out.ptr(), out_shape.as_slice());
+            // SAFETY: block r of `received` is rank r's part; part r lies inside `out`.
+            unsafe { kernels::copy_to_part(from, &part, dst, (concat_dim, r), elem) };
         }
         stream.retire(send);
         stream.retire(received);
@@ -907,8 +862,7 @@ impl Transport for MpiGroup {
         self.open(stream, &call).map(|_| ())
     }
 
-    fn send(&self, me: usize, to: usize, data: TensorData) -> Result<(), CommError> {
-        let _ = me;
+    fn send(&self, _me: usize, to: usize, data: TensorData) -> Result<(), CommError> {
         self.broken()?;
         let bytes = data.bytes.len();
         let op = format!("send(to {to})");

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use benches::collectives::{Op, elements, human, iterations, slowest_median, time_rank};
+use benches::collectives::{Op, elements, human, iterations, sizes, slowest_median, time_rank};
 use burn_comm::launch;
 use clap::Parser;
 use serde::Serialize;
@@ -89,8 +89,7 @@ fn main() {
     let mut rows = Vec::new();
     for &world in &args.worlds {
         for &op in &args.ops {
-            let mut bytes = args.min_bytes;
-            while bytes <= args.max_bytes {
+            for bytes in sizes(args.min_bytes, args.max_bytes, args.step) {
                 let elems = elements(bytes, world);
                 let size = elems * 4;
                 let iters = iterations(size);
@@ -121,7 +120,6 @@ fn main() {
                     memcpy_gbps,
                     busbw_over_memcpy: busbw / memcpy_gbps,
                 });
-                bytes *= args.step;
             }
         }
     }

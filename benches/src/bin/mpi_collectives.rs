@@ -12,7 +12,7 @@
 use std::ffi::c_int;
 use std::time::{Duration, Instant};
 
-use benches::collectives::{Op, elements, human, iterations, slowest_median, time_rank};
+use benches::collectives::{Op, elements, human, iterations, sizes, slowest_median, time_rank};
 use burn::backend::Flex;
 use burn::tensor::Tensor;
 use burn_comm::{Communicator, Launcher, Process, launch};
@@ -69,16 +69,6 @@ struct Row {
 }
 
 const ROW: &str = "MEASURED ";
-
-fn sizes(args: &Args) -> Vec<usize> {
-    let mut sizes = Vec::new();
-    let mut bytes = args.min_bytes;
-    while bytes <= args.max_bytes {
-        sizes.push(bytes);
-        bytes *= args.step;
-    }
-    sizes
-}
 
 fn main() {
     let args = Args::parse();
@@ -181,7 +171,7 @@ fn orchestrate(args: Args) {
 fn measure(world: &Communicator, args: &Args) {
     let n = world.size();
     for &op in &args.ops {
-        for bytes in sizes(args) {
+        for bytes in sizes(args.min_bytes, args.max_bytes, args.step) {
             let elems = elements(bytes, n);
             let iters = iterations(elems * 4);
             let ours = time_rank(world, op, elems, iters).expect("burn-comm's collective");

@@ -390,11 +390,12 @@ where
         .iter()
         .map(|&s| stages[s].take().expect("each stage once"))
         .collect();
-    // With one process per rank, the other stages are kept as the shapes to receive them into.
-    let elsewhere: Vec<Option<LlamaStage<B::InnerBackend>>> = match config.process {
-        Some(_) => stages.into_iter().map(|s| s.map(|s| s.valid())).collect(),
-        None => Vec::new(),
-    };
+    // With one process per rank, the other stages are kept as the shapes to receive them into;
+    // on threads they are dropped here (the closure owns them), before training.
+    let elsewhere: Option<Vec<Option<LlamaStage<B::InnerBackend>>>> = config
+        .process
+        .as_ref()
+        .map(|_| stages.into_iter().map(|s| s.map(|s| s.valid())).collect());
 
     // Under sequence parallelism each tensor-parallel rank sends its part of the sequence.
     let sequence_parts = match groups.tp {
@@ -443,11 +444,13 @@ where
         }
     };
     let trained = mine.into_iter().zip(chunks).collect();
-    if config.process.is_none() {
-        return Ok((trained, spans));
+    match elsewhere {
+        None => Ok((trained, spans)),
+        Some(elsewhere) => {
+            let whole = share_stages(groups.pp, executor.schedule(), trained, elsewhere)?;
+            Ok((whole, spans))
+        }
     }
-    let whole = share_stages(groups.pp, executor.schedule(), trained, elsewhere)?;
-    Ok((whole, spans))
 }
 
 /// With one process per rank, the stages trained on other ranks are not in this process: each

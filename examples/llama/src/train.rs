@@ -792,8 +792,8 @@ where
     Ok(results.remove(0))
 }
 
-/// Refuses a job whose processes do not match the layout's ranks, and the layouts that do not
-/// run as processes yet.
+/// Refuses a job whose processes do not match the layout's ranks, and the outputs that one
+/// process cannot make.
 fn check_processes(config: &TrainConfig) -> Result<(), TrainError> {
     let Some(ctx) = &config.process else {
         return Ok(());

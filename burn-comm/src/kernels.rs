@@ -288,6 +288,7 @@ pub(crate) unsafe fn copy_to_part(
 /// # Safety
 /// As [`copy_box`]: `src` holds a `whole` that contains part `index`, `dst` a `part`, and no
 /// other thread writes `dst` during the call.
+#[cfg(feature = "mpi")]
 pub(crate) unsafe fn copy_from_part(
     (src, whole): (*const u8, &[usize]),
     (dim, index): (usize, usize),

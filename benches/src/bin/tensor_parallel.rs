@@ -26,8 +26,9 @@ use burn_comm::{CommError, CommStats, Communicator, launch};
 use burn_tensor_parallel::TensorParallel;
 use clap::Parser;
 use llama::data::MarkovSource;
+use llama::engine::Trainable;
 use llama::tensor_parallel::TpLlama;
-use llama::train::{TrainError, Trainable};
+use llama::train::TrainError;
 use llama::{Llama, LlamaConfig};
 use serde::Serialize;
 

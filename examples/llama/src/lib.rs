@@ -5,14 +5,19 @@
 //! the same run on one device, data-parallel over many ranks or tensor-parallel within each
 //! replica, with the same losses.
 
+pub mod batches;
 pub mod config;
 pub mod data;
+pub mod dims;
+pub mod engine;
 pub mod hf;
 pub mod hf_config;
+pub mod launch;
 pub mod model;
 pub mod pipeline;
 pub mod plan;
 pub mod rope;
+pub mod run;
 pub mod safetensors_files;
 pub mod schedule;
 pub mod tensor_parallel;
@@ -20,7 +25,6 @@ pub mod token_cache;
 pub mod tokenizer;
 pub mod tp_stage;
 pub mod train;
-pub mod zero;
 
 pub use config::LlamaConfig;
 pub use model::Llama;

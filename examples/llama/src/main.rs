@@ -463,22 +463,16 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), St
                 .into(),
         );
     }
-    if args.offload && args.zero == 0 {
-        return Err(
-            "--offload moves ZeRO's sharded optimizer state to host memory; add --zero 1, 2 or 3"
-                .into(),
-        );
-    }
+    config.nccl = args.nccl;
+    config.init_from = args.init_from.clone();
+    config.process = process;
+    let layout = config.layout().map_err(|e| e.to_string())?;
     if args.offload && args.device == Device::Cpu {
         return Err("--offload moves the optimizer state from GPU to host memory; with --device cpu it is in host memory already, so drop --offload (or train with --device cuda)".into());
     }
     if args.nccl && args.device == Device::Cpu {
         return Err("--nccl moves CUDA tensors between GPUs; use it with --device cuda".into());
     }
-    config.nccl = args.nccl;
-    config.init_from = args.init_from.clone();
-    config.process = process;
-    let layout = config.layout().map_err(|e| e.to_string())?;
     check_outputs(&args)?;
 
     let data: Box<dyn Dataset> = match &args.data {

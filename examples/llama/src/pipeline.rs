@@ -1,31 +1,24 @@
 //! The Llama decoder as pipeline stages: its blocks cut into `pp x virtual_stages` contiguous
-//! stages of even parameter count, the first holding the embedding and the last the final norm,
-//! head and loss. Each rank trains its stages under a burn-pipeline schedule; data-parallel
-//! replicas of a stage average their gradients after the pipeline has drained.
+//! stages balanced by parameter count or measured time, the first holding the embedding and
+//! the last the final norm, head and loss. The pipeline engine (`engine/pipeline.rs`) trains
+//! them.
 
 use std::fmt;
 use std::ops::Range;
 use std::time::Instant;
 
-use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
-use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{AdamW, GradientsParams, Optimizer};
+use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Int, Tensor};
-use burn_comm::{CommError, Communicator, ReduceOp};
-use burn_ddp::BackwardHooks;
-use burn_pipeline::{
-    Message, PipelineExecutor, PipelineStage, Schedule, Span, StageOutput, balance,
-};
-use burn_tensor_parallel::{TensorParallel, TpBackend};
-use burn_zero::{ShardedDataParallel, ZeroStage};
+use burn_comm::{CommError, Communicator};
+use burn_pipeline::{PipelineStage, Schedule, StageOutput, balance};
+use burn_tensor_parallel::TensorParallel;
 use serde::Serialize;
 
 use crate::config::LlamaConfig;
+use crate::dims::Groups;
 use crate::model::{Block, Llama, Positions, RmsNorm, embed, head, head_weight, next_token_loss};
-use crate::tp_stage::TpLlamaStage;
-use crate::train::{Batches, StepMetrics, TrainConfig, TrainError, reduce_scalar};
-use crate::zero::ZeroStep;
+use crate::train::TrainError;
 
 /// A run of consecutive blocks, with the embedding if it is the first stage and the final
 /// norm and head if it is the last.
@@ -218,9 +211,9 @@ impl StageCosts {
     }
 
     /// The same costs on every rank: those of the first rank of every group, broadcast.
-    fn shared<B: Backend>(
+    pub(crate) fn shared<B: Backend>(
         self,
-        groups: Groups<'_>,
+        groups: &Groups,
         device: &B::Device,
     ) -> Result<Self, TrainError> {
         let layers = self.blocks.len();
@@ -231,8 +224,11 @@ impl StageCosts {
             .map(|&c| c as f32)
             .collect();
         let mut tensor = Tensor::<B, 1>::from_floats(values.as_slice(), device);
-        let tp = groups.tp.map(TensorParallel::comm);
-        for group in [Some(groups.pp), groups.dp, tp].into_iter().flatten() {
+        let tp = groups.tp.as_ref().map(TensorParallel::comm);
+        for group in [groups.pp.as_ref(), groups.dp.as_ref(), tp]
+            .into_iter()
+            .flatten()
+        {
             tensor = group.broadcast(tensor, 0)?;
         }
         let values: Vec<f64> = tensor.into_data().iter::<f32>().map(f64::from).collect();
@@ -317,147 +313,11 @@ impl<B: Backend> LlamaStage<B> {
     }
 }
 
-/// What one pipeline rank hands back: its stages (by stage index), whole, and the timeline of
-/// its last step.
-pub type RankResult<B> = (Vec<(usize, LlamaStage<B>)>, Vec<Span>);
-
-/// The groups of one pipeline rank: its pipeline, the replicas of its stages (data
-/// parallelism), and the tensor-parallel peers sharing its stages.
-#[derive(Clone, Copy)]
-pub struct Groups<'a> {
-    /// One rank per stage group, in stage order.
-    pub pp: &'a Communicator,
-    /// The replicas of this rank's stages, if any.
-    pub dp: Option<&'a Communicator>,
-    /// The ranks splitting this rank's stages, if any.
-    pub tp: Option<&'a TensorParallel>,
-}
-
-impl Groups<'_> {
-    /// Whether this is the first rank of every group.
-    fn is_first(&self) -> bool {
-        self.pp.rank() == 0
-            && self.dp.is_none_or(|dp| dp.rank() == 0)
-            && self.tp.is_none_or(|tp| tp.rank() == 0)
-    }
-}
-
-/// Trains this rank's stages of `model` in `groups`.
-pub fn train_rank<B: BackwardHooks + TpBackend>(
-    config: &TrainConfig,
-    data: &dyn crate::data::Dataset,
-    model: Llama<B>,
-    groups: Groups<'_>,
-    device: &B::Device,
-    on_step: &mut dyn FnMut(&StepMetrics),
-) -> Result<RankResult<B::InnerBackend>, TrainError>
-where
-    B::InnerBackend: TpBackend,
-{
-    let layout = config.layout()?;
-    let schedule = Schedule::new(
-        config.schedule,
-        config.pp,
-        layout.accum,
-        config.virtual_stages,
-    )?;
-    let mut executor =
-        PipelineExecutor::new(schedule, groups.pp.clone())?.with_recompute(config.recompute);
-    if let Some(tp) = groups.tp {
-        executor = executor.with_backward_group(tp.comm().clone());
-    }
-    let (world, rank) = groups.dp.map_or((1, 0), |c| (c.size(), c.rank()));
-    let batches = Batches::new(config, data, world, rank, layout)?;
-    let costs = match config.balance {
-        Balance::Params => StageCosts::params(&config.model),
-        Balance::Time => {
-            // The others' costs are placeholders of the right length for the broadcast.
-            let measured = if groups.is_first() {
-                StageCosts::time(&model, &config.model, &batches.micro(0, 0, device))?
-            } else {
-                StageCosts::params(&config.model)
-            };
-            measured.shared::<B::InnerBackend>(groups, device)?
-        }
-    };
-    let ranges = costs.split(config.pp, config.virtual_stages)?;
-    let mut stages: Vec<Option<LlamaStage<B>>> = LlamaStage::cut(model, &config.model, &ranges)
-        .into_iter()
-        .map(Some)
-        .collect();
-    let mine = executor.stages();
-    let chunks: Vec<LlamaStage<B>> = mine
-        .iter()
-        .map(|&s| stages[s].take().expect("each stage once"))
-        .collect();
-    // With one process per rank, the other stages are kept as the shapes to receive them into;
-    // on threads they are dropped here (the closure owns them), before training.
-    let elsewhere: Option<Vec<Option<LlamaStage<B::InnerBackend>>>> = config
-        .process
-        .as_ref()
-        .map(|_| stages.into_iter().map(|s| s.map(|s| s.valid())).collect());
-
-    // Under sequence parallelism each tensor-parallel rank sends its part of the sequence.
-    let sequence_parts = match groups.tp {
-        Some(tp) if tp.sequence_parallel() => tp.size(),
-        _ => 1,
-    };
-    // The stages compute, and so send, in their parameters' dtype.
-    let dtype = config
-        .zero_config
-        .precision
-        .as_ref()
-        .map_or(DType::F32, |p| p.param_dtype);
-    let message = Message::new(
-        [
-            layout.micro,
-            config.seq_len / sequence_parts,
-            config.model.hidden_size,
-        ],
-        dtype,
-    );
-    let run = Run {
-        config,
-        executor: &executor,
-        batches: &batches,
-        message,
-        groups,
-        device,
-    };
-    let (chunks, spans) = match groups.tp {
-        None => {
-            let (chunks, spans) = run.train(chunks, on_step)?;
-            let chunks: Vec<_> = chunks.into_iter().map(|c| c.valid()).collect();
-            (chunks, spans)
-        }
-        Some(tp) => {
-            let chunks = chunks
-                .into_iter()
-                .map(|chunk| TpLlamaStage::from_stage(chunk, tp))
-                .collect::<Result<Vec<_>, _>>()?;
-            let (chunks, spans) = run.train(chunks, on_step)?;
-            let chunks = chunks
-                .into_iter()
-                .map(|chunk| chunk.valid().full())
-                .collect::<Result<Vec<_>, _>>()?;
-            (chunks, spans)
-        }
-    };
-    let trained = mine.into_iter().zip(chunks).collect();
-    match elsewhere {
-        None => Ok((trained, spans)),
-        Some(elsewhere) => {
-            let whole = share_stages(groups.pp, executor.schedule(), trained, elsewhere)?;
-            Ok((whole, spans))
-        }
-    }
-}
-
-/// With one process per rank, the stages trained on other ranks are not in this process: each
-/// pipeline rank broadcasts its stages to the rest of its pipeline, so every rank ends with the
-/// whole model, as the threads' run does (replicas and tensor-parallel peers hold the same
-/// stages). `elsewhere` holds the other stages' shapes. Weights travel as f32.
-fn share_stages<B: Backend>(
+/// Every stage of the pipeline `pp` on each of its ranks: each rank broadcasts its `trained`
+/// stages to the rest (replicas and tensor-parallel peers hold the same stages, so every rank
+/// ends with the whole model). `elsewhere` holds the other stages' shapes. Weights travel as
+/// f32.
+pub(crate) fn share_stages<B: Backend>(
     pp: &Communicator,
     schedule: &Schedule,
     trained: Vec<(usize, LlamaStage<B>)>,
@@ -513,203 +373,6 @@ impl<B: Backend> ModuleMapper<B> for FromOwner<'_> {
     }
 }
 
-/// What every step of one rank's training shares.
-struct Run<'a, B: AutodiffBackend> {
-    config: &'a TrainConfig,
-    executor: &'a PipelineExecutor,
-    batches: &'a Batches<'a>,
-    message: Message,
-    groups: Groups<'a>,
-    device: &'a B::Device,
-}
-
-impl<B: BackwardHooks> Run<'_, B> {
-    /// Trains `chunks`, this rank's stages, for the configured steps; returns them with the
-    /// timeline of the last step.
-    fn train<S>(
-        &self,
-        chunks: Vec<S>,
-        on_step: &mut dyn FnMut(&StepMetrics),
-    ) -> Result<(Vec<S>, Vec<Span>), TrainError>
-    where
-        S: PipelineStage<B, Batch = MicroBatch<B>, Error = TrainError>,
-    {
-        let Self {
-            config,
-            executor,
-            batches,
-            message,
-            groups,
-            device,
-        } = *self;
-        let (pp, dp) = (groups.pp, groups.dp);
-        let mut stepper = Stepper::new(chunks, config, dp)?;
-        let schedule = config.schedule();
-        let tokens = config.batch_size * config.seq_len;
-        let started = Instant::now();
-        let mut spans = Vec::new();
-        for step in 0..config.steps {
-            let micro_batches: Vec<MicroBatch<B>> = (0..executor.schedule().micro_batches)
-                .map(|mb| batches.micro(step, mb, device))
-                .collect();
-            pp.barrier()?;
-            let begun = Instant::now();
-            let loss_scale = stepper.loss_scale();
-            let out = executor.step(
-                stepper.chunks(),
-                &micro_batches,
-                message,
-                loss_scale,
-                device,
-                begun,
-            )?;
-            let (wait, zero) = stepper.step(out.grads, loss_scale, schedule.lr(step), dp)?;
-            // The last stage's rank knows the loss; the sum over the group hands it to all.
-            let loss = out.loss.unwrap_or(0.0);
-            let mut loss = reduce_scalar::<B::InnerBackend>(pp, loss, ReduceOp::Sum, device)?;
-            if let Some(dp) = dp {
-                loss = reduce_scalar::<B::InnerBackend>(dp, loss, ReduceOp::Avg, device)?;
-            }
-            let lr = schedule.lr(step);
-            let mut metrics = StepMetrics::measure(step, loss, lr, tokens, (begun, started), wait);
-            if let Some(zero) = zero {
-                zero.fill(&mut metrics);
-            }
-            on_step(&metrics);
-            spans = out.spans;
-        }
-        Ok((stepper.into_chunks()?, spans))
-    }
-}
-
-/// How a pipeline rank steps its chunks: burn's AdamW on gradients averaged over the
-/// replicas, or ZeRO-1, whose optimizer state is sharded over them.
-enum Stepper<B: BackwardHooks, S: AutodiffModule<B>> {
-    Replicated {
-        chunks: Vec<S>,
-        optimizer: OptimizerAdaptor<AdamW, Vec<S>, B>,
-    },
-    Zero(Box<ShardedDataParallel<B, Vec<S>>>),
-}
-
-impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
-    fn new(
-        chunks: Vec<S>,
-        config: &TrainConfig,
-        dp: Option<&Communicator>,
-    ) -> Result<Self, TrainError> {
-        Ok(match (config.zero, dp) {
-            (ZeroStage::Replicated, _) => Self::Replicated {
-                chunks,
-                optimizer: config.optimizer().init::<B, Vec<S>>(),
-            },
-            (stage, Some(dp)) => Self::Zero(Box::new(ShardedDataParallel::new(
-                chunks,
-                dp.clone(),
-                stage,
-                &config.optimizer(),
-                config.zero_engine_config(),
-            )?)),
-            (_, None) => {
-                return Err(TrainError::Config(
-                    "ZeRO shards over the data-parallel group; use --strategy ddp".into(),
-                ));
-            }
-        })
-    }
-
-    /// What the pipeline multiplies its losses by before their backward (f16 loss scaling).
-    fn loss_scale(&self) -> f64 {
-        match self {
-            Self::Replicated { .. } => 1.0,
-            Self::Zero(zero) => zero.loss_scale().unwrap_or(1.0),
-        }
-    }
-
-    fn chunks(&self) -> &Vec<S> {
-        match self {
-            Self::Replicated { chunks, .. } => chunks,
-            Self::Zero(zero) => zero.module(),
-        }
-    }
-
-    /// Steps with the pipeline's gradients (of its losses times `loss_scale`), reduced over
-    /// `dp` first; returns the time spent reducing and, under ZeRO, what it adds to the metrics.
-    fn step(
-        &mut self,
-        grads: GradientsParams,
-        loss_scale: f64,
-        lr: f64,
-        dp: Option<&Communicator>,
-    ) -> Result<(f64, Option<ZeroStep>), TrainError> {
-        match self {
-            Self::Replicated { chunks, optimizer } => {
-                let mut grads = grads;
-                let mut wait = 0.0;
-                if let Some(dp) = dp {
-                    let waited = Instant::now();
-                    grads = average(grads, chunks, dp)?;
-                    wait = waited.elapsed().as_secs_f64();
-                }
-                *chunks = optimizer.step(lr, std::mem::take(chunks), grads);
-                Ok((wait, None))
-            }
-            Self::Zero(zero) => {
-                zero.add_gradients(grads, loss_scale)?;
-                let wait = zero.stats().comm_wait.as_secs_f64();
-                Ok((wait, Some(ZeroStep::sharded(zero, lr)?)))
-            }
-        }
-    }
-
-    fn into_chunks(self) -> Result<Vec<S>, TrainError> {
-        match self {
-            Self::Replicated { chunks, .. } => Ok(chunks),
-            Self::Zero(zero) => Ok(zero.master_module()?),
-        }
-    }
-}
-
-/// The gradients of `chunks` averaged over the replicas in `dp`, one parameter at a time in the
-/// modules' order (the same on every replica).
-fn average<B: AutodiffBackend, M: Module<B>>(
-    grads: GradientsParams,
-    chunks: &[M],
-    dp: &Communicator,
-) -> Result<GradientsParams, CommError> {
-    struct Averager<'a> {
-        grads: GradientsParams,
-        dp: &'a Communicator,
-        error: Option<CommError>,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Averager<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if self.error.is_some() {
-                return;
-            }
-            let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
-                return;
-            };
-            match self.dp.all_reduce(grad, ReduceOp::Avg) {
-                Ok(avg) => self.grads.register(param.id, avg),
-                Err(e) => self.error = Some(e),
-            }
-        }
-    }
-    let mut averager = Averager {
-        grads,
-        dp,
-        error: None,
-    };
-    for chunk in chunks {
-        chunk.visit(&mut averager);
-    }
-    match averager.error {
-        Some(e) => Err(e),
-        None => Ok(averager.grads),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -722,9 +385,9 @@ mod tests {
             let mesh = DeviceMesh::new(ctx.world(), &[("dp", 2), ("pp", 2), ("tp", 2)])?;
             let tp = TensorParallel::new(mesh.group("tp")?.clone());
             let groups = Groups {
-                pp: mesh.group("pp")?,
-                dp: Some(mesh.group("dp")?),
-                tp: Some(&tp),
+                pp: Some(mesh.group("pp")?.clone()),
+                dp: Some(mesh.group("dp")?.clone()),
+                tp: Some(tp),
             };
             let mine = ctx.rank() as f64;
             let costs = StageCosts {
@@ -734,7 +397,7 @@ mod tests {
             };
             Ok::<_, TrainError>((
                 groups.is_first(),
-                costs.shared::<Flex>(groups, &Default::default())?,
+                costs.shared::<Flex>(&groups, &Default::default())?,
             ))
         });
         for (rank, result) in results.into_iter().enumerate() {

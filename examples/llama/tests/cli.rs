@@ -332,7 +332,7 @@ fn plan_prints_every_stage_of_the_papers_example() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 35] = [
+    let cases: [(&[&str], &str); 36] = [
         (&["train", "--dp", "0"], "--dp must be at least 1"),
         (
             &["train", "--batch-size", "0"],
@@ -374,6 +374,10 @@ fn bad_input_gets_a_sentence() {
         (
             &["train", "--lr=-1"],
             "--lr -1: the learning rate must be positive",
+        ),
+        (
+            &["train", "--lr", "2"],
+            "--lr 2: the learning rate must be positive and at most 1",
         ),
         (
             &["train", "--bucket-mb", "inf"],

@@ -1,0 +1,318 @@
+//! Pipeline parallelism: each rank trains its stages under a burn-pipeline schedule; the
+//! replicas of a stage (data parallelism) average its gradients once the pipeline has drained,
+//! or shard its optimizer state (ZeRO-1). At the end every rank of a pipeline hands its stages
+//! to the others, so each holds the whole model.
+
+use std::time::Instant;
+
+use burn::module::{AutodiffModule, Module};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, GradientsParams, Optimizer};
+use burn::tensor::DType;
+use burn_comm::{Communicator, ReduceOp};
+use burn_ddp::{BackwardHooks, GradientSync};
+use burn_pipeline::{Message, PipelineExecutor, Schedule, Span, StepOutput};
+use burn_zero::{ShardedDataParallel, ZeroStage};
+
+use super::{Engine, Finished, Split, Stepped, TrainableStage, ZeroStep};
+use crate::batches::Batches;
+use crate::dims::Groups;
+use crate::model::Llama;
+use crate::pipeline::{Balance, LlamaStage, MicroBatch, StageCosts, share_stages};
+use crate::train::{TrainConfig, TrainError};
+
+pub(crate) struct PipelineEngine<'a, B: BackwardHooks, S: TrainableStage<B>> {
+    config: &'a TrainConfig,
+    executor: PipelineExecutor,
+    stepper: Stepper<B, S>,
+    pp: Communicator,
+    dp: Option<Communicator>,
+    /// The stages this rank trains, by index, in the order of its chunks.
+    mine: Vec<usize>,
+    /// The blocks of every stage.
+    ranges: Vec<std::ops::Range<usize>>,
+    message: Message,
+    /// The step's micro-batches and the instant its clock started, from `prepare`.
+    prepared: Option<(Vec<MicroBatch<B>>, Instant)>,
+    /// What the step's pipeline gave back, between forward_backward and step.
+    out: Option<(GradientsParams, f64)>,
+    /// The timeline of the last step.
+    spans: Vec<Span>,
+}
+
+impl<'a, B: BackwardHooks, S: TrainableStage<B>> PipelineEngine<'a, B, S> {
+    pub fn new<P: Split<B, Stage = S>>(
+        config: &'a TrainConfig,
+        split: &P,
+        model: Llama<B>,
+        groups: &Groups,
+        batches: &Batches<'_>,
+        device: &B::Device,
+    ) -> Result<Self, TrainError> {
+        let accum = batches.micro_batches();
+        let schedule = Schedule::new(config.schedule, config.pp, accum, config.virtual_stages)?;
+        let pp = groups.pp.clone().expect("a pipeline has its group");
+        let mut executor =
+            PipelineExecutor::new(schedule, pp.clone())?.with_recompute(config.recompute);
+        if let Some(group) = split.backward_group() {
+            executor = executor.with_backward_group(group);
+        }
+        let costs = match config.balance {
+            Balance::Params => StageCosts::params(&config.model),
+            Balance::Time => {
+                // The others' costs are placeholders of the right length for the broadcast.
+                let measured = if groups.is_first() {
+                    StageCosts::time(&model, &config.model, &batches.micro(0, 0, device))?
+                } else {
+                    StageCosts::params(&config.model)
+                };
+                measured.shared::<B::InnerBackend>(groups, device)?
+            }
+        };
+        let ranges = costs.split(config.pp, config.virtual_stages)?;
+        let mut stages: Vec<Option<LlamaStage<B>>> = LlamaStage::cut(model, &config.model, &ranges)
+            .into_iter()
+            .map(Some)
+            .collect();
+        let mine = executor.stages();
+        // The stages trained elsewhere are dropped here, before training.
+        let chunks = mine
+            .iter()
+            .map(|&s| split.stage(stages[s].take().expect("each stage once")))
+            .collect::<Result<Vec<_>, _>>()?;
+        drop(stages);
+        // Under sequence parallelism each tensor-parallel rank sends its part of the sequence.
+        let sequence_parts = match &groups.tp {
+            Some(tp) if tp.sequence_parallel() => tp.size(),
+            _ => 1,
+        };
+        // The stages compute, and so send, in their parameters' dtype.
+        let dtype = config
+            .zero_config
+            .precision
+            .as_ref()
+            .map_or(DType::F32, |p| p.param_dtype);
+        let message = Message::new(
+            [
+                batches.micro_batch_size(),
+                config.seq_len / sequence_parts,
+                config.model.hidden_size,
+            ],
+            dtype,
+        );
+        Ok(Self {
+            config,
+            executor,
+            stepper: Stepper::new(chunks, config, groups.dp.as_ref())?,
+            pp,
+            dp: groups.dp.clone(),
+            mine,
+            ranges,
+            message,
+            prepared: None,
+            out: None,
+            spans: Vec::new(),
+        })
+    }
+}
+
+impl<B: BackwardHooks, S: TrainableStage<B>> Engine<B> for PipelineEngine<'_, B, S> {
+    fn prepare(
+        &mut self,
+        step: usize,
+        batches: &Batches<'_>,
+        device: &B::Device,
+    ) -> Result<(), TrainError> {
+        let micro_batches = (0..self.executor.schedule().micro_batches)
+            .map(|mb| batches.micro(step, mb, device))
+            .collect();
+        // The timeline starts together on every rank of the pipeline.
+        self.pp.barrier()?;
+        self.prepared = Some((micro_batches, Instant::now()));
+        Ok(())
+    }
+
+    fn forward_backward(
+        &mut self,
+        _step: usize,
+        _batches: &Batches<'_>,
+        device: &B::Device,
+    ) -> Result<f64, TrainError> {
+        let (micro_batches, begun) = self.prepared.take().expect("prepare ran first");
+        let loss_scale = self.stepper.loss_scale();
+        let StepOutput { grads, loss, spans } = self.executor.step(
+            self.stepper.chunks(),
+            &micro_batches,
+            self.message,
+            loss_scale,
+            device,
+            begun,
+        )?;
+        self.out = Some((grads, loss_scale));
+        self.spans = spans;
+        // The last stage's rank knows the loss; the sum over the pipeline hands it to all.
+        Ok(loss.unwrap_or(0.0))
+    }
+
+    fn step(&mut self, lr: f64) -> Result<Stepped, TrainError> {
+        let (grads, loss_scale) = self.out.take().expect("forward_backward ran first");
+        self.stepper.step(grads, loss_scale, lr)
+    }
+
+    fn loss_groups(&self) -> Vec<(Communicator, ReduceOp)> {
+        let mut groups = vec![(self.pp.clone(), ReduceOp::Sum)];
+        groups.extend(self.dp.iter().map(|dp| (dp.clone(), ReduceOp::Avg)));
+        groups
+    }
+
+    fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
+        let Self {
+            config,
+            executor,
+            stepper,
+            pp,
+            mine,
+            ranges,
+            spans,
+            ..
+        } = *self;
+        let trained = stepper
+            .into_chunks()?
+            .into_iter()
+            .map(|chunk| S::whole(chunk.valid()))
+            .collect::<Result<Vec<_>, _>>()?;
+        // The other stages' shapes, to receive them into.
+        let device = trained
+            .first()
+            .map(|stage| stage.devices()[0].clone())
+            .expect("every pipeline rank trains a stage");
+        let shapes = LlamaStage::cut(
+            Llama::skeleton(&config.model, &device),
+            &config.model,
+            &ranges,
+        );
+        let mut elsewhere: Vec<Option<LlamaStage<B::InnerBackend>>> =
+            shapes.into_iter().map(Some).collect();
+        for &s in &mine {
+            elsewhere[s] = None;
+        }
+        let whole = share_stages(
+            &pp,
+            executor.schedule(),
+            mine.into_iter().zip(trained).collect(),
+            elsewhere,
+        )?;
+        Ok(Finished {
+            model: LlamaStage::join(whole.into_iter().map(|(_, stage)| stage).collect()),
+            spans,
+        })
+    }
+}
+
+/// How a pipeline rank steps its chunks: burn's AdamW on gradients averaged over the
+/// replicas (in DDP's buckets, once the pipeline has drained), or ZeRO-1, whose optimizer state
+/// is sharded over them.
+enum Stepper<B: BackwardHooks, S: AutodiffModule<B>> {
+    Replicated {
+        chunks: Vec<S>,
+        optimizer: OptimizerAdaptor<AdamW, Vec<S>, B>,
+        /// The replicas' gradient averaging; none without data parallelism.
+        sync: Option<Box<GradientSync<B>>>,
+    },
+    Zero(Box<ShardedDataParallel<B, Vec<S>>>),
+}
+
+impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
+    fn new(
+        chunks: Vec<S>,
+        config: &TrainConfig,
+        dp: Option<&Communicator>,
+    ) -> Result<Self, TrainError> {
+        Ok(match (config.zero, dp) {
+            (ZeroStage::Replicated, _) => {
+                let sync = dp
+                    .map(|dp| GradientSync::new(&chunks, dp.clone(), config.ddp.clone()))
+                    .transpose()?
+                    .map(Box::new);
+                Self::Replicated {
+                    chunks,
+                    optimizer: config.optimizer().init::<B, Vec<S>>(),
+                    sync,
+                }
+            }
+            (stage, Some(dp)) => Self::Zero(Box::new(ShardedDataParallel::new(
+                chunks,
+                dp.clone(),
+                stage,
+                &config.optimizer(),
+                config.zero_engine_config(),
+            )?)),
+            (_, None) => {
+                return Err(TrainError::Config(
+                    "ZeRO shards over the data-parallel group; use --strategy ddp".into(),
+                ));
+            }
+        })
+    }
+
+    /// What the pipeline multiplies its losses by before their backward (f16 loss scaling).
+    fn loss_scale(&self) -> f64 {
+        match self {
+            Self::Replicated { .. } => 1.0,
+            Self::Zero(zero) => zero.loss_scale().unwrap_or(1.0),
+        }
+    }
+
+    fn chunks(&self) -> &Vec<S> {
+        match self {
+            Self::Replicated { chunks, .. } => chunks,
+            Self::Zero(zero) => zero.module(),
+        }
+    }
+
+    /// Steps with the pipeline's gradients (of its losses times `loss_scale`), reduced over
+    /// the replicas first.
+    fn step(
+        &mut self,
+        grads: GradientsParams,
+        loss_scale: f64,
+        lr: f64,
+    ) -> Result<Stepped, TrainError> {
+        match self {
+            Self::Replicated {
+                chunks,
+                optimizer,
+                sync,
+            } => {
+                let mut grads = grads;
+                let mut wait = 0.0;
+                if let Some(sync) = sync {
+                    let waited = Instant::now();
+                    grads = sync.average(chunks, grads)?;
+                    wait = waited.elapsed().as_secs_f64();
+                }
+                *chunks = optimizer.step(lr, std::mem::take(chunks), grads);
+                Ok(Stepped {
+                    comm_wait_s: wait,
+                    ..Stepped::default()
+                })
+            }
+            Self::Zero(zero) => {
+                zero.add_gradients(grads, loss_scale)?;
+                let wait = zero.stats().comm_wait.as_secs_f64();
+                Ok(Stepped {
+                    comm_wait_s: wait,
+                    zero: Some(ZeroStep::sharded(zero, lr)?),
+                    grad_norm: None,
+                })
+            }
+        }
+    }
+
+    fn into_chunks(self) -> Result<Vec<S>, TrainError> {
+        match self {
+            Self::Replicated { chunks, .. } => Ok(chunks),
+            Self::Zero(zero) => Ok(zero.master_module()?),
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! ZeRO-1 and ZeRO-2 over the data-parallel group: each micro-batch's gradients are reduced as
+//! its backward runs and summed; each rank steps its shard of the optimizer state and gathers
+//! the rest of the parameters.
+
+use burn_comm::{Communicator, ReduceOp};
+use burn_ddp::BackwardHooks;
+use burn_zero::ShardedDataParallel;
+
+use super::{Engine, Finished, Stepped, Trainable, ZeroStep};
+use crate::batches::Batches;
+use crate::train::{TrainConfig, TrainError, scalar};
+
+pub(crate) struct ShardedEngine<B: BackwardHooks, M: Trainable<B>> {
+    zero: ShardedDataParallel<B, M>,
+    /// Seconds waited for the step's gradient communication so far.
+    comm_wait_s: f64,
+}
+
+impl<B: BackwardHooks, M: Trainable<B>> ShardedEngine<B, M> {
+    pub fn new(config: &TrainConfig, model: M, dp: Communicator) -> Result<Self, TrainError> {
+        let zero = ShardedDataParallel::new(
+            model,
+            dp,
+            config.zero,
+            &config.optimizer(),
+            config.zero_engine_config(),
+        )?;
+        Ok(Self {
+            zero,
+            comm_wait_s: 0.0,
+        })
+    }
+}
+
+impl<B: BackwardHooks, M: Trainable<B>> Engine<B> for ShardedEngine<B, M> {
+    fn forward_backward(
+        &mut self,
+        step: usize,
+        batches: &Batches<'_>,
+        device: &B::Device,
+    ) -> Result<f64, TrainError> {
+        let accum = batches.micro_batches();
+        let mut loss_sum = 0.0;
+        self.comm_wait_s = 0.0;
+        for micro in 0..accum {
+            let (inputs, targets) = batches.micro(step, micro, device);
+            let loss = self.zero.module().loss(inputs, targets)? / accum as f64;
+            loss_sum += scalar(&loss);
+            self.zero.backward(loss)?;
+            self.comm_wait_s += self.zero.stats().comm_wait.as_secs_f64();
+        }
+        Ok(loss_sum)
+    }
+
+    fn step(&mut self, lr: f64) -> Result<Stepped, TrainError> {
+        Ok(Stepped {
+            comm_wait_s: self.comm_wait_s,
+            zero: Some(ZeroStep::sharded(&mut self.zero, lr)?),
+            grad_norm: self.zero.grad_norm(),
+        })
+    }
+
+    fn loss_groups(&self) -> Vec<(Communicator, ReduceOp)> {
+        vec![(self.zero.comm().clone(), ReduceOp::Avg)]
+    }
+
+    fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
+        Ok(Finished {
+            model: M::whole(self.zero.master_module()?.valid())?,
+            spans: Vec::new(),
+        })
+    }
+}

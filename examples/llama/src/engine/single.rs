@@ -1,0 +1,88 @@
+//! One replica and plain burn: no data-parallel group. The oracle every other engine is held
+//! to, and the baseline of the benches (with tensor parallelism, the replica is split over its
+//! group and still trains alone).
+
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, GradientsAccumulator, GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn_comm::{Communicator, ReduceOp};
+
+use super::{Engine, Finished, Stepped, Trainable};
+use crate::batches::Batches;
+use crate::train::{TrainConfig, TrainError, scalar};
+
+pub(crate) struct SingleEngine<'a, B: AutodiffBackend, M: Trainable<B>> {
+    config: &'a TrainConfig,
+    /// Always present between calls; taken only while the optimizer steps it.
+    model: Option<M>,
+    optimizer: OptimizerAdaptor<AdamW, M, B>,
+    /// The step's accumulated gradients, between backward and step.
+    grads: Option<GradientsParams>,
+}
+
+impl<'a, B: AutodiffBackend, M: Trainable<B>> SingleEngine<'a, B, M> {
+    pub fn new(config: &'a TrainConfig, model: M) -> Self {
+        Self {
+            config,
+            model: Some(model),
+            optimizer: config.optimizer().init::<B, M>(),
+            grads: None,
+        }
+    }
+}
+
+impl<B: AutodiffBackend, M: Trainable<B>> Engine<B> for SingleEngine<'_, B, M> {
+    fn forward_backward(
+        &mut self,
+        step: usize,
+        batches: &Batches<'_>,
+        device: &B::Device,
+    ) -> Result<f64, TrainError> {
+        let accum = batches.micro_batches();
+        let mut accumulator = GradientsAccumulator::new();
+        let mut loss_sum = 0.0;
+        let model = self
+            .model
+            .as_ref()
+            .expect("the model is back after each step");
+        for micro in 0..accum {
+            let (inputs, targets) = batches.micro(step, micro, device);
+            let loss = model.loss(inputs, targets)? / accum as f64;
+            loss_sum += scalar(&loss);
+            let grads = GradientsParams::from_grads(loss.backward(), model);
+            accumulator.accumulate(model, grads);
+        }
+        self.grads = Some(accumulator.grads());
+        Ok(loss_sum)
+    }
+
+    fn step(&mut self, lr: f64) -> Result<Stepped, TrainError> {
+        let grads = self.grads.take().expect("forward_backward ran first");
+        let model = self
+            .model
+            .take()
+            .expect("the model is back after each step");
+        let (grads, grad_norm) = self.config.clip(&model, grads);
+        self.model = Some(self.optimizer.step(lr, model, grads));
+        Ok(Stepped {
+            grad_norm,
+            ..Stepped::default()
+        })
+    }
+
+    fn loss_groups(&self) -> Vec<(Communicator, ReduceOp)> {
+        // A split replica computes the same loss on every rank of its group.
+        Vec::new()
+    }
+
+    fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
+        Ok(Finished {
+            model: M::whole(
+                self.model
+                    .expect("the model is back after each step")
+                    .valid(),
+            )?,
+            spans: Vec::new(),
+        })
+    }
+}

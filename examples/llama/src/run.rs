@@ -1,0 +1,156 @@
+//! What one rank does, the same whether it is a thread or a process: build its groups, read
+//! its batches, pick its engine and drive it with the one training loop.
+
+use std::time::Instant;
+
+use burn::tensor::backend::AutodiffBackend;
+use burn_comm::Communicator;
+use burn_ddp::BackwardHooks;
+use burn_tensor_parallel::TpBackend;
+
+use crate::batches::Batches;
+use crate::data::Dataset;
+use crate::dims::{Groups, ParallelDims};
+use crate::engine::{Engine, Finished, Whole, choose};
+use crate::model::Llama;
+use crate::train::{StepMetrics, TrainConfig, TrainError, reduce_scalar};
+
+/// Trains one rank of `config` from `model` (whole, the same on every rank) and returns the
+/// whole trained model. `world` holds every rank of the run; none when one rank trains alone.
+/// `on_step` sees every step's metrics (the same on every rank).
+pub fn train_rank<B>(
+    config: &TrainConfig,
+    data: &dyn Dataset,
+    world: Option<&Communicator>,
+    model: Llama<B>,
+    device: &B::Device,
+    on_step: &mut dyn FnMut(&StepMetrics),
+) -> Result<Finished<B::InnerBackend>, TrainError>
+where
+    B: BackwardHooks + TpBackend,
+    B::InnerBackend: TpBackend,
+{
+    let layout = config.layout()?;
+    let dims = ParallelDims::of(config);
+    let groups = match world {
+        Some(world) => dims.groups(world, config)?,
+        None if dims.ranks() == 1 => Groups::default(),
+        None => {
+            return Err(TrainError::Config(format!(
+                "this layout ({}) needs a communicator of its {} ranks; run it through `train`",
+                dims.describe(),
+                dims.ranks()
+            )));
+        }
+    };
+    let (replicas, replica) = groups.dp.as_ref().map_or((1, 0), |c| (c.size(), c.rank()));
+    let batches = Batches::new(config, data, replicas, replica, layout)?;
+    let mut engine = match &groups.tp {
+        None => choose(config, Whole, model, &groups, &batches, device)?,
+        Some(tp) => choose(config, tp.clone(), model, &groups, &batches, device)?,
+    };
+    train_loop(config, engine.as_mut(), &batches, device, on_step)?;
+    engine.finish()
+}
+
+/// The one training loop: every step's learning rate, forward and backward, optimizer step,
+/// the loss over the whole global batch, and the metrics.
+fn train_loop<B: AutodiffBackend>(
+    config: &TrainConfig,
+    engine: &mut dyn Engine<B>,
+    batches: &Batches<'_>,
+    device: &B::Device,
+    on_step: &mut dyn FnMut(&StepMetrics),
+) -> Result<(), TrainError> {
+    let schedule = config.schedule();
+    let tokens = config.batch_size * config.seq_len;
+    let started = Instant::now();
+    for step in 0..config.steps {
+        let lr = schedule.lr(step);
+        engine.prepare(step, batches, device)?;
+        let begun = Instant::now();
+        let mut loss = engine.forward_backward(step, batches, device)?;
+        let stepped = engine.step(lr)?;
+        for (group, op) in engine.loss_groups() {
+            loss = reduce_scalar::<B::InnerBackend>(&group, loss, op, device)?;
+        }
+        // Every rank holds the same loss, so every rank stops here together.
+        if !loss.is_finite() {
+            return Err(TrainError::Config(format!(
+                "step {}: the loss is {loss}: training diverged at learning rate {lr:.3e}; lower --lr or clip with --clip-grad-norm 1.0",
+                step + 1
+            )));
+        }
+        let mut metrics = StepMetrics::measure(step, loss, lr, tokens, (begun, started));
+        stepped.fill(&mut metrics);
+        on_step(&metrics);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, Flex};
+    use burn_comm::ReduceOp;
+
+    use super::*;
+    use crate::config::LlamaConfig;
+    use crate::data::MarkovSource;
+    use crate::engine::Stepped;
+
+    type A = Autodiff<Flex>;
+
+    /// An engine whose steps report the given losses.
+    struct Scripted(Vec<f64>);
+
+    impl<B: AutodiffBackend> Engine<B> for Scripted {
+        fn forward_backward(
+            &mut self,
+            step: usize,
+            _: &Batches<'_>,
+            _: &B::Device,
+        ) -> Result<f64, TrainError> {
+            Ok(self.0[step])
+        }
+
+        fn step(&mut self, _: f64) -> Result<Stepped, TrainError> {
+            Ok(Stepped::default())
+        }
+
+        fn loss_groups(&self) -> Vec<(Communicator, ReduceOp)> {
+            Vec::new()
+        }
+
+        fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
+            Err(TrainError::Config(
+                "a scripted engine holds no model".into(),
+            ))
+        }
+    }
+
+    #[test]
+    fn a_loss_that_is_not_finite_ends_the_run_at_its_step() {
+        let mut config = TrainConfig::new(LlamaConfig::preset("tiny").unwrap(), 3);
+        config.seq_len = 8;
+        let data = MarkovSource::new(16, 2, config.seq_len, 64, 1);
+        let batches = Batches::new(&config, &data, 1, 0, config.layout().unwrap()).unwrap();
+        for bad in [f64::NAN, f64::INFINITY] {
+            let mut engine = Scripted(vec![2.0, bad, 1.0]);
+            let mut seen = Vec::new();
+            let error = train_loop::<A>(
+                &config,
+                &mut engine,
+                &batches,
+                &Default::default(),
+                &mut |m| seen.push(m.loss),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                error.starts_with(&format!("step 2: the loss is {bad}: training diverged")),
+                "{error}"
+            );
+            assert_eq!(seen, vec![2.0], "only the finite step is reported");
+        }
+    }
+}

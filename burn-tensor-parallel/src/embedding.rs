@@ -6,7 +6,6 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, ElementConversion, Int, Tensor};
 use burn_comm::parallel::CommBackend;
 
-use crate::linear::param;
 use crate::{TensorParallel, TpError};
 
 /// An embedding table whose rows (tokens) are split over the group. Its output is the full
@@ -27,9 +26,8 @@ impl<B: CommBackend> VocabParallelEmbedding<B> {
     pub fn from_full(weight: Tensor<B, 2>, tp: &TensorParallel) -> Result<Self, TpError> {
         let vocab_size = weight.dims()[0];
         tp.check_divides("the vocabulary", vocab_size)?;
-        let part = tp.part(vocab_size);
         Ok(Self {
-            weight: param(weight.narrow(0, part.start, part.len())),
+            weight: Param::from_tensor(tp.block_of(weight, 0, tp.size())?),
             vocab_size,
             tp: tp.clone(),
         })
@@ -39,22 +37,36 @@ impl<B: CommBackend> VocabParallelEmbedding<B> {
     /// rank: `[batch, seq, hidden]`, or under SP this rank's part of the sequence,
     /// `[batch, seq / tp, hidden]`. Fails on a token outside the vocabulary.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, TpError> {
-        let [batch, seq] = tokens.dims();
-        let [rows, hidden] = self.weight.dims();
-        check_tokens(&tokens, self.vocab_size)?;
-        let start = self.tp.part(self.vocab_size).start;
-        let table = self.weight.val();
-        let (ids, outside) = local_ids(tokens.reshape([batch * seq]), start, rows);
-        // Rows looked up for the other ranks' tokens are zeroed.
-        let keep = outside.clone().bool_not().float().cast(table.dtype());
-        let rows = table.select(0, ids.mask_fill(outside, 0)) * keep.unsqueeze_dim::<2>(1);
-        self.tp.exit(rows.reshape([batch, seq, hidden]))
+        vocab_parallel_embedding(self.weight.val(), tokens, self.vocab_size, &self.tp)
     }
 
     /// The full table `[vocab, hidden]`, gathered from the group (a collective).
     pub fn full(&self) -> Result<Tensor<B, 2>, TpError> {
-        Ok(self.tp.comm().all_gather(self.weight.val().detach(), 0)?)
+        self.tp
+            .gather_blocks(self.weight.val().detach(), 0, self.tp.size())
     }
+}
+
+/// The embeddings of `tokens` `[batch, seq]` from `table`, this rank's rows `[vocab / tp,
+/// hidden]` of a table of `vocab_size` tokens: `[batch, seq, hidden]`, the whole sequence and
+/// the same on every rank, or under SP this rank's part of the sequence. Each rank looks up
+/// the tokens in its range (zeros for the others) and the group sums them. Fails on a token
+/// outside the vocabulary.
+pub fn vocab_parallel_embedding<B: CommBackend>(
+    table: Tensor<B, 2>,
+    tokens: Tensor<B, 2, Int>,
+    vocab_size: usize,
+    tp: &TensorParallel,
+) -> Result<Tensor<B, 3>, TpError> {
+    let [batch, seq] = tokens.dims();
+    let [rows, hidden] = table.dims();
+    check_tokens(&tokens, vocab_size)?;
+    let start = tp.part(vocab_size).start;
+    let (ids, outside) = local_ids(tokens.reshape([batch * seq]), start, rows);
+    // Rows looked up for the other ranks' tokens are zeroed.
+    let keep = outside.clone().bool_not().float().cast(table.dtype());
+    let rows = table.select(0, ids.mask_fill(outside, 0)) * keep.unsqueeze_dim::<2>(1);
+    tp.exit(rows.reshape([batch, seq, hidden]))
 }
 
 /// `ids` shifted to this rank's range `start..start + len`, and where they fall outside it.

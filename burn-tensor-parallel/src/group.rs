@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
 use burn_comm::Communicator;
 use burn_comm::parallel::{CommBackend, RegionOp, copy_to_parallel_region, matmul, region_matmul};
 
@@ -109,6 +110,58 @@ impl TensorParallel {
         Ok(group)
     }
 
+    /// This rank's block of `full` cut into `blocks` equal blocks along `dim` (`blocks` divides
+    /// the group; each block is held by `size / blocks` neighbouring ranks), as a tensor of its
+    /// own: a slice would be a view keeping the whole alive, and, of a tracked parameter, no
+    /// leaf.
+    pub fn block_of<B: Backend, const D: usize>(
+        &self,
+        full: Tensor<B, D>,
+        dim: usize,
+        blocks: usize,
+    ) -> Result<Tensor<B, D>, TpError> {
+        self.check_blocks(full.dims()[dim], blocks)?;
+        let width = full.dims()[dim] / blocks;
+        let block = self.rank() / (self.size() / blocks);
+        let part = full.narrow(dim, block * width, width);
+        let device = part.device();
+        Ok(Tensor::from_data(part.into_data(), &device))
+    }
+
+    /// The whole of what [`block_of`](Self::block_of) cut: every rank's block all-gathered
+    /// along `dim`, one copy of each (a collective).
+    pub fn gather_blocks<B: Backend, const D: usize>(
+        &self,
+        part: Tensor<B, D>,
+        dim: usize,
+        blocks: usize,
+    ) -> Result<Tensor<B, D>, TpError> {
+        self.check_blocks(part.dims()[dim] * blocks, blocks)?;
+        let all = self.comm.all_gather(part, dim)?;
+        let replication = self.size() / blocks;
+        if replication == 1 {
+            return Ok(all);
+        }
+        let width = all.dims()[dim] / self.size();
+        let kept = (0..self.size())
+            .step_by(replication)
+            .map(|rank| all.clone().narrow(dim, rank * width, width))
+            .collect();
+        Ok(Tensor::cat(kept, dim))
+    }
+
+    /// Fails unless `len` cuts into `blocks` equal blocks, each held by the same number of
+    /// ranks.
+    fn check_blocks(&self, len: usize, blocks: usize) -> Result<(), TpError> {
+        let size = self.size();
+        if blocks == 0 || !size.is_multiple_of(blocks) || !len.is_multiple_of(blocks) {
+            return Err(TpError::Config(format!(
+                "{len} elements in {blocks} blocks cannot be shared by a tensor-parallel group of {size}; the block count must divide both"
+            )));
+        }
+        Ok(())
+    }
+
     /// This rank's part of a dimension of `len` split evenly over the group.
     pub fn part(&self, len: usize) -> Range<usize> {
         let part = len / self.size();
@@ -162,6 +215,28 @@ impl TensorParallel {
             0 => Ok(matmul(self.enter(x)?, w)),
             chunks => Ok(region_matmul(x, w, &self.comm, self.enter_op(), chunks)?),
         }
+    }
+
+    /// `enter(x) @ w` for several `[in, out]` weights that share one input (attention's q, k
+    /// and v, the MLP's gate and up): the input enters the region once. When communication
+    /// overlaps, the weights are joined so that one collective matmul serves them all.
+    pub fn enter_matmul_many<B: CommBackend, const D: usize, const N: usize>(
+        &self,
+        x: Tensor<B, D>,
+        weights: [Tensor<B, 2>; N],
+    ) -> Result<[Tensor<B, D>; N], TpError> {
+        if self.overlap_chunks == 0 {
+            let x = self.enter(x)?;
+            return Ok(weights.map(|w| matmul(x.clone(), w)));
+        }
+        let widths = weights.each_ref().map(|w| w.dims()[1]);
+        let y = self.enter_matmul(x, Tensor::cat(weights.to_vec(), 1))?;
+        let mut start = 0;
+        Ok(widths.map(|width| {
+            let part = y.clone().narrow(D - 1, start, width);
+            start += width;
+            part
+        }))
     }
 
     /// `exit(x @ w)` for a `[in, out]` weight: fused and chunked when communication overlaps.

@@ -32,7 +32,7 @@ pub mod mlp;
 
 pub use attention::ParallelAttention;
 pub use cross_entropy::vocab_parallel_cross_entropy;
-pub use embedding::VocabParallelEmbedding;
+pub use embedding::{VocabParallelEmbedding, vocab_parallel_embedding};
 pub use error::TpError;
 pub use group::{SEQ_DIM, TensorParallel};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};

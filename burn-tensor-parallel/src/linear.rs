@@ -17,14 +17,6 @@ use burn_comm::parallel::{
 
 use crate::{TensorParallel, TpError};
 
-/// A parameter holding a copy of `part` of a weight: a slice would be a view that keeps the
-/// whole weight alive (and, for columns, strided), and the weight may itself be a tracked
-/// parameter, whose slices are not leaves.
-pub(crate) fn param<B: Backend, const D: usize>(part: Tensor<B, D>) -> Param<Tensor<B, D>> {
-    let device = part.device();
-    Param::from_tensor(Tensor::from_data(part.into_data(), &device))
-}
-
 /// `x + b`, `b` broadcast over every dimension but the last.
 fn add_bias<B: Backend, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1>) -> Tensor<B, D> {
     let mut shape = [1; D];
@@ -96,22 +88,17 @@ impl<B: CommBackend> ColumnParallelLinear<B> {
         tp: &TensorParallel,
         blocks: usize,
     ) -> Result<Self, TpError> {
-        let (out, size) = (weight.dims()[1], tp.size());
-        if blocks == 0 || !size.is_multiple_of(blocks) || !out.is_multiple_of(blocks) {
-            return Err(TpError::Config(format!(
-                "{out} output features in {blocks} blocks cannot be shared by a tensor-parallel group of {size}; the block count must divide both"
-            )));
-        }
-        let replication = size / blocks;
-        let block = tp.rank() / replication;
-        let width = out / blocks;
+        let weight = tp.block_of(weight, 1, blocks)?;
+        let replication = tp.size() / blocks;
         let replicas = match replication {
             1 => None,
             _ => Some(tp.replica_group(blocks)?),
         };
         Ok(Self {
-            weight: param(weight.narrow(1, block * width, width)),
-            bias: bias.map(|b| param(b.narrow(0, block * width, width))),
+            weight: Param::from_tensor(weight),
+            bias: bias
+                .map(|b| Ok::<_, TpError>(Param::from_tensor(tp.block_of(b, 0, blocks)?)))
+                .transpose()?,
             gather_output: false,
             replication,
             tp: tp.clone(),
@@ -151,30 +138,19 @@ impl<B: CommBackend> ColumnParallelLinear<B> {
                 .all(|layer| layer.tp.comm().group_name() == tp.comm().group_name()),
             "forward_many takes layers of one tensor-parallel group"
         );
-        let outputs = if tp.comm_overlap() == 0 {
-            let x = tp.enter(x)?;
-            layers
-                .iter()
-                .map(|layer| layer.forward_entered(x.clone()))
-                .collect::<Result<Vec<_>, _>>()?
-        } else {
-            let weights = layers
-                .iter()
-                .map(|layer| layer.shared(layer.weight.val()))
-                .collect::<Result<Vec<_>, _>>()?;
-            let widths: Vec<usize> = weights.iter().map(|w| w.dims()[1]).collect();
-            let y = tp.enter_matmul(x, Tensor::cat(weights, 1))?;
-            let mut start = 0;
-            layers
-                .iter()
-                .zip(widths)
-                .map(|(layer, width)| {
-                    let part = y.clone().narrow(D - 1, start, width);
-                    start += width;
-                    layer.finish(part)
-                })
-                .collect::<Result<Vec<_>, _>>()?
-        };
+        let weights = layers
+            .iter()
+            .map(|layer| layer.shared(layer.weight.val()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let weights: [Tensor<B, 2>; N] = weights
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one weight per layer"));
+        let outputs = tp
+            .enter_matmul_many(x, weights)?
+            .into_iter()
+            .zip(layers)
+            .map(|(y, layer)| layer.finish(y))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(outputs
             .try_into()
             .unwrap_or_else(|_| unreachable!("one output per layer")))
@@ -201,30 +177,15 @@ impl<B: CommBackend> ColumnParallelLinear<B> {
 
     /// The full weight `[in, out]` and bias, gathered from the group (a collective).
     pub fn full(&self) -> Result<(Tensor<B, 2>, Option<Tensor<B, 1>>), TpError> {
-        let weight = self.gather(self.weight.val().detach(), 1)?;
+        let blocks = self.tp.size() / self.replication;
+        let weight = self
+            .tp
+            .gather_blocks(self.weight.val().detach(), 1, blocks)?;
         let bias = match &self.bias {
-            Some(b) => Some(self.gather(b.val().detach(), 0)?),
+            Some(b) => Some(self.tp.gather_blocks(b.val().detach(), 0, blocks)?),
             None => None,
         };
         Ok((weight, bias))
-    }
-
-    /// All-gathers the parts along `dim`, keeping one copy of each replicated block.
-    fn gather<const D: usize>(
-        &self,
-        part: Tensor<B, D>,
-        dim: usize,
-    ) -> Result<Tensor<B, D>, TpError> {
-        let all = self.tp.comm().all_gather(part, dim)?;
-        if self.replication == 1 {
-            return Ok(all);
-        }
-        let width = all.dims()[dim] / self.tp.size();
-        let blocks = (0..self.tp.size())
-            .step_by(self.replication)
-            .map(|rank| all.clone().narrow(dim, rank * width, width))
-            .collect();
-        Ok(Tensor::cat(blocks, dim))
     }
 }
 
@@ -260,12 +221,15 @@ impl<B: CommBackend> RowParallelLinear<B> {
                 "under sequence parallelism a row-parallel linear takes the output of a column-parallel one (input_is_parallel); a full input there is split by sequence".into(),
             ));
         }
-        let d_in = weight.dims()[0];
-        tp.check_divides("the input features of a row-parallel linear", d_in)?;
-        let part = tp.part(d_in);
+        tp.check_divides(
+            "the input features of a row-parallel linear",
+            weight.dims()[0],
+        )?;
         Ok(Self {
-            weight: param(weight.narrow(0, part.start, part.len())),
-            bias: bias.map(param),
+            weight: Param::from_tensor(tp.block_of(weight, 0, tp.size())?),
+            bias: bias
+                .map(|b| Ok::<_, TpError>(Param::from_tensor(tp.block_of(b, 0, 1)?)))
+                .transpose()?,
             input_is_parallel,
             tp: tp.clone(),
         })
@@ -288,7 +252,9 @@ impl<B: CommBackend> RowParallelLinear<B> {
 
     /// The full weight `[in, out]` and bias, gathered from the group (a collective).
     pub fn full(&self) -> Result<(Tensor<B, 2>, Option<Tensor<B, 1>>), TpError> {
-        let weight = self.tp.comm().all_gather(self.weight.val().detach(), 0)?;
+        let weight = self
+            .tp
+            .gather_blocks(self.weight.val().detach(), 0, self.tp.size())?;
         Ok((weight, self.bias.as_ref().map(|b| b.val().detach())))
     }
 }

@@ -31,7 +31,7 @@ use burn_pipeline::{
 };
 use clap::Parser;
 use llama::data::MarkovSource;
-use llama::pipeline::{LlamaStage, MicroBatch, split};
+use llama::pipeline::{MicroBatch, split};
 use llama::train::TrainError;
 use llama::{Llama, LlamaConfig};
 use serde::Serialize;
@@ -400,7 +400,7 @@ fn single_device(
         let begun = Instant::now();
         let mut accumulator = GradientsAccumulator::<Llama<B>>::new();
         for (inputs, targets) in batches {
-            let loss = model.loss(inputs, targets) / m as f64;
+            let loss = model.loss(inputs, targets)? / m as f64;
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             accumulator.accumulate(&model, grads);
         }
@@ -428,18 +428,18 @@ fn pipeline_rank(
     let schedule = Schedule::new(layout.kind, pp, m, v)?;
     let executor = PipelineExecutor::new(schedule, comm.clone())?.with_recompute(layout.recompute);
     let ranges = split(config, pp, v)?;
-    let mut stages: Vec<Option<LlamaStage<B>>> =
-        LlamaStage::cut(Llama::init(config, 42, &device), config, &ranges)
-            .into_iter()
-            .map(Some)
-            .collect();
-    let mut chunks: Vec<LlamaStage<B>> = executor
+    let mut stages: Vec<Option<Llama<B>>> = Llama::init(config, 42, &device)
+        .cut(&ranges)
+        .into_iter()
+        .map(Some)
+        .collect();
+    let mut chunks: Vec<Llama<B>> = executor
         .stages()
         .iter()
         .map(|&s| stages[s].take().expect("each stage once"))
         .collect();
     drop(stages);
-    let mut optimizer = AdamWConfig::new().init::<B, Vec<LlamaStage<B>>>();
+    let mut optimizer = AdamWConfig::new().init::<B, Vec<Llama<B>>>();
     let message = Message::new(
         [args.batch_size / m, args.seq_len, config.hidden_size],
         DType::F32,

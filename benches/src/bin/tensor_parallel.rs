@@ -21,14 +21,14 @@ use std::time::Instant;
 use benches::memory::{CountingAllocator, live_bytes};
 use benches::{median, token_batch};
 use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn_comm::{CommError, CommStats, Communicator, launch};
 use burn_tensor_parallel::TensorParallel;
 use clap::Parser;
 use llama::data::MarkovSource;
-use llama::engine::Trainable;
-use llama::tensor_parallel::TpLlama;
-use llama::train::TrainError;
+use llama::parallel_plan::ParallelPlan;
+use llama::train::{TrainConfig, TrainError};
 use llama::{Llama, LlamaConfig};
 use serde::Serialize;
 
@@ -267,15 +267,15 @@ fn theory_payload(config: &LlamaConfig, sp: bool, tp: usize, tokens: usize) -> f
 }
 
 /// Trains `model` for `--steps` steps; `sync` lines the ranks up (a barrier, or nothing).
-fn steps<M: Trainable<B>>(
+fn steps(
     args: &Args,
     data: &MarkovSource,
-    mut model: M,
+    mut model: Llama<B>,
     ranks: usize,
     comm: Option<&Communicator>,
 ) -> Result<Measured, TrainError> {
     let sync = || -> Result<(), CommError> { comm.map_or(Ok(()), |c| c.barrier()) };
-    let mut optimizer = AdamWConfig::new().init::<B, M>();
+    let mut optimizer = AdamWConfig::new().init::<B, Llama<B>>();
     let param_bytes = model.num_params() * 4;
     let mut step_s = Vec::new();
     let mut activation_bytes = 0.0;
@@ -324,8 +324,11 @@ fn run(args: &Args, config: &LlamaConfig, data: &MarkovSource, layout: Layout) -
         let group = TensorParallel::new(ctx.world().clone())
             .with_sequence_parallel(layout.sp)
             .with_comm_overlap(layout.overlap);
-        let model = TpLlama::from_full(Llama::<B>::init(config, 42, &device), config, &group)
-            .map_err(TrainError::from)?;
+        let mut plan_config = TrainConfig::new(config.clone(), args.steps);
+        (plan_config.tp, plan_config.sequence_parallel) = (tp, layout.sp);
+        plan_config.seq_len = args.seq_len;
+        let plan = ParallelPlan::new(&plan_config)?;
+        let model = plan.shard(Llama::<B>::init(config, 42, &device), Some(&group))?;
         steps(args, data, model, tp, Some(ctx.world()))
     });
     match results.remove(0) {

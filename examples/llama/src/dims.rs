@@ -5,9 +5,10 @@ use burn_tensor_parallel::TensorParallel;
 
 use burn_zero::ZeroStage;
 
+use crate::model::TIED_NOT_SPLIT;
+use crate::parallel_plan::check_split;
 use crate::pipeline::Balance;
-use crate::tensor_parallel::check_split;
-use crate::train::{Strategy, TIED_NOT_SPLIT, TrainConfig, TrainError};
+use crate::train::{Strategy, TrainConfig, TrainError};
 
 /// How many ranks each parallel dimension has. Ranks are laid out `dp x pp x tp`, tp fastest:
 /// the tensor-parallel peers are neighbours, then the stages of a pipeline.
@@ -46,11 +47,13 @@ impl ParallelDims {
                 "the parameter-server baseline replicates whole models; use --strategy ddp with --pp".into(),
             ));
         }
-        let pipeline_only =
-            config.virtual_stages != 1 || config.recompute || config.balance != Balance::Params;
+        let pipeline_only = config.virtual_stages != 1
+            || config.recompute
+            || config.balance != Balance::Params
+            || config.schedule_svg.is_some();
         if self.pp == 1 && pipeline_only {
             return Err(TrainError::Config(
-                "--virtual-stages, --recompute and --balance belong to pipeline parallelism; use them with --pp 2 or more".into(),
+                "--schedule-svg, --virtual-stages, --recompute and --balance belong to pipeline parallelism; use them with --pp 2 or more".into(),
             ));
         }
         if config.sequence_parallel && self.tp == 1 {

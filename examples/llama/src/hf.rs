@@ -24,15 +24,24 @@ pub const RECORD: &str = "model";
 /// Hugging Face config inside a weights directory.
 pub const CONFIG: &str = "config.json";
 
-/// Every tensor of `model` under its Hugging Face name, in Hugging Face's layout, as f32.
+/// Every tensor of `model` (whole, or the part of it that it is, unsplit) under its Hugging
+/// Face name, in Hugging Face's layout, as f32.
 pub fn export<B: Backend>(model: &Llama<B>) -> Vec<(String, TensorData)> {
+    assert!(
+        model.part().tp.is_none(),
+        "a tensor-parallel part holds slices; gather it with its plan before exporting"
+    );
     let matrix = |p: &Param<Tensor<B, 2>>| p.val().transpose().into_data().convert::<f32>();
     let vector = |p: &Param<Tensor<B, 1>>| p.val().into_data().convert::<f32>();
-    let mut out = vec![(
-        "model.embed_tokens.weight".to_string(),
-        model.embed_tokens.val().into_data().convert::<f32>(),
-    )];
-    for (i, layer) in model.layers.iter().enumerate() {
+    let mut out = Vec::new();
+    if let Some(table) = &model.embed_tokens {
+        out.push((
+            "model.embed_tokens.weight".to_string(),
+            table.val().into_data().convert::<f32>(),
+        ));
+    }
+    let first = model.part().layers.start;
+    for (i, layer) in (first..).zip(&model.layers) {
         let name = |part: &str| format!("model.layers.{i}.{part}.weight");
         out.extend([
             (
@@ -52,7 +61,9 @@ pub fn export<B: Backend>(model: &Llama<B>) -> Vec<(String, TensorData)> {
             (name("mlp.down_proj"), matrix(&layer.mlp.down_proj)),
         ]);
     }
-    out.push(("model.norm.weight".into(), vector(&model.norm.weight)));
+    if let Some(norm) = &model.norm {
+        out.push(("model.norm.weight".into(), vector(&norm.weight)));
+    }
     // A tied head has no tensor of its own, as transformers saves it.
     if let Some(lm_head) = &model.lm_head {
         out.push(("lm_head.weight".into(), matrix(lm_head)));
@@ -72,7 +83,8 @@ pub fn import<B: Backend>(
     }
     let mut model = Llama::<B>::skeleton(config, device);
     let mut source = Source { tensors, device };
-    source.plain("model.embed_tokens.weight", &mut model.embed_tokens)?;
+    let table = model.embed_tokens.as_mut().expect("a skeleton is whole");
+    source.plain("model.embed_tokens.weight", table)?;
     for (i, layer) in model.layers.iter_mut().enumerate() {
         let name = |part: &str| format!("model.layers.{i}.{part}.weight");
         source.plain(&name("input_layernorm"), &mut layer.input_layernorm.weight)?;
@@ -88,7 +100,8 @@ pub fn import<B: Backend>(
         source.matrix(&name("mlp.up_proj"), &mut layer.mlp.up_proj)?;
         source.matrix(&name("mlp.down_proj"), &mut layer.mlp.down_proj)?;
     }
-    source.plain("model.norm.weight", &mut model.norm.weight)?;
+    let norm = model.norm.as_mut().expect("a skeleton is whole");
+    source.plain("model.norm.weight", &mut norm.weight)?;
     if let Some(lm_head) = &mut model.lm_head {
         source.matrix("lm_head.weight", lm_head)?;
     }
@@ -240,7 +253,7 @@ mod tests {
         std::fs::remove_file(dir.join(format!("{RECORD}.mpk"))).unwrap();
         let (_, loaded) = load::<Flex>(&dir, &device).unwrap();
         let tokens = Tensor::<Flex, 2, Int>::from_ints([[3, 1, 4, 1, 5]], &device);
-        let logits = |m: &Llama<Flex>| m.forward(tokens.clone()).into_data();
+        let logits = |m: &Llama<Flex>| m.forward(tokens.clone()).unwrap().into_data();
         assert_eq!(logits(&model), logits(&back));
         assert_eq!(logits(&model), logits(&loaded));
         // Tied: no head of its own in the file, and the embedding serves as the head again.

@@ -14,16 +14,15 @@ pub mod hf;
 pub mod hf_config;
 pub mod launch;
 pub mod model;
+pub mod parallel_plan;
 pub mod pipeline;
 pub mod plan;
 pub mod rope;
 pub mod run;
 pub mod safetensors_files;
 pub mod schedule;
-pub mod tensor_parallel;
 pub mod token_cache;
 pub mod tokenizer;
-pub mod tp_stage;
 pub mod train;
 
 pub use config::LlamaConfig;

@@ -8,13 +8,14 @@ use std::time::Instant;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn_comm::RankContext;
-use burn_ddp::{BackwardHooks, DdpConfig};
+use burn_ddp::DdpConfig;
 use burn_pipeline::ScheduleKind;
-use burn_tensor_parallel::TpBackend;
 use burn_zero::{MixedPrecision, Precision, ZeroConfig, ZeroStage};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use llama::data::{Dataset, MarkovSource, TokenCorpus};
+use llama::engine::TrainBackend;
+use llama::parallel_plan::ParallelPlan;
 use llama::pipeline::Balance;
 use llama::plan::Plan;
 use llama::tokenizer::TextTokenizer;
@@ -154,6 +155,10 @@ struct TrainArgs {
     /// first micro-batch before training.
     #[arg(long, value_enum, default_value_t = Balance::Params)]
     balance: Balance,
+    /// Print the parallel plan (each parameter's placement and its shape per rank, the
+    /// pipeline's stages, ZeRO-3's units) and exit without training.
+    #[arg(long)]
+    print_plan: bool,
     /// Draw the pipeline's last step, as measured, as an SVG Gantt chart.
     #[arg(long)]
     schedule_svg: Option<PathBuf>,
@@ -467,6 +472,13 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), St
     config.init_from = args.init_from.clone();
     config.process = process;
     let layout = config.layout().map_err(|e| e.to_string())?;
+    if args.print_plan {
+        let plan = ParallelPlan::new(&config).map_err(|e| e.to_string())?;
+        if lead {
+            print!("{}", plan.describe(&config.model));
+        }
+        return Ok(());
+    }
     if args.offload && args.device == Device::Cpu {
         return Err("--offload moves the optimizer state from GPU to host memory; with --device cpu it is in host memory already, so drop --offload (or train with --device cuda)".into());
     }
@@ -565,15 +577,12 @@ fn train_on_cuda(_: &TrainConfig, _: &dyn Dataset, _: &TrainArgs) -> Result<(), 
     Err("this binary was built without CUDA; rebuild with `--features cuda`".into())
 }
 
-fn train_on<B: BackwardHooks + TpBackend>(
+fn train_on<B: TrainBackend>(
     config: &TrainConfig,
     data: &dyn Dataset,
     device: &B::Device,
     args: &TrainArgs,
-) -> Result<(), String>
-where
-    B::InnerBackend: TpBackend,
-{
+) -> Result<(), String> {
     let mut metrics = match &args.metrics {
         Some(path) => {
             Some(BufWriter::new(File::create(path).map_err(|e| {
@@ -680,7 +689,7 @@ fn eval_on_cuda(_: &EvalArgs) -> Result<(), String> {
     Err("this binary was built without CUDA; rebuild with `--features cuda`".into())
 }
 
-fn eval_on<B: burn::tensor::backend::Backend>(
+fn eval_on<B: burn_tensor_parallel::TpBackend>(
     args: &EvalArgs,
     device: &B::Device,
 ) -> Result<(), String> {
@@ -693,10 +702,12 @@ fn eval_on<B: burn::tensor::backend::Backend>(
         }
         let n = ids.len();
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), device);
-        let loss = model.loss(
-            tokens.clone().narrow(1, 0, n - 1),
-            tokens.narrow(1, 1, n - 1),
-        );
+        let loss = model
+            .loss(
+                tokens.clone().narrow(1, 0, n - 1),
+                tokens.narrow(1, 1, n - 1),
+            )
+            .map_err(|e| e.to_string())?;
         total += loss.into_scalar().elem::<f64>() * (n - 1) as f64;
         count += n - 1;
         sequences_read += 1;

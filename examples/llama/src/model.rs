@@ -1,6 +1,13 @@
 //! The Llama decoder: token embedding, pre-norm blocks of grouped-query causal attention and a
 //! SwiGLU MLP, a final RMSNorm and a head, untied or tied to the embedding.
 //!
+//! One type serves every layout. A [`Llama`] is the whole model, or a part of it: a pipeline
+//! stage or ZeRO-3 unit is a range of blocks (the embedding only on the first, the final norm
+//! and head only on the last), and under tensor parallelism each matrix holds this rank's
+//! slice, as `parallel_plan.rs` cut it, with the group in its [`Part`]. The forward is the same
+//! code either way: where the matrices are split, the activations enter and leave the
+//! tensor-parallel regions (Megatron), and the embedding and loss are vocab-parallel.
+//!
 //! Weights are stored the burn way, `[in, out]` for matrices (`x.matmul(w)`); `hf.rs` transposes
 //! to Hugging Face's `[out, in]` on export and back on import.
 //!
@@ -8,10 +15,18 @@
 //! where 16 bits lose too much, as Hugging Face's Llama does: the norms' mean square, the
 //! attention softmax and the loss run in fp32.
 
+use std::ops::Range;
+
 use burn::module::{Module, Param};
 use burn::tensor::activation::{log_softmax, silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn_comm::parallel::copy_to_parallel_region;
+use burn_pipeline::StageOutput;
+use burn_tensor_parallel::linear::matmul;
+use burn_tensor_parallel::{
+    TensorParallel, TpBackend, TpError, vocab_parallel_cross_entropy, vocab_parallel_embedding,
+};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
@@ -34,8 +49,25 @@ impl<B: Backend> RmsNorm<B> {
         self.forward_scaled(x, self.weight.val())
     }
 
+    /// Normalises the last dimension of `x`, whose rows are split over `tp` under sequence
+    /// parallelism: every rank holds the weight whole, and its gradient is then summed over
+    /// the group.
+    pub fn forward_in<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        tp: Option<&TensorParallel>,
+    ) -> Result<Tensor<B, D>, TpError>
+    where
+        B: TpBackend,
+    {
+        match tp {
+            None => Ok(self.forward(x)),
+            Some(tp) => Ok(self.forward_scaled(x, tp.replicated(self.weight.val())?)),
+        }
+    }
+
     /// Normalises the last dimension of `x` and multiplies by `scale`, this norm's weight as
-    /// the caller wants it seen (tensor parallelism routes it through its group).
+    /// the caller wants it seen.
     pub fn forward_scaled<const D: usize>(
         &self,
         x: Tensor<B, D>,
@@ -48,20 +80,22 @@ impl<B: Backend> RmsNorm<B> {
     }
 }
 
-/// Grouped-query causal self-attention with rotary positions.
+/// Grouped-query causal self-attention with rotary positions. Split over `tp` ranks, each
+/// holds `heads / tp` query heads and their key/value heads (shared by `tp / kv_heads`
+/// neighbouring ranks when there are fewer key/value heads than ranks).
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
-    /// `[hidden, heads * head_dim]`.
+    /// `[hidden, heads * head_dim]`, column-parallel.
     pub q_proj: Param<Tensor<B, 2>>,
-    /// `[hidden, kv_heads * head_dim]`.
+    /// `[hidden, kv_heads * head_dim]`, column-parallel.
     pub k_proj: Param<Tensor<B, 2>>,
-    /// `[hidden, kv_heads * head_dim]`.
+    /// `[hidden, kv_heads * head_dim]`, column-parallel.
     pub v_proj: Param<Tensor<B, 2>>,
-    /// `[heads * head_dim, hidden]`.
+    /// `[heads * head_dim, hidden]`, row-parallel.
     pub o_proj: Param<Tensor<B, 2>>,
-    /// Query heads.
+    /// Query heads of the whole model.
     pub heads: usize,
-    /// Key/value heads.
+    /// Key/value heads of the whole model.
     pub kv_heads: usize,
     /// Rotary settings.
     pub rope: Rope,
@@ -95,34 +129,68 @@ impl<B: Backend> Positions<B> {
     }
 }
 
-impl<B: Backend> Attention<B> {
-    fn head_dim(&self) -> usize {
-        self.q_proj.dims()[1] / self.heads
-    }
-
-    /// The rotary tables and causal mask for sequences of `seq` tokens, in the weights' dtype.
-    pub fn positions(&self, seq: usize, device: &B::Device) -> Positions<B> {
-        let dtype = self.q_proj.val().dtype();
-        Positions::new(seq, self.head_dim(), &self.rope, (device, dtype))
-    }
-
-    /// `x`: `[batch, seq, hidden]` to `[batch, seq, hidden]`.
-    pub fn forward(&self, x: Tensor<B, 3>, positions: &Positions<B>) -> Tensor<B, 3> {
-        let [batch, seq, _] = x.dims();
-        let head_dim = self.head_dim();
-        let split = |w: &Param<Tensor<B, 2>>, heads: usize| {
-            linear(x.clone(), w)
-                .reshape([batch, seq, heads, head_dim])
-                .swap_dims(1, 2)
+impl<B: TpBackend> Attention<B> {
+    /// `x`: `[batch, seq, hidden]` to `[batch, seq, hidden]`; under sequence parallelism this
+    /// rank's part of the sequence, whose whole the attention sees once it enters the region.
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        positions: &Positions<B>,
+        tp: Option<&TensorParallel>,
+    ) -> Result<Tensor<B, 3>, TpError> {
+        let ranks = tp.map_or(1, TensorParallel::size);
+        let (heads, kv_heads) = (self.heads / ranks, (self.kv_heads / ranks).max(1));
+        let head_dim = self.q_proj.dims()[1] / heads;
+        // Key/value heads held by several ranks sum those ranks' gradients.
+        let kv = |w: &Param<Tensor<B, 2>>| match tp {
+            Some(tp) if self.kv_heads < ranks => Ok::<_, TpError>(copy_to_parallel_region(
+                w.val(),
+                &tp.replica_group(self.kv_heads)?,
+            )?),
+            _ => Ok(w.val()),
         };
-        let q = split(&self.q_proj, self.heads);
-        let k = split(&self.k_proj, self.kv_heads);
-        let v = split(&self.v_proj, self.kv_heads);
-        let context =
-            attend(q, k, v, positions)
-                .swap_dims(1, 2)
-                .reshape([batch, seq, self.heads * head_dim]);
-        linear(context, &self.o_proj)
+        let [q, k, v] = enter_matmul_many(
+            tp,
+            x,
+            [self.q_proj.val(), kv(&self.k_proj)?, kv(&self.v_proj)?],
+        )?;
+        let [batch, seq, _] = q.dims();
+        let split = |y: Tensor<B, 3>, heads: usize| {
+            y.reshape([batch, seq, heads, head_dim]).swap_dims(1, 2)
+        };
+        let context = attend(
+            split(q, heads),
+            split(k, kv_heads),
+            split(v, kv_heads),
+            positions,
+        )
+        .swap_dims(1, 2)
+        .reshape([batch, seq, heads * head_dim]);
+        matmul_exit(tp, context, self.o_proj.val())
+    }
+}
+
+/// `x @ w` for each of `weights`, `x` entering the tensor-parallel region once (when split).
+fn enter_matmul_many<B: TpBackend, const N: usize>(
+    tp: Option<&TensorParallel>,
+    x: Tensor<B, 3>,
+    weights: [Tensor<B, 2>; N],
+) -> Result<[Tensor<B, 3>; N], TpError> {
+    match tp {
+        None => Ok(weights.map(|w| matmul(x.clone(), w))),
+        Some(tp) => tp.enter_matmul_many(x, weights),
+    }
+}
+
+/// `x @ w`, summed over the tensor-parallel group as it leaves the region (when split).
+fn matmul_exit<B: TpBackend>(
+    tp: Option<&TensorParallel>,
+    x: Tensor<B, 3>,
+    w: Tensor<B, 2>,
+) -> Result<Tensor<B, 3>, TpError> {
+    match tp {
+        None => Ok(matmul(x, w)),
+        Some(tp) => tp.matmul_exit(x, w),
     }
 }
 
@@ -173,28 +241,28 @@ fn causal_mask<B: Backend>(seq: usize, device: &B::Device) -> Tensor<B, 4> {
     Tensor::from_data(TensorData::new(values, [1, 1, seq, seq]), device)
 }
 
-/// `x @ w` for `x` of any rank and a `[in, out]` weight (the same product the tensor-parallel
-/// layers compute on their shards).
-fn linear<B: Backend, const D: usize>(x: Tensor<B, D>, w: &Param<Tensor<B, 2>>) -> Tensor<B, D> {
-    burn_tensor_parallel::linear::matmul(x, w.val())
-}
-
-/// SwiGLU: `down(silu(gate(x)) * up(x))`.
+/// SwiGLU: `down(silu(gate(x)) * up(x))`; split over `tp` ranks, each holds `intermediate / tp`
+/// features.
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
-    /// `[hidden, intermediate]`.
+    /// `[hidden, intermediate]`, column-parallel.
     pub gate_proj: Param<Tensor<B, 2>>,
-    /// `[hidden, intermediate]`.
+    /// `[hidden, intermediate]`, column-parallel.
     pub up_proj: Param<Tensor<B, 2>>,
-    /// `[intermediate, hidden]`.
+    /// `[intermediate, hidden]`, row-parallel.
     pub down_proj: Param<Tensor<B, 2>>,
 }
 
-impl<B: Backend> Mlp<B> {
-    /// `[batch, seq, hidden]` to `[batch, seq, hidden]`.
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let gate = silu(linear(x.clone(), &self.gate_proj));
-        linear(gate * linear(x, &self.up_proj), &self.down_proj)
+impl<B: TpBackend> Mlp<B> {
+    /// `[batch, seq, hidden]` to `[batch, seq, hidden]` (under sequence parallelism, this rank's
+    /// part of the sequence).
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        tp: Option<&TensorParallel>,
+    ) -> Result<Tensor<B, 3>, TpError> {
+        let [gate, up] = enter_matmul_many(tp, x, [self.gate_proj.val(), self.up_proj.val()])?;
+        matmul_exit(tp, silu(gate) * up, self.down_proj.val())
     }
 }
 
@@ -211,29 +279,47 @@ pub struct Block<B: Backend> {
     pub mlp: Mlp<B>,
 }
 
-impl<B: Backend> Block<B> {
+impl<B: TpBackend> Block<B> {
     /// Residual attention, then residual MLP.
-    pub fn forward(&self, x: Tensor<B, 3>, positions: &Positions<B>) -> Tensor<B, 3> {
-        let attended = self
-            .self_attn
-            .forward(self.input_layernorm.forward(x.clone()), positions);
-        let x = x + attended;
-        x.clone() + self.mlp.forward(self.post_attention_layernorm.forward(x))
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        positions: &Positions<B>,
+        tp: Option<&TensorParallel>,
+    ) -> Result<Tensor<B, 3>, TpError> {
+        let normed = self.input_layernorm.forward_in(x.clone(), tp)?;
+        let x = x + self.self_attn.forward(normed, positions, tp)?;
+        let normed = self.post_attention_layernorm.forward_in(x.clone(), tp)?;
+        Ok(x + self.mlp.forward(normed, tp)?)
     }
 }
 
-/// The whole decoder.
+/// Which part of the whole model a [`Llama`] holds, and how.
+#[derive(Debug, Clone)]
+pub struct Part {
+    /// The whole model's shape.
+    pub config: LlamaConfig,
+    /// The blocks of the whole model this part holds.
+    pub layers: Range<usize>,
+    /// The tensor-parallel group its matrices are split over; none when they are whole.
+    pub tp: Option<TensorParallel>,
+}
+
+/// The decoder, or a part of it (see [`Part`]).
 #[derive(Module, Debug)]
 pub struct Llama<B: Backend> {
-    /// `[vocab, hidden]`.
-    pub embed_tokens: Param<Tensor<B, 2>>,
+    /// `[vocab, hidden]`, vocab-parallel; on the part holding the first block.
+    pub embed_tokens: Option<Param<Tensor<B, 2>>>,
     /// Transformer blocks.
     pub layers: Vec<Block<B>>,
-    /// Final norm.
-    pub norm: RmsNorm<B>,
-    /// `[hidden, vocab]`; none when the head is tied to the embedding, whose transpose it
-    /// reads, so the one weight gets the gradients of both uses.
+    /// Final norm; on the part holding the last block.
+    pub norm: Option<RmsNorm<B>>,
+    /// `[hidden, vocab]`, column-parallel, on the part holding the last block; none when the
+    /// head is tied to the embedding, whose transpose it reads, so the one weight gets the
+    /// gradients of both uses.
     pub lm_head: Option<Param<Tensor<B, 2>>>,
+    #[module(skip)]
+    part: Part,
 }
 
 impl<B: Backend> Llama<B> {
@@ -300,36 +386,217 @@ impl<B: Backend> Llama<B> {
             })
             .collect();
         Self {
-            embed_tokens: normal("model.embed_tokens.weight", [v, h]),
+            embed_tokens: Some(normal("model.embed_tokens.weight", [v, h])),
             layers,
-            norm: norm(),
+            norm: Some(norm()),
             lm_head: (!config.tie_word_embeddings).then(|| normal("lm_head.weight", [h, v])),
+            part: Part {
+                config: config.clone(),
+                layers: 0..config.num_hidden_layers,
+                tp: None,
+            },
         }
     }
 
-    /// The head's weight, `[hidden, vocab]`: its own, or the embedding's transpose when tied.
-    pub fn head_weight(&self) -> Tensor<B, 2> {
-        head_weight(self.lm_head.as_ref(), Some(&self.embed_tokens))
-            .expect("the whole model holds its embedding")
+    /// Which part of the whole model this is.
+    pub fn part(&self) -> &Part {
+        &self.part
     }
 
-    /// Logits `[batch, seq, vocab]` for `tokens` `[batch, seq]`.
-    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let mut x = embed(&self.embed_tokens, tokens);
-        if let Some(first) = self.layers.first() {
-            let positions = first.self_attn.positions(x.dims()[1], &x.device());
-            for layer in &self.layers {
-                x = layer.forward(x, &positions);
-            }
+    /// The whole model's shape.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.part.config
+    }
+
+    /// Whether this is the whole model, unsplit.
+    pub fn is_whole(&self) -> bool {
+        self.part.tp.is_none()
+            && self.embed_tokens.is_some()
+            && self.norm.is_some()
+            && self.lm_head.is_some() != self.config().tie_word_embeddings
+            && self.part.layers == (0..self.config().num_hidden_layers)
+    }
+
+    /// This part with its matrices split over `tp` (see `parallel_plan.rs`, which cuts them).
+    pub(crate) fn with_tp(mut self, tp: Option<TensorParallel>) -> Self {
+        self.part.tp = tp;
+        self
+    }
+
+    /// The parts of this whole model holding the blocks in `ranges`, in order: the first with
+    /// the embedding, the last with the final norm and head.
+    pub fn cut(self, ranges: &[Range<usize>]) -> Vec<Self> {
+        let tiles = ranges.first().map(|r| r.start) == Some(self.part.layers.start)
+            && ranges.last().map(|r| r.end) == Some(self.part.layers.end)
+            && ranges.windows(2).all(|w| w[0].end == w[1].start)
+            && ranges.iter().all(|r| !r.is_empty());
+        assert!(
+            tiles,
+            "the ranges {ranges:?} must cut the blocks {:?} into consecutive non-empty parts",
+            self.part.layers
+        );
+        let last = ranges.len() - 1;
+        let mut blocks = self.layers.into_iter();
+        let (mut embed_tokens, mut norm, mut lm_head) =
+            (self.embed_tokens, self.norm, self.lm_head);
+        ranges
+            .iter()
+            .enumerate()
+            .map(|(s, range)| Self {
+                embed_tokens: if s == 0 { embed_tokens.take() } else { None },
+                layers: blocks.by_ref().take(range.len()).collect(),
+                norm: if s == last { norm.take() } else { None },
+                lm_head: if s == last { lm_head.take() } else { None },
+                part: Part {
+                    layers: range.clone(),
+                    ..self.part.clone()
+                },
+            })
+            .collect()
+    }
+
+    /// The whole model from all its parts, in order.
+    pub fn join(parts: Vec<Self>) -> Self {
+        let mut parts = parts.into_iter();
+        let mut whole = parts.next().expect("a model has at least one part");
+        for part in parts {
+            assert_eq!(
+                part.part.layers.start, whole.part.layers.end,
+                "parts join in order"
+            );
+            whole.layers.extend(part.layers);
+            whole.part.layers.end = part.part.layers.end;
+            whole.norm = whole.norm.or(part.norm);
+            whole.lm_head = whole.lm_head.or(part.lm_head);
         }
-        head(&self.norm, self.head_weight(), x)
-    }
-
-    /// Mean next-token cross-entropy (nats) of `targets` given `inputs`, both `[batch, seq]`.
-    pub fn loss(&self, inputs: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        next_token_loss(self.forward(inputs), targets)
+        whole
     }
 }
+
+impl<B: TpBackend> Llama<B> {
+    /// This part's forward: the embedded `inputs` on the part holding the embedding, `input`
+    /// (the previous part's activations) on every other; then its blocks; then, on the last,
+    /// the mean next-token cross-entropy of `targets`. Both `[batch, seq]`.
+    pub fn forward_part(
+        &self,
+        input: Option<Tensor<B, 3>>,
+        inputs: &Tensor<B, 2, Int>,
+        targets: &Tensor<B, 2, Int>,
+    ) -> Result<StageOutput<B>, TpError> {
+        let tp = self.part.tp.as_ref();
+        let config = &self.part.config;
+        let mut x = match (&self.embed_tokens, input) {
+            (Some(table), None) => match tp {
+                None => embed(table, inputs.clone()),
+                Some(tp) => {
+                    vocab_parallel_embedding(table.val(), inputs.clone(), config.vocab_size, tp)?
+                }
+            },
+            (None, Some(x)) => x,
+            _ => {
+                return Err(TpError::Config(
+                    "a pipeline stage got an input it does not take: only the first stage reads tokens"
+                        .into(),
+                ));
+            }
+        };
+        // The whole sequence: under sequence parallelism `x` holds this rank's part of it.
+        let positions = Positions::new(
+            targets.dims()[1],
+            config.head_dim(),
+            &config.rope(),
+            (&x.device(), x.dtype()),
+        );
+        for layer in &self.layers {
+            x = layer.forward(x, &positions, tp)?;
+        }
+        let Some(norm) = &self.norm else {
+            return Ok(StageOutput::Activation(x));
+        };
+        let weight = self.head_weight()?;
+        let loss = match tp {
+            None => next_token_loss(head(norm, weight, x), targets.clone()),
+            Some(tp) => {
+                let logits = tp.enter_matmul(norm.forward_in(x, Some(tp))?, weight)?;
+                let [batch, seq] = targets.dims();
+                let vocab_part = logits.dims()[2];
+                vocab_parallel_cross_entropy(
+                    logits.reshape([batch * seq, vocab_part]),
+                    targets.clone().reshape([batch * seq]),
+                    tp,
+                )?
+                .mean()
+            }
+        };
+        Ok(StageOutput::Loss(loss))
+    }
+
+    /// Mean next-token cross-entropy (nats) of `targets` given `inputs`, both `[batch, seq]`,
+    /// of a model holding every block (split over a tensor-parallel group or not): the same on
+    /// every rank of the group.
+    pub fn loss(
+        &self,
+        inputs: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+    ) -> Result<Tensor<B, 1>, TpError> {
+        match self.forward_part(None, &inputs, &targets)? {
+            StageOutput::Loss(loss) => Ok(loss),
+            StageOutput::Activation(_) => Err(TpError::Config(
+                "this part of the model ends before the head; the loss needs every block".into(),
+            )),
+        }
+    }
+
+    /// The head's weight `[hidden, vocab]` (this rank's columns when split): its own, or the
+    /// embedding's transpose when the model is tied.
+    pub(crate) fn head_weight(&self) -> Result<Tensor<B, 2>, TpError> {
+        let tied = self.part.config.tie_word_embeddings;
+        match (&self.lm_head, &self.embed_tokens) {
+            (Some(lm_head), _) if !tied => Ok(lm_head.val()),
+            (None, Some(table)) if tied => Ok(table.val().transpose()),
+            (None, None) if tied => Err(TpError::Config(TIED_NOT_SPLIT.into())),
+            _ => Err(TpError::Config(format!(
+                "the head of this part does not match the model: {} model, lm_head {}",
+                if tied { "a tied" } else { "an untied" },
+                if self.lm_head.is_some() {
+                    "present"
+                } else {
+                    "missing"
+                },
+            ))),
+        }
+    }
+
+    /// Logits `[batch, seq, vocab]` for `tokens` `[batch, seq]`, of the whole model held on
+    /// one rank.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, TpError> {
+        if !self.is_whole() {
+            return Err(TpError::Config(
+                "logits come from the whole model on one rank; gather the model first".into(),
+            ));
+        }
+        let table = self.embed_tokens.as_ref().expect("whole");
+        let mut x = embed(table, tokens);
+        let config = &self.part.config;
+        let positions = Positions::new(
+            x.dims()[1],
+            config.head_dim(),
+            &config.rope(),
+            (&x.device(), x.dtype()),
+        );
+        for layer in &self.layers {
+            x = layer.forward(x, &positions, None)?;
+        }
+        Ok(head(
+            self.norm.as_ref().expect("whole"),
+            self.head_weight()?,
+            x,
+        ))
+    }
+}
+
+/// Why a tied model is refused where its head would be apart from its embedding.
+pub const TIED_NOT_SPLIT: &str = "the model ties its head to its embedding (tie_word_embeddings), which is not yet split over --pp or ZeRO-3's units; train it with --dp, --tp and --zero 0, 1 or 2";
 
 /// The rows of `table` `[vocab, hidden]` for `tokens` `[batch, seq]`: `[batch, seq, hidden]`.
 pub fn embed<B: Backend>(table: &Param<Tensor<B, 2>>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
@@ -341,24 +608,10 @@ pub fn embed<B: Backend>(table: &Param<Tensor<B, 2>>, tokens: Tensor<B, 2, Int>)
         .reshape([batch, seq, hidden])
 }
 
-/// The head's weight `[hidden, vocab]` of a part of the model holding `lm_head` and
-/// `embedding`: its own, or, tied, the embedding's transpose; none when the model is tied and
-/// the embedding is elsewhere.
-pub fn head_weight<B: Backend>(
-    lm_head: Option<&Param<Tensor<B, 2>>>,
-    embedding: Option<&Param<Tensor<B, 2>>>,
-) -> Option<Tensor<B, 2>> {
-    match (lm_head, embedding) {
-        (Some(lm_head), _) => Some(lm_head.val()),
-        (None, Some(embedding)) => Some(embedding.val().transpose()),
-        (None, None) => None,
-    }
-}
-
 /// The final norm and the head `weight` `[hidden, vocab]`: logits `[batch, seq, vocab]` of
 /// the last hidden states.
 pub fn head<B: Backend>(norm: &RmsNorm<B>, weight: Tensor<B, 2>, x: Tensor<B, 3>) -> Tensor<B, 3> {
-    burn_tensor_parallel::linear::matmul(norm.forward(x), weight)
+    matmul(norm.forward(x), weight)
 }
 
 /// Mean cross-entropy (nats) of `targets` `[batch, seq]` under `logits` `[batch, seq, vocab]`.
@@ -400,10 +653,13 @@ mod tests {
         let device = Default::default();
         let model = Llama::<Flex>::init(&config, 7, &device);
         let tokens = Tensor::<Flex, 2, Int>::from_ints([[1, 2, 3, 4], [5, 6, 7, 8]], &device);
-        let loss: f32 = model.loss(tokens.clone(), tokens.clone()).into_scalar();
+        let loss: f32 = model
+            .loss(tokens.clone(), tokens.clone())
+            .unwrap()
+            .into_scalar();
         assert!((loss - (256f32).ln()).abs() < 0.1, "loss {loss}");
         let again = Llama::<Flex>::init(&config, 7, &device);
-        let loss_again: f32 = again.loss(tokens.clone(), tokens).into_scalar();
+        let loss_again: f32 = again.loss(tokens.clone(), tokens).unwrap().into_scalar();
         assert_eq!(loss.to_bits(), loss_again.to_bits());
     }
 
@@ -416,12 +672,15 @@ mod tests {
         let device = Default::default();
         let tied = Llama::<A>::init(&config, 5, &device);
         assert!(tied.lm_head.is_none());
-        // The same weights untied: the head a copy of the embedding's transpose.
-        let mut untied = tied.clone();
-        let copy = tied.embed_tokens.val().transpose().into_data();
+        // The same weights untied (each drawn from its name): the head a copy of the
+        // embedding's transpose.
+        let mut untied =
+            Llama::<A>::init(&config.clone().with_tie_word_embeddings(false), 5, &device);
+        let table = |m: &Llama<A>| m.embed_tokens.clone().unwrap();
+        let copy = table(&tied).val().transpose().into_data();
         untied.lm_head = Some(Param::from_tensor(Tensor::from_data(copy, &device)));
         let tokens = Tensor::<A, 2, Int>::from_ints([[1, 2, 3, 4], [5, 6, 7, 8]], &device);
-        let loss = |m: &Llama<A>| m.loss(tokens.clone(), tokens.clone().flip([1]));
+        let loss = |m: &Llama<A>| m.loss(tokens.clone(), tokens.clone().flip([1])).unwrap();
         let (tied_loss, untied_loss) = (loss(&tied), loss(&untied));
         assert_eq!(
             tied_loss.clone().into_data(),
@@ -430,9 +689,9 @@ mod tests {
         let tied_grads = tied_loss.backward();
         let untied_grads = untied_loss.backward();
         let grad = |p: &Param<Tensor<A, 2>>, grads| p.val().grad(grads).unwrap();
-        let want = grad(&untied.embed_tokens, &untied_grads)
+        let want = grad(&table(&untied), &untied_grads)
             + grad(untied.lm_head.as_ref().unwrap(), &untied_grads).transpose();
-        let got = grad(&tied.embed_tokens, &tied_grads);
+        let got = grad(&table(&tied), &tied_grads);
         let error: f32 = (got - want.clone()).abs().max().into_scalar();
         let scale: f32 = want.abs().max().into_scalar();
         assert!(error <= 1e-6 * scale, "{error} of {scale}");
@@ -449,6 +708,7 @@ mod tests {
         let prefix = |t| -> Vec<f32> {
             model
                 .forward(t)
+                .unwrap()
                 .narrow(1, 0, 3)
                 .into_data()
                 .to_vec()

@@ -12,34 +12,19 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Int, Tensor};
 use burn_comm::{CommError, Communicator};
 use burn_pipeline::{PipelineStage, Schedule, StageOutput, balance};
-use burn_tensor_parallel::TensorParallel;
+use burn_tensor_parallel::{TensorParallel, TpBackend};
 use serde::Serialize;
 
 use crate::config::LlamaConfig;
 use crate::dims::Groups;
-use crate::model::{Block, Llama, Positions, RmsNorm, embed, head, head_weight, next_token_loss};
+use crate::model::{Llama, Positions, embed, head, next_token_loss};
 use crate::train::TrainError;
-
-/// A run of consecutive blocks, with the embedding if it is the first stage and the final
-/// norm and head if it is the last.
-#[derive(Module, Debug)]
-pub struct LlamaStage<B: Backend> {
-    /// `[vocab, hidden]`, on the first stage.
-    pub embed_tokens: Option<Param<Tensor<B, 2>>>,
-    /// This stage's blocks.
-    pub layers: Vec<Block<B>>,
-    /// Final norm, on the last stage.
-    pub norm: Option<RmsNorm<B>>,
-    /// `[hidden, vocab]`, on the last stage.
-    pub lm_head: Option<Param<Tensor<B, 2>>>,
-    #[module(skip)]
-    config: LlamaConfig,
-}
 
 /// Inputs and targets of one micro-batch.
 pub type MicroBatch<B> = (Tensor<B, 2, Int>, Tensor<B, 2, Int>);
 
-impl<B: AutodiffBackend> PipelineStage<B> for LlamaStage<B> {
+/// A stage is a [`Llama`] holding a range of blocks.
+impl<B: AutodiffBackend + TpBackend> PipelineStage<B> for Llama<B> {
     type Batch = MicroBatch<B>;
     type Error = TrainError;
 
@@ -48,55 +33,8 @@ impl<B: AutodiffBackend> PipelineStage<B> for LlamaStage<B> {
         input: Option<Tensor<B, 3>>,
         (inputs, targets): &MicroBatch<B>,
     ) -> Result<StageOutput<B>, TrainError> {
-        let mut x = stage_input(self.embed_tokens.as_ref(), input, |table| {
-            Ok(embed(table, inputs.clone()))
-        })?;
-        let positions = stage_positions(&self.config, targets, &x);
-        for layer in &self.layers {
-            x = layer.forward(x, &positions);
-        }
-        let Some(norm) = &self.norm else {
-            return Ok(StageOutput::Activation(x));
-        };
-        let weight = head_weight(self.lm_head.as_ref(), self.embed_tokens.as_ref())
-            .ok_or_else(|| TrainError::Config(crate::train::TIED_NOT_SPLIT.into()))?;
-        Ok(StageOutput::Loss(next_token_loss(
-            head(norm, weight, x),
-            targets.clone(),
-        )))
+        Ok(self.forward_part(input, inputs, targets)?)
     }
-}
-
-/// A stage's input: the embedded tokens on the first stage (the one holding `embedding`), the
-/// previous stage's activations on every other.
-pub(crate) fn stage_input<E, B: Backend>(
-    embedding: Option<&E>,
-    input: Option<Tensor<B, 3>>,
-    embed: impl FnOnce(&E) -> Result<Tensor<B, 3>, TrainError>,
-) -> Result<Tensor<B, 3>, TrainError> {
-    match (embedding, input) {
-        (Some(embedding), None) => embed(embedding),
-        (None, Some(x)) => Ok(x),
-        _ => Err(TrainError::Config(
-            "a pipeline stage got an input it does not take: only the first stage reads tokens"
-                .into(),
-        )),
-    }
-}
-
-/// Rotary tables and mask for the whole sequence of `targets` (under sequence parallelism a
-/// stage's input holds only part of it), in the dtype of the activations `x`.
-pub(crate) fn stage_positions<B: Backend>(
-    config: &LlamaConfig,
-    targets: &Tensor<B, 2, Int>,
-    x: &Tensor<B, 3>,
-) -> Positions<B> {
-    Positions::new(
-        targets.dims()[1],
-        config.head_dim(),
-        &config.rope(),
-        (&x.device(), x.dtype()),
-    )
 }
 
 /// How the blocks are shared out among the pipeline stages.
@@ -148,7 +86,7 @@ impl StageCosts {
 
     /// Seconds of forward + backward of `batch` through each part of `model` alone, the fastest
     /// of a few runs after a warm-up.
-    pub fn time<B: AutodiffBackend>(
+    pub fn time<B: AutodiffBackend + TpBackend>(
         model: &Llama<B>,
         config: &LlamaConfig,
         (inputs, targets): &MicroBatch<B>,
@@ -170,10 +108,19 @@ impl StageCosts {
             Ok(fastest)
         };
         // Every block and the head take the embedding's output, as in training.
-        let x = embed(&model.embed_tokens, inputs.clone()).detach();
-        let positions = stage_positions(config, targets, &x);
+        let table = model
+            .embed_tokens
+            .as_ref()
+            .ok_or_else(|| TrainError::Config("the stages are timed on the whole model".into()))?;
+        let x = embed(table, inputs.clone()).detach();
+        let positions = Positions::new(
+            targets.dims()[1],
+            config.head_dim(),
+            &config.rope(),
+            (&x.device(), x.dtype()),
+        );
         let embedding = time(&|| {
-            embed(&model.embed_tokens, inputs.clone()).sum().backward();
+            embed(table, inputs.clone()).sum().backward();
         })?;
         let blocks = model
             .layers
@@ -181,14 +128,20 @@ impl StageCosts {
             .map(|block| {
                 time(&|| {
                     block
-                        .forward(x.clone().require_grad(), &positions)
+                        .forward(x.clone().require_grad(), &positions, None)
+                        .expect("a block held whole makes no collective that could fail")
                         .sum()
                         .backward();
                 })
             })
             .collect::<Result<_, _>>()?;
+        let norm = model
+            .norm
+            .as_ref()
+            .expect("the whole model has its final norm");
         let tail = time(&|| {
-            let logits = head(&model.norm, model.head_weight(), x.clone().require_grad());
+            let weight = model.head_weight().expect("the whole model has its head");
+            let logits = head(norm, weight, x.clone().require_grad());
             next_token_loss(logits, targets.clone()).backward();
         })?;
         Ok(Self {
@@ -250,69 +203,6 @@ pub fn split(
     StageCosts::params(config).split(pp, virtual_stages)
 }
 
-impl<B: Backend> LlamaStage<B> {
-    /// A stage of a model shaped `config`: the embedding table on the first stage, the final
-    /// norm and head on the last.
-    pub fn new(
-        embed_tokens: Option<Tensor<B, 2>>,
-        layers: Vec<Block<B>>,
-        norm: Option<RmsNorm<B>>,
-        lm_head: Option<Tensor<B, 2>>,
-        config: LlamaConfig,
-    ) -> Self {
-        Self {
-            embed_tokens: embed_tokens.map(Param::from_tensor),
-            layers,
-            norm,
-            lm_head: lm_head.map(Param::from_tensor),
-            config,
-        }
-    }
-
-    /// The shape of the model this stage is part of.
-    pub fn config(&self) -> &LlamaConfig {
-        &self.config
-    }
-
-    /// The stages of `model` holding the blocks in `ranges`, in order.
-    pub fn cut(model: Llama<B>, config: &LlamaConfig, ranges: &[Range<usize>]) -> Vec<Self> {
-        let last = ranges.len() - 1;
-        let mut blocks = model.layers.into_iter();
-        let (mut embed_tokens, mut norm, mut lm_head) =
-            (Some(model.embed_tokens), Some(model.norm), model.lm_head);
-        ranges
-            .iter()
-            .enumerate()
-            .map(|(s, range)| LlamaStage {
-                embed_tokens: if s == 0 { embed_tokens.take() } else { None },
-                layers: blocks.by_ref().take(range.len()).collect(),
-                norm: if s == last { norm.take() } else { None },
-                lm_head: if s == last { lm_head.take() } else { None },
-                config: config.clone(),
-            })
-            .collect()
-    }
-
-    /// The whole model from all its stages, in order.
-    pub fn join(stages: Vec<Self>) -> Llama<B> {
-        let mut embed_tokens = None;
-        let (mut norm, mut lm_head) = (None, None);
-        let mut layers = Vec::new();
-        for stage in stages {
-            embed_tokens = embed_tokens.or(stage.embed_tokens);
-            norm = norm.or(stage.norm);
-            lm_head = lm_head.or(stage.lm_head);
-            layers.extend(stage.layers);
-        }
-        Llama {
-            embed_tokens: embed_tokens.expect("the first stage has the embedding"),
-            layers,
-            norm: norm.expect("the last stage has the final norm"),
-            lm_head,
-        }
-    }
-}
-
 /// Every stage of the pipeline `pp` on each of its ranks: each rank broadcasts its `trained`
 /// stages to the rest (replicas and tensor-parallel peers hold the same stages, so every rank
 /// ends with the whole model). `elsewhere` holds the other stages' shapes. Weights travel as
@@ -320,9 +210,9 @@ impl<B: Backend> LlamaStage<B> {
 pub(crate) fn share_stages<B: Backend>(
     pp: &Communicator,
     schedule: &Schedule,
-    trained: Vec<(usize, LlamaStage<B>)>,
-    mut elsewhere: Vec<Option<LlamaStage<B>>>,
-) -> Result<Vec<(usize, LlamaStage<B>)>, TrainError> {
+    trained: Vec<(usize, Llama<B>)>,
+    mut elsewhere: Vec<Option<Llama<B>>>,
+) -> Result<Vec<(usize, Llama<B>)>, TrainError> {
     for (s, stage) in trained {
         elsewhere[s] = Some(stage);
     }

@@ -5,50 +5,44 @@ use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
 use burn_comm::Communicator;
-use burn_ddp::BackwardHooks;
-use burn_tensor_parallel::TpBackend;
 
 use crate::batches::Batches;
 use crate::data::Dataset;
 use crate::dims::{Groups, ParallelDims};
-use crate::engine::{Engine, Finished, Whole, choose};
+use crate::engine::{Engine, Finished, TrainBackend, choose};
 use crate::model::Llama;
-use crate::train::{StepMetrics, TrainConfig, TrainError, reduce_scalar};
+use crate::parallel_plan::ParallelPlan;
+use crate::train::{StepMetrics, Strategy, TrainConfig, TrainError, reduce_scalar};
 
 /// Trains one rank of `config` from `model` (whole, the same on every rank) and returns the
 /// whole trained model. `world` holds every rank of the run; none when one rank trains alone.
 /// `on_step` sees every step's metrics (the same on every rank).
-pub fn train_rank<B>(
+pub fn train_rank<B: TrainBackend>(
     config: &TrainConfig,
     data: &dyn Dataset,
     world: Option<&Communicator>,
     model: Llama<B>,
     device: &B::Device,
     on_step: &mut dyn FnMut(&StepMetrics),
-) -> Result<Finished<B::InnerBackend>, TrainError>
-where
-    B: BackwardHooks + TpBackend,
-    B::InnerBackend: TpBackend,
-{
+) -> Result<Finished<B::InnerBackend>, TrainError> {
     let layout = config.layout()?;
+    let plan = ParallelPlan::new(config)?;
     let dims = ParallelDims::of(config);
     let groups = match world {
         Some(world) => dims.groups(world, config)?,
-        None if dims.ranks() == 1 => Groups::default(),
+        None if dims.ranks() == 1 && config.strategy == Strategy::Single => Groups::default(),
         None => {
             return Err(TrainError::Config(format!(
-                "this layout ({}) needs a communicator of its {} ranks; run it through `train`",
+                "this layout ({}, strategy {:?}) needs a communicator of its {} rank(s); run it through `train`",
                 dims.describe(),
+                config.strategy,
                 dims.ranks()
             )));
         }
     };
     let (replicas, replica) = groups.dp.as_ref().map_or((1, 0), |c| (c.size(), c.rank()));
     let batches = Batches::new(config, data, replicas, replica, layout)?;
-    let mut engine = match &groups.tp {
-        None => choose(config, Whole, model, &groups, &batches, device)?,
-        Some(tp) => choose(config, tp.clone(), model, &groups, &batches, device)?,
-    };
+    let mut engine = choose(config, &plan, model, &groups, &batches, device)?;
     train_loop(config, engine.as_mut(), &batches, device, on_step)?;
     engine.finish()
 }

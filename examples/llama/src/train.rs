@@ -10,9 +10,8 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData, backend::Backend};
 use burn_comm::{CommError, Communicator, ReduceOp};
-use burn_ddp::{BackwardHooks, DdpConfig, DdpError, per_rank_batch};
+use burn_ddp::{DdpConfig, DdpError, per_rank_batch};
 use burn_pipeline::{PipelineError, ScheduleKind};
-use burn_tensor_parallel::TpBackend;
 use burn_tensor_parallel::{TensorParallel, TpError};
 use burn_zero::{ZeroConfig, ZeroError, ZeroStage};
 use serde::Serialize;
@@ -20,13 +19,11 @@ use serde::Serialize;
 use crate::config::LlamaConfig;
 use crate::data::Dataset;
 use crate::dims::ParallelDims;
+use crate::engine::TrainBackend;
 use crate::launch::{check_processes, launch_ranks};
 use crate::model::Llama;
 use crate::run::train_rank;
 use crate::schedule::WarmupCosine;
-
-/// Why a model with a tied head is refused where it would be split.
-pub const TIED_NOT_SPLIT: &str = "the model ties its head to its embedding (tie_word_embeddings), which is not yet split over --pp or ZeRO-3's units; train it with --dp, --tp and --zero 0, 1 or 2";
 
 /// How the data-parallel ranks share the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -388,15 +385,12 @@ pub(crate) fn reduce_scalar<B: Backend>(
 /// Runs `config` on its `dp x pp x tp` ranks and returns the final weights, whole; `on_step`
 /// sees rank 0's metrics. The ranks are threads, or this process's rank alone under
 /// `config.process`; one rank of the single-device strategy runs here, without a communicator.
-pub fn train<B: BackwardHooks + TpBackend>(
+pub fn train<B: TrainBackend>(
     config: &TrainConfig,
     data: &dyn Dataset,
     device: &B::Device,
     on_step: &mut (dyn FnMut(&StepMetrics) + Send),
-) -> Result<Llama<B::InnerBackend>, TrainError>
-where
-    B::InnerBackend: TpBackend,
-{
+) -> Result<Llama<B::InnerBackend>, TrainError> {
     config.layout()?;
     check_processes(config)?;
     let init = || -> Result<Llama<B>, TrainError> {
@@ -421,15 +415,18 @@ where
     }
     let results = launch_ranks(config, dims.ranks(), on_step, |world, forward| {
         let finished = train_rank(config, data, Some(world), init()?, device, forward)?;
-        Ok((dims.is_first_copy(world.rank()), finished))
+        // Threads keep rank 0's model only; a process keeps its own.
+        let keep = world.rank() == 0 || config.process.is_some();
+        let model = keep.then_some(finished.model);
+        Ok((dims.is_first_copy(world.rank()), finished.spans, model))
     })?;
     if let Some(path) = &config.schedule_svg {
         // Ranks come back in order: the first copy's in stage order.
         let timeline = burn_pipeline::Timeline {
             ranks: results
                 .iter()
-                .filter(|(first_copy, _)| *first_copy)
-                .map(|(_, finished)| finished.spans.clone())
+                .filter(|(first_copy, _, _)| *first_copy)
+                .map(|(_, spans, _)| spans.clone())
                 .collect(),
             virtual_stages: config.virtual_stages,
         };
@@ -444,6 +441,6 @@ where
         std::fs::write(path, timeline.to_svg(&title))
             .map_err(|e| TrainError::Config(format!("cannot write {}: {e}", path.display())))?;
     }
-    let (_, finished) = results.into_iter().next().expect("one result per rank");
-    Ok(finished.model)
+    let (_, _, model) = results.into_iter().next().expect("one result per rank");
+    Ok(model.expect("the first result is rank 0's, or this process's"))
 }

@@ -331,8 +331,47 @@ fn plan_prints_every_stage_of_the_papers_example() {
 }
 
 #[test]
+fn print_plan_shows_each_parameters_placement_and_trains_nothing() {
+    let dir = scratch("print-plan");
+    let metrics = dir.join("metrics.jsonl");
+    let out = llama(&[
+        "train",
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--tp",
+        "2",
+        "--print-plan",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let plan = String::from_utf8_lossy(&out.stdout);
+    for expected in [
+        "dp 2 x pp 2 x tp 2 = 8 ranks",
+        "layers.*.self_attn.q_proj",
+        "column-parallel",
+        "[128, 128]      [128, 64]",
+        "layers.*.mlp.down_proj                   row-parallel",
+        "lm_head                                  vocab-parallel columns",
+        "stage 1 (pp rank 1): layers 2..4, norm, lm_head",
+    ] {
+        assert!(plan.contains(expected), "{expected:?} in\n{plan}");
+    }
+    assert!(!metrics.exists(), "a printed plan trains nothing");
+    // A layout that cannot be split is refused before anything is printed.
+    let out = llama(&["train", "--tp", "3", "--print-plan"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--tp 3 does not divide"),
+        "{out:?}"
+    );
+}
+
+#[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 36] = [
+    let cases: [(&[&str], &str); 37] = [
         (&["train", "--dp", "0"], "--dp must be at least 1"),
         (
             &["train", "--batch-size", "0"],
@@ -443,6 +482,10 @@ fn bad_input_gets_a_sentence() {
         (
             &["train", "--balance", "time"],
             "--balance belong to pipeline parallelism",
+        ),
+        (
+            &["train", "--dp", "2", "--schedule-svg", "x.svg"],
+            "--schedule-svg, --virtual-stages",
         ),
         (&["train", "--tp", "3"], "choose --tp among 1, 2, 4"),
         (

@@ -1,35 +1,45 @@
 //! DistributedDataParallel: every rank holds the replica; gradients are averaged in buckets
 //! while the last micro-batch's backward runs, then every rank steps alike.
 
+use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsParams};
 use burn_comm::{Communicator, ReduceOp};
-use burn_ddp::{BackwardHooks, DistributedDataParallel};
+use burn_ddp::DistributedDataParallel;
 
-use super::{Engine, Finished, Stepped, Trainable};
+use super::{Engine, Finished, Stepped, TrainBackend};
 use crate::batches::Batches;
+use crate::model::Llama;
+use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError, scalar};
 
-pub(crate) struct DdpEngine<'a, B: BackwardHooks, M: Trainable<B>> {
+pub(crate) struct DdpEngine<'a, B: TrainBackend> {
     config: &'a TrainConfig,
-    ddp: DistributedDataParallel<B, M>,
-    optimizer: OptimizerAdaptor<AdamW, M, B>,
+    plan: &'a ParallelPlan,
+    ddp: DistributedDataParallel<B, Llama<B>>,
+    optimizer: OptimizerAdaptor<AdamW, Llama<B>, B>,
     /// The step's averaged gradients, between backward and step.
     grads: Option<GradientsParams>,
 }
 
-impl<'a, B: BackwardHooks, M: Trainable<B>> DdpEngine<'a, B, M> {
-    pub fn new(config: &'a TrainConfig, model: M, dp: Communicator) -> Result<Self, TrainError> {
+impl<'a, B: TrainBackend> DdpEngine<'a, B> {
+    pub fn new(
+        config: &'a TrainConfig,
+        plan: &'a ParallelPlan,
+        model: Llama<B>,
+        dp: Communicator,
+    ) -> Result<Self, TrainError> {
         Ok(Self {
             config,
+            plan,
             ddp: DistributedDataParallel::new(model, dp, config.ddp.clone())?,
-            optimizer: config.optimizer().init::<B, M>(),
+            optimizer: config.optimizer().init::<B, Llama<B>>(),
             grads: None,
         })
     }
 }
 
-impl<B: BackwardHooks, M: Trainable<B>> Engine<B> for DdpEngine<'_, B, M> {
+impl<B: TrainBackend> Engine<B> for DdpEngine<'_, B> {
     fn forward_backward(
         &mut self,
         step: usize,
@@ -70,9 +80,6 @@ impl<B: BackwardHooks, M: Trainable<B>> Engine<B> for DdpEngine<'_, B, M> {
     }
 
     fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
-        Ok(Finished {
-            model: M::whole(self.ddp.into_module().valid())?,
-            spans: Vec::new(),
-        })
+        Finished::gathered(self.plan, self.ddp.into_module().valid())
     }
 }

@@ -2,42 +2,37 @@
 //! the final norm and head with the last), each gathered from its shards for its forward and
 //! again for its backward; each rank keeps and steps only its shard.
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::module::AutodiffModule;
 use burn_comm::{Communicator, ReduceOp};
+use burn_tensor_parallel::TensorParallel;
 use burn_zero::FullyShardedDataParallel;
 
-use super::{Engine, Finished, Split, Stepped, TrainableStage, ZeroStep};
+use super::{Engine, Finished, Stepped, TrainBackend, ZeroStep};
 use crate::batches::Batches;
-use crate::config::LlamaConfig;
 use crate::model::Llama;
-use crate::pipeline::LlamaStage;
+use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError};
 
-pub(crate) struct FullyShardedEngine<B: AutodiffBackend, S: TrainableStage<B>> {
-    fsdp: FullyShardedDataParallel<B, S>,
+pub(crate) struct FullyShardedEngine<'a, B: TrainBackend> {
+    plan: &'a ParallelPlan,
+    fsdp: FullyShardedDataParallel<B, Llama<B>>,
     dp: Communicator,
 }
 
-/// ZeRO-3's units of `model`: one block each, the embedding with the first and the final norm
-/// and head with the last.
-pub(crate) fn units<B: AutodiffBackend>(
-    model: Llama<B>,
-    config: &LlamaConfig,
-) -> Vec<LlamaStage<B>> {
-    let ranges: Vec<_> = (0..config.num_hidden_layers).map(|i| i..i + 1).collect();
-    LlamaStage::cut(model, config, &ranges)
-}
-
-impl<B: AutodiffBackend, S: TrainableStage<B>> FullyShardedEngine<B, S> {
-    pub fn new<P: Split<B, Stage = S>>(
+impl<'a, B: TrainBackend> FullyShardedEngine<'a, B> {
+    /// Shards `model`'s units (the plan's, each cut over `tp` too) over `dp`.
+    pub fn new(
         config: &TrainConfig,
-        split: &P,
+        plan: &'a ParallelPlan,
         model: Llama<B>,
+        tp: Option<&TensorParallel>,
         dp: Communicator,
     ) -> Result<Self, TrainError> {
-        let units = units(model, &config.model)
+        let ranges = plan.units.as_ref().expect("ZeRO-3's plan has its units");
+        let units = model
+            .cut(ranges)
             .into_iter()
-            .map(|unit| split.stage(unit))
+            .map(|unit| plan.shard(unit, tp))
             .collect::<Result<Vec<_>, _>>()?;
         let mut fsdp = FullyShardedDataParallel::new(
             units,
@@ -45,14 +40,14 @@ impl<B: AutodiffBackend, S: TrainableStage<B>> FullyShardedEngine<B, S> {
             &config.optimizer(),
             config.zero_engine_config(),
         )?;
-        if let Some(group) = split.backward_group() {
-            fsdp = fsdp.with_backward_group(group);
+        if let Some(tp) = tp {
+            fsdp = fsdp.with_backward_group(tp.comm().clone());
         }
-        Ok(Self { fsdp, dp })
+        Ok(Self { plan, fsdp, dp })
     }
 }
 
-impl<B: AutodiffBackend, S: TrainableStage<B>> Engine<B> for FullyShardedEngine<B, S> {
+impl<B: TrainBackend> Engine<B> for FullyShardedEngine<'_, B> {
     fn forward_backward(
         &mut self,
         step: usize,
@@ -87,14 +82,14 @@ impl<B: AutodiffBackend, S: TrainableStage<B>> Engine<B> for FullyShardedEngine<
     }
 
     fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
-        let stages = self
+        let units = self
             .fsdp
             .full_master()?
             .into_iter()
-            .map(|unit| S::whole(unit.valid()))
+            .map(|unit| self.plan.gather(unit.valid()))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Finished {
-            model: LlamaStage::join(stages),
+            model: Llama::join(units),
             spans: Vec::new(),
         })
     }

@@ -11,20 +11,16 @@ mod single;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Int, Tensor};
 use burn_comm::{Communicator, ReduceOp};
 use burn_ddp::BackwardHooks;
-use burn_pipeline::{PipelineStage, Span};
-use burn_tensor_parallel::{TensorParallel, TpBackend};
+use burn_pipeline::Span;
+use burn_tensor_parallel::TpBackend;
 use burn_zero::{ShardedDataParallel, StepOutcome, ZeroStage};
 
 use crate::batches::Batches;
-use crate::config::LlamaConfig;
 use crate::dims::Groups;
 use crate::model::Llama;
-use crate::pipeline::{LlamaStage, MicroBatch};
-use crate::tensor_parallel::TpLlama;
-use crate::tp_stage::TpLlamaStage;
+use crate::parallel_plan::ParallelPlan;
 use crate::train::{StepMetrics, Strategy, TrainConfig, TrainError};
 
 /// One rank's part of a strategy. The loop calls, each step, [`prepare`](Self::prepare), then
@@ -120,151 +116,35 @@ pub struct Finished<B: burn::tensor::backend::Backend> {
     pub spans: Vec<Span>,
 }
 
-/// A model the loop can train as one replica: whole, or split over a tensor-parallel group.
-pub trait Trainable<B: AutodiffBackend>: AutodiffModule<B> {
-    /// Mean next-token cross-entropy of `targets` given `inputs`.
-    fn loss(
-        &self,
-        inputs: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-    ) -> Result<Tensor<B, 1>, TrainError>;
-
-    /// The whole model from `trained`, this rank's weights (a collective when they are split).
-    fn whole(trained: Self::InnerModule) -> Result<Llama<B::InnerBackend>, TrainError>;
-}
-
-impl<B: AutodiffBackend> Trainable<B> for Llama<B> {
-    fn loss(
-        &self,
-        inputs: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-    ) -> Result<Tensor<B, 1>, TrainError> {
-        Ok(Llama::loss(self, inputs, targets))
-    }
-
-    fn whole(trained: Llama<B::InnerBackend>) -> Result<Llama<B::InnerBackend>, TrainError> {
-        Ok(trained)
+impl<B: burn::tensor::backend::Backend> Finished<B> {
+    /// The whole of `trained`, this rank's part of the replica as `plan` cut it (a collective
+    /// when it is split).
+    pub fn gathered(plan: &ParallelPlan, trained: Llama<B>) -> Result<Self, TrainError> {
+        Ok(Self {
+            model: plan.gather(trained)?,
+            spans: Vec::new(),
+        })
     }
 }
 
-impl<B: AutodiffBackend + TpBackend> Trainable<B> for TpLlama<B>
-where
-    B::InnerBackend: TpBackend,
-{
-    fn loss(
-        &self,
-        inputs: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-    ) -> Result<Tensor<B, 1>, TrainError> {
-        Ok(TpLlama::loss(self, inputs, targets)?)
-    }
+/// The backends a rank trains on: autodiff with DDP's backward hooks, and tensor parallelism's
+/// operations on it and on its inner backend (where the trained model is gathered).
+pub trait TrainBackend: BackwardHooks<InnerBackend: TpBackend> + TpBackend {}
 
-    fn whole(trained: TpLlama<B::InnerBackend>) -> Result<Llama<B::InnerBackend>, TrainError> {
-        Ok(trained.full()?)
-    }
-}
-
-/// A run of blocks the pipeline and ZeRO-3 train as a unit: whole, or split over a
-/// tensor-parallel group.
-pub trait TrainableStage<B: AutodiffBackend>:
-    PipelineStage<B, Batch = MicroBatch<B>, Error = TrainError>
-{
-    /// The whole stage from `trained`, this rank's weights (a collective when they are split).
-    fn whole(trained: Self::InnerModule) -> Result<LlamaStage<B::InnerBackend>, TrainError>;
-}
-
-impl<B: AutodiffBackend> TrainableStage<B> for LlamaStage<B> {
-    fn whole(
-        trained: LlamaStage<B::InnerBackend>,
-    ) -> Result<LlamaStage<B::InnerBackend>, TrainError> {
-        Ok(trained)
-    }
-}
-
-impl<B: AutodiffBackend + TpBackend> TrainableStage<B> for TpLlamaStage<B>
-where
-    B::InnerBackend: TpBackend,
-{
-    fn whole(
-        trained: TpLlamaStage<B::InnerBackend>,
-    ) -> Result<LlamaStage<B::InnerBackend>, TrainError> {
-        Ok(trained.full()?)
-    }
-}
-
-/// How a rank holds its part of the weights: whole, or split over a tensor-parallel group.
-pub(crate) trait Split<B: AutodiffBackend> {
-    /// The replica type.
-    type Replica: Trainable<B> + 'static;
-    /// The stage type.
-    type Stage: TrainableStage<B> + 'static;
-
-    /// This rank's part of `model`, shaped `shape`.
-    fn replica(&self, model: Llama<B>, shape: &LlamaConfig) -> Result<Self::Replica, TrainError>;
-    /// This rank's part of `stage`.
-    fn stage(&self, stage: LlamaStage<B>) -> Result<Self::Stage, TrainError>;
-    /// The group whose collectives run inside the backward, if any (see
-    /// `PipelineExecutor::with_backward_group`).
-    fn backward_group(&self) -> Option<Communicator>;
-}
-
-/// Every rank holds its weights whole.
-pub(crate) struct Whole;
-
-impl<B: AutodiffBackend> Split<B> for Whole {
-    type Replica = Llama<B>;
-    type Stage = LlamaStage<B>;
-
-    fn replica(&self, model: Llama<B>, _: &LlamaConfig) -> Result<Llama<B>, TrainError> {
-        Ok(model)
-    }
-
-    fn stage(&self, stage: LlamaStage<B>) -> Result<LlamaStage<B>, TrainError> {
-        Ok(stage)
-    }
-
-    fn backward_group(&self) -> Option<Communicator> {
-        None
-    }
-}
-
-impl<B: AutodiffBackend + TpBackend> Split<B> for TensorParallel
-where
-    B::InnerBackend: TpBackend,
-{
-    type Replica = TpLlama<B>;
-    type Stage = TpLlamaStage<B>;
-
-    fn replica(&self, model: Llama<B>, shape: &LlamaConfig) -> Result<TpLlama<B>, TrainError> {
-        Ok(TpLlama::from_full(model, shape, self)?)
-    }
-
-    fn stage(&self, stage: LlamaStage<B>) -> Result<TpLlamaStage<B>, TrainError> {
-        Ok(TpLlamaStage::from_stage(stage, self)?)
-    }
-
-    fn backward_group(&self) -> Option<Communicator> {
-        Some(self.comm().clone())
-    }
-}
+impl<B: BackwardHooks<InnerBackend: TpBackend> + TpBackend> TrainBackend for B {}
 
 /// The engine of `config` for this rank, over `groups`, starting from `model` (whole, the same
-/// on every rank), its weights held as `split` holds them.
-pub(crate) fn choose<'a, B, S>(
+/// on every rank), cut as `plan` says.
+pub(crate) fn choose<'a, B: TrainBackend>(
     config: &'a TrainConfig,
-    split: S,
+    plan: &'a ParallelPlan,
     model: Llama<B>,
     groups: &Groups,
     batches: &Batches<'_>,
     device: &B::Device,
-) -> Result<Box<dyn Engine<B> + 'a>, TrainError>
-where
-    B: BackwardHooks + TpBackend,
-    B::InnerBackend: TpBackend,
-    S: Split<B>,
-{
+) -> Result<Box<dyn Engine<B> + 'a>, TrainError> {
     if config.pp > 1 {
-        let engine = pipeline::PipelineEngine::new(config, &split, model, groups, batches, device)?;
+        let engine = pipeline::PipelineEngine::new(config, plan, model, groups, batches, device)?;
         return Ok(Box::new(engine));
     }
     let dp = || {
@@ -273,30 +153,22 @@ where
             .clone()
             .expect("a data-parallel strategy has its group")
     };
+    let tp = groups.tp.as_ref();
+    if config.zero == ZeroStage::Parameters {
+        let engine = fully_sharded::FullyShardedEngine::new(config, plan, model, tp, dp())?;
+        return Ok(Box::new(engine));
+    }
+    let replica = plan.shard(model, tp)?;
     Ok(match (config.strategy, config.zero) {
-        (_, ZeroStage::Parameters) => Box::new(fully_sharded::FullyShardedEngine::new(
-            config,
-            &split,
-            model,
-            dp(),
-        )?),
-        (Strategy::Single, _) => Box::new(single::SingleEngine::new(
-            config,
-            split.replica(model, &config.model)?,
-        )),
-        (Strategy::Ddp, ZeroStage::Replicated) => Box::new(ddp::DdpEngine::new(
-            config,
-            split.replica(model, &config.model)?,
-            dp(),
-        )?),
-        (Strategy::Ddp, _) => Box::new(sharded::ShardedEngine::new(
-            config,
-            split.replica(model, &config.model)?,
-            dp(),
-        )?),
+        (Strategy::Single, _) => Box::new(single::SingleEngine::new(config, plan, replica)),
+        (Strategy::Ddp, ZeroStage::Replicated) => {
+            Box::new(ddp::DdpEngine::new(config, plan, replica, dp())?)
+        }
+        (Strategy::Ddp, _) => Box::new(sharded::ShardedEngine::new(config, plan, replica, dp())?),
         (Strategy::ParameterServer, _) => Box::new(parameter_server::ParameterServerEngine::new(
             config,
-            split.replica(model, &config.model)?,
+            plan,
+            replica,
             dp(),
         )?),
     })

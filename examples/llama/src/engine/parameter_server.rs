@@ -1,38 +1,48 @@
 //! The parameter-server baseline: rank 0 reads the global batch and scatters it, gathers the
 //! gradients, steps, and broadcasts the parameters. Its communication is the step itself.
 
+use burn::module::AutodiffModule;
 use burn::optim::AdamW;
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::tensor::{Tensor, backend::AutodiffBackend};
+use burn::tensor::Tensor;
 use burn_comm::{Communicator, ReduceOp};
 use burn_ddp::DataParallel;
 
-use super::{Engine, Finished, Stepped, Trainable};
+use super::{Engine, Finished, Stepped, TrainBackend};
 use crate::batches::Batches;
+use crate::model::Llama;
+use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError, scalar};
 
-pub(crate) struct ParameterServerEngine<'a, B: AutodiffBackend, M: Trainable<B>> {
+pub(crate) struct ParameterServerEngine<'a, B: TrainBackend> {
     config: &'a TrainConfig,
-    dp: DataParallel<B, M>,
+    plan: &'a ParallelPlan,
+    dp: DataParallel<B, Llama<B>>,
     comm: Communicator,
-    optimizer: OptimizerAdaptor<AdamW, M, B>,
+    optimizer: OptimizerAdaptor<AdamW, Llama<B>, B>,
     /// The step's loss, between forward and step (the backward is the step's).
     loss: Option<Tensor<B, 1>>,
 }
 
-impl<'a, B: AutodiffBackend, M: Trainable<B>> ParameterServerEngine<'a, B, M> {
-    pub fn new(config: &'a TrainConfig, model: M, dp: Communicator) -> Result<Self, TrainError> {
+impl<'a, B: TrainBackend> ParameterServerEngine<'a, B> {
+    pub fn new(
+        config: &'a TrainConfig,
+        plan: &'a ParallelPlan,
+        model: Llama<B>,
+        dp: Communicator,
+    ) -> Result<Self, TrainError> {
         Ok(Self {
             config,
+            plan,
             dp: DataParallel::new(model, dp.clone())?,
             comm: dp,
-            optimizer: config.optimizer().init::<B, M>(),
+            optimizer: config.optimizer().init::<B, Llama<B>>(),
             loss: None,
         })
     }
 }
 
-impl<B: AutodiffBackend, M: Trainable<B>> Engine<B> for ParameterServerEngine<'_, B, M> {
+impl<B: TrainBackend> Engine<B> for ParameterServerEngine<'_, B> {
     fn forward_backward(
         &mut self,
         step: usize,
@@ -65,9 +75,6 @@ impl<B: AutodiffBackend, M: Trainable<B>> Engine<B> for ParameterServerEngine<'_
     }
 
     fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
-        Ok(Finished {
-            model: M::whole(self.dp.into_module().valid())?,
-            spans: Vec::new(),
-        })
+        Finished::gathered(self.plan, self.dp.into_module().valid())
     }
 }

@@ -14,17 +14,19 @@ use burn_ddp::{BackwardHooks, GradientSync};
 use burn_pipeline::{Message, PipelineExecutor, Schedule, Span, StepOutput};
 use burn_zero::{ShardedDataParallel, ZeroStage};
 
-use super::{Engine, Finished, Split, Stepped, TrainableStage, ZeroStep};
+use super::{Engine, Finished, Stepped, TrainBackend, ZeroStep};
 use crate::batches::Batches;
 use crate::dims::Groups;
 use crate::model::Llama;
-use crate::pipeline::{Balance, LlamaStage, MicroBatch, StageCosts, share_stages};
+use crate::parallel_plan::ParallelPlan;
+use crate::pipeline::{Balance, MicroBatch, StageCosts, share_stages};
 use crate::train::{TrainConfig, TrainError};
 
-pub(crate) struct PipelineEngine<'a, B: BackwardHooks, S: TrainableStage<B>> {
+pub(crate) struct PipelineEngine<'a, B: TrainBackend> {
     config: &'a TrainConfig,
+    plan: &'a ParallelPlan,
     executor: PipelineExecutor,
-    stepper: Stepper<B, S>,
+    stepper: Stepper<B, Llama<B>>,
     pp: Communicator,
     dp: Option<Communicator>,
     /// The stages this rank trains, by index, in the order of its chunks.
@@ -40,10 +42,10 @@ pub(crate) struct PipelineEngine<'a, B: BackwardHooks, S: TrainableStage<B>> {
     spans: Vec<Span>,
 }
 
-impl<'a, B: BackwardHooks, S: TrainableStage<B>> PipelineEngine<'a, B, S> {
-    pub fn new<P: Split<B, Stage = S>>(
+impl<'a, B: TrainBackend> PipelineEngine<'a, B> {
+    pub fn new(
         config: &'a TrainConfig,
-        split: &P,
+        plan: &'a ParallelPlan,
         model: Llama<B>,
         groups: &Groups,
         batches: &Batches<'_>,
@@ -54,11 +56,11 @@ impl<'a, B: BackwardHooks, S: TrainableStage<B>> PipelineEngine<'a, B, S> {
         let pp = groups.pp.clone().expect("a pipeline has its group");
         let mut executor =
             PipelineExecutor::new(schedule, pp.clone())?.with_recompute(config.recompute);
-        if let Some(group) = split.backward_group() {
-            executor = executor.with_backward_group(group);
+        if let Some(tp) = &groups.tp {
+            executor = executor.with_backward_group(tp.comm().clone());
         }
-        let costs = match config.balance {
-            Balance::Params => StageCosts::params(&config.model),
+        let ranges = match config.balance {
+            Balance::Params => plan.stages.clone(),
             Balance::Time => {
                 // The others' costs are placeholders of the right length for the broadcast.
                 let measured = if groups.is_first() {
@@ -66,19 +68,22 @@ impl<'a, B: BackwardHooks, S: TrainableStage<B>> PipelineEngine<'a, B, S> {
                 } else {
                     StageCosts::params(&config.model)
                 };
-                measured.shared::<B::InnerBackend>(groups, device)?
+                measured
+                    .shared::<B::InnerBackend>(groups, device)?
+                    .split(config.pp, config.virtual_stages)?
             }
         };
-        let ranges = costs.split(config.pp, config.virtual_stages)?;
-        let mut stages: Vec<Option<LlamaStage<B>>> = LlamaStage::cut(model, &config.model, &ranges)
-            .into_iter()
-            .map(Some)
-            .collect();
+        let mut stages: Vec<Option<Llama<B>>> = model.cut(&ranges).into_iter().map(Some).collect();
         let mine = executor.stages();
         // The stages trained elsewhere are dropped here, before training.
         let chunks = mine
             .iter()
-            .map(|&s| split.stage(stages[s].take().expect("each stage once")))
+            .map(|&s| {
+                plan.shard(
+                    stages[s].take().expect("each stage once"),
+                    groups.tp.as_ref(),
+                )
+            })
             .collect::<Result<Vec<_>, _>>()?;
         drop(stages);
         // Under sequence parallelism each tensor-parallel rank sends its part of the sequence.
@@ -102,6 +107,7 @@ impl<'a, B: BackwardHooks, S: TrainableStage<B>> PipelineEngine<'a, B, S> {
         );
         Ok(Self {
             config,
+            plan,
             executor,
             stepper: Stepper::new(chunks, config, groups.dp.as_ref())?,
             pp,
@@ -116,7 +122,7 @@ impl<'a, B: BackwardHooks, S: TrainableStage<B>> PipelineEngine<'a, B, S> {
     }
 }
 
-impl<B: BackwardHooks, S: TrainableStage<B>> Engine<B> for PipelineEngine<'_, B, S> {
+impl<B: TrainBackend> Engine<B> for PipelineEngine<'_, B> {
     fn prepare(
         &mut self,
         step: usize,
@@ -168,6 +174,7 @@ impl<B: BackwardHooks, S: TrainableStage<B>> Engine<B> for PipelineEngine<'_, B,
     fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
         let Self {
             config,
+            plan,
             executor,
             stepper,
             pp,
@@ -179,20 +186,19 @@ impl<B: BackwardHooks, S: TrainableStage<B>> Engine<B> for PipelineEngine<'_, B,
         let trained = stepper
             .into_chunks()?
             .into_iter()
-            .map(|chunk| S::whole(chunk.valid()))
+            .map(|chunk| plan.gather(chunk.valid()))
             .collect::<Result<Vec<_>, _>>()?;
         // The other stages' shapes, to receive them into.
         let device = trained
             .first()
             .map(|stage| stage.devices()[0].clone())
             .expect("every pipeline rank trains a stage");
-        let shapes = LlamaStage::cut(
-            Llama::skeleton(&config.model, &device),
-            &config.model,
-            &ranges,
-        );
-        let mut elsewhere: Vec<Option<LlamaStage<B::InnerBackend>>> =
-            shapes.into_iter().map(Some).collect();
+        let mut elsewhere: Vec<Option<Llama<B::InnerBackend>>> =
+            Llama::skeleton(&config.model, &device)
+                .cut(&ranges)
+                .into_iter()
+                .map(Some)
+                .collect();
         for &s in &mine {
             elsewhere[s] = None;
         }
@@ -203,7 +209,7 @@ impl<B: BackwardHooks, S: TrainableStage<B>> Engine<B> for PipelineEngine<'_, B,
             elsewhere,
         )?;
         Ok(Finished {
-            model: LlamaStage::join(whole.into_iter().map(|(_, stage)| stage).collect()),
+            model: Llama::join(whole.into_iter().map(|(_, stage)| stage).collect()),
             spans,
         })
     }

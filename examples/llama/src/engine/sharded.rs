@@ -2,22 +2,30 @@
 //! its backward runs and summed; each rank steps its shard of the optimizer state and gathers
 //! the rest of the parameters.
 
+use burn::module::AutodiffModule;
 use burn_comm::{Communicator, ReduceOp};
-use burn_ddp::BackwardHooks;
 use burn_zero::ShardedDataParallel;
 
-use super::{Engine, Finished, Stepped, Trainable, ZeroStep};
+use super::{Engine, Finished, Stepped, TrainBackend, ZeroStep};
 use crate::batches::Batches;
+use crate::model::Llama;
+use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError, scalar};
 
-pub(crate) struct ShardedEngine<B: BackwardHooks, M: Trainable<B>> {
-    zero: ShardedDataParallel<B, M>,
+pub(crate) struct ShardedEngine<'a, B: TrainBackend> {
+    plan: &'a ParallelPlan,
+    zero: ShardedDataParallel<B, Llama<B>>,
     /// Seconds waited for the step's gradient communication so far.
     comm_wait_s: f64,
 }
 
-impl<B: BackwardHooks, M: Trainable<B>> ShardedEngine<B, M> {
-    pub fn new(config: &TrainConfig, model: M, dp: Communicator) -> Result<Self, TrainError> {
+impl<'a, B: TrainBackend> ShardedEngine<'a, B> {
+    pub fn new(
+        config: &TrainConfig,
+        plan: &'a ParallelPlan,
+        model: Llama<B>,
+        dp: Communicator,
+    ) -> Result<Self, TrainError> {
         let zero = ShardedDataParallel::new(
             model,
             dp,
@@ -26,13 +34,14 @@ impl<B: BackwardHooks, M: Trainable<B>> ShardedEngine<B, M> {
             config.zero_engine_config(),
         )?;
         Ok(Self {
+            plan,
             zero,
             comm_wait_s: 0.0,
         })
     }
 }
 
-impl<B: BackwardHooks, M: Trainable<B>> Engine<B> for ShardedEngine<B, M> {
+impl<B: TrainBackend> Engine<B> for ShardedEngine<'_, B> {
     fn forward_backward(
         &mut self,
         step: usize,
@@ -53,9 +62,11 @@ impl<B: BackwardHooks, M: Trainable<B>> Engine<B> for ShardedEngine<B, M> {
     }
 
     fn step(&mut self, lr: f64) -> Result<Stepped, TrainError> {
+        let zero = ZeroStep::sharded(&mut self.zero, lr)?;
         Ok(Stepped {
             comm_wait_s: self.comm_wait_s,
-            zero: Some(ZeroStep::sharded(&mut self.zero, lr)?),
+            zero: Some(zero),
+            // The norm of the step just taken.
             grad_norm: self.zero.grad_norm(),
         })
     }
@@ -65,9 +76,6 @@ impl<B: BackwardHooks, M: Trainable<B>> Engine<B> for ShardedEngine<B, M> {
     }
 
     fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
-        Ok(Finished {
-            model: M::whole(self.zero.master_module()?.valid())?,
-            spans: Vec::new(),
-        })
+        Finished::gathered(self.plan, self.zero.master_module()?.valid())
     }
 }

@@ -2,36 +2,40 @@
 //! to, and the baseline of the benches (with tensor parallelism, the replica is split over its
 //! group and still trains alone).
 
+use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
 use burn_comm::{Communicator, ReduceOp};
 
-use super::{Engine, Finished, Stepped, Trainable};
+use super::{Engine, Finished, Stepped, TrainBackend};
 use crate::batches::Batches;
+use crate::model::Llama;
+use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError, scalar};
 
-pub(crate) struct SingleEngine<'a, B: AutodiffBackend, M: Trainable<B>> {
+pub(crate) struct SingleEngine<'a, B: TrainBackend> {
     config: &'a TrainConfig,
+    plan: &'a ParallelPlan,
     /// Always present between calls; taken only while the optimizer steps it.
-    model: Option<M>,
-    optimizer: OptimizerAdaptor<AdamW, M, B>,
+    model: Option<Llama<B>>,
+    optimizer: OptimizerAdaptor<AdamW, Llama<B>, B>,
     /// The step's accumulated gradients, between backward and step.
     grads: Option<GradientsParams>,
 }
 
-impl<'a, B: AutodiffBackend, M: Trainable<B>> SingleEngine<'a, B, M> {
-    pub fn new(config: &'a TrainConfig, model: M) -> Self {
+impl<'a, B: TrainBackend> SingleEngine<'a, B> {
+    pub fn new(config: &'a TrainConfig, plan: &'a ParallelPlan, model: Llama<B>) -> Self {
         Self {
             config,
+            plan,
             model: Some(model),
-            optimizer: config.optimizer().init::<B, M>(),
+            optimizer: config.optimizer().init::<B, Llama<B>>(),
             grads: None,
         }
     }
 }
 
-impl<B: AutodiffBackend, M: Trainable<B>> Engine<B> for SingleEngine<'_, B, M> {
+impl<B: TrainBackend> Engine<B> for SingleEngine<'_, B> {
     fn forward_backward(
         &mut self,
         step: usize,
@@ -76,13 +80,7 @@ impl<B: AutodiffBackend, M: Trainable<B>> Engine<B> for SingleEngine<'_, B, M> {
     }
 
     fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
-        Ok(Finished {
-            model: M::whole(
-                self.model
-                    .expect("the model is back after each step")
-                    .valid(),
-            )?,
-            spans: Vec::new(),
-        })
+        let trained = self.model.expect("the model is back after each step");
+        Finished::gathered(self.plan, trained.valid())
     }
 }

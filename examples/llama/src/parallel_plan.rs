@@ -1,0 +1,548 @@
+//! The parallel plan: how each parameter is split over the tensor-parallel group (by its path
+//! in the model), which blocks each pipeline stage holds, and ZeRO-3's units. It is data: made
+//! from the configuration, checked before anything runs, printed by `llama train
+//! --print-plan`, and applied by parameter path to cut the seeded whole model and to gather it
+//! back (torchtitan's plan over module names).
+
+use std::fmt::Write;
+use std::ops::Range;
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use burn_tensor_parallel::TensorParallel;
+use burn_tensor_parallel::attention::check_heads;
+use burn_tensor_parallel::group::divisors;
+use burn_zero::ZeroStage;
+
+use crate::config::LlamaConfig;
+use crate::dims::ParallelDims;
+use crate::model::Llama;
+use crate::pipeline::{Balance, split};
+use crate::train::{TrainConfig, TrainError};
+
+/// How one parameter is held by the ranks of a tensor-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// Every rank holds it whole (a norm's scale). Under sequence parallelism each rank
+    /// applies it to its own part of the sequence, and the group sums its gradient.
+    Replicated,
+    /// Column-parallel: the output features (`[in, out]`'s columns) split over the group.
+    /// With fewer blocks than ranks (grouped-query attention's key/value heads), each block is
+    /// held by `shared_by` neighbouring ranks, which sum its gradient.
+    Columns {
+        /// Ranks holding each block.
+        shared_by: usize,
+    },
+    /// Row-parallel: the input features (`[in, out]`'s rows) split over the group; the ranks'
+    /// partial products are summed.
+    Rows,
+    /// Vocab-parallel embedding: its rows, one per token id, split over the group.
+    VocabRows,
+    /// Vocab-parallel head: its columns, one per token id, split over the group; the loss
+    /// never gathers the logits.
+    VocabColumns,
+}
+
+impl Placement {
+    /// The dimension split, and into how many blocks, over `tp` ranks; none when replicated.
+    pub fn split(self, tp: usize) -> Option<(usize, usize)> {
+        match self {
+            Self::Replicated => None,
+            Self::Columns { shared_by } => Some((1, tp / shared_by)),
+            Self::Rows | Self::VocabRows => Some((0, tp)),
+            Self::VocabColumns => Some((1, tp)),
+        }
+    }
+
+    /// The shape each of `tp` ranks holds of a parameter shaped `whole`.
+    pub fn shape_per_rank(self, whole: &[usize], tp: usize) -> Vec<usize> {
+        let mut shape = whole.to_vec();
+        if let Some((dim, blocks)) = self.split(tp) {
+            shape[dim] /= blocks;
+        }
+        shape
+    }
+
+    fn name(self) -> String {
+        match self {
+            Self::Replicated => "replicated".into(),
+            Self::Columns { shared_by: 1 } => "column-parallel".into(),
+            Self::Columns { shared_by } => format!("column-parallel, each block on {shared_by}"),
+            Self::Rows => "row-parallel".into(),
+            Self::VocabRows => "vocab-parallel rows".into(),
+            Self::VocabColumns => "vocab-parallel columns".into(),
+        }
+    }
+}
+
+/// One rule of the plan: the parameters whose path matches `path` (`*` standing for a block's
+/// index), their whole shape and their placement.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    /// The parameter path, as burn's module visitors name it, a block's index as `*`.
+    pub path: &'static str,
+    /// The whole parameter's shape.
+    pub shape: Vec<usize>,
+    /// How the tensor-parallel ranks hold it.
+    pub placement: Placement,
+}
+
+/// A run's parallel plan (see the module's documentation).
+#[derive(Debug, Clone)]
+pub struct ParallelPlan {
+    /// The run's dimensions.
+    pub dims: ParallelDims,
+    /// Whether activations between the tensor-parallel regions are split along the sequence.
+    pub sequence_parallel: bool,
+    /// Every parameter's rule.
+    pub rules: Vec<Rule>,
+    /// The blocks of each of the `pp x virtual_stages` pipeline stages, by parameter count
+    /// (`--balance time` measures them again before training); one stage without a pipeline.
+    pub stages: Vec<Range<usize>>,
+    /// ZeRO-3's units, one block each (the embedding with the first, the final norm and head
+    /// with the last); none below ZeRO-3.
+    pub units: Option<Vec<Range<usize>>>,
+    balance: Balance,
+}
+
+impl ParallelPlan {
+    /// The plan of `config`, or a sentence saying what to change when the model does not
+    /// split over its layout.
+    pub fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+        let dims = ParallelDims::of(config);
+        let model = &config.model;
+        check_split(model, dims.tp, config.sequence_parallel, config.seq_len)
+            .map_err(TrainError::Config)?;
+        let stages = match dims.pp {
+            1 => std::iter::once(0..model.num_hidden_layers).collect(),
+            pp => split(model, pp, config.virtual_stages)?,
+        };
+        let units = (config.zero == ZeroStage::Parameters)
+            .then(|| (0..model.num_hidden_layers).map(|i| i..i + 1).collect());
+        Ok(Self {
+            dims,
+            sequence_parallel: config.sequence_parallel,
+            rules: rules(model, dims.tp),
+            stages,
+            units,
+            balance: config.balance,
+        })
+    }
+
+    /// The rule of the parameter at `path` (a block's index in it is any number).
+    pub fn rule(&self, path: &str) -> Option<&Rule> {
+        let generic: Vec<&str> = path
+            .split('.')
+            .map(|part| match part.parse::<usize>() {
+                Ok(_) => "*",
+                Err(_) => part,
+            })
+            .collect();
+        let generic = generic.join(".");
+        self.rules.iter().find(|rule| rule.path == generic)
+    }
+
+    /// This rank's part of `model` (the whole model, a stage or a unit): each parameter cut as
+    /// its rule says over `tp`; the model as it is without tensor parallelism.
+    pub fn shard<B: Backend>(
+        &self,
+        model: Llama<B>,
+        tp: Option<&TensorParallel>,
+    ) -> Result<Llama<B>, TrainError> {
+        let Some(tp) = tp else {
+            return Ok(model);
+        };
+        self.check_group(tp)?;
+        // The groups of ranks sharing a block are made now, in the same order on every rank.
+        for rule in &self.rules {
+            if let Placement::Columns { shared_by } = rule.placement
+                && shared_by > 1
+            {
+                tp.replica_group(tp.size() / shared_by)?;
+            }
+        }
+        let mut mapper = PathMapper::new(self, SplitOp::Cut(tp));
+        let model = model.map(&mut mapper);
+        mapper.finish()?;
+        Ok(model.with_tp(Some(tp.clone())))
+    }
+
+    /// The whole of `model` (cut by [`shard`](Self::shard)), gathered from its tensor-parallel
+    /// group (a collective); the model as it is when it is not split.
+    pub fn gather<B: Backend>(&self, model: Llama<B>) -> Result<Llama<B>, TrainError> {
+        let Some(tp) = model.part().tp.clone() else {
+            return Ok(model);
+        };
+        self.check_group(&tp)?;
+        let mut mapper = PathMapper::new(self, SplitOp::Gather(&tp));
+        let model = model.map(&mut mapper);
+        mapper.finish()?;
+        Ok(model.with_tp(None))
+    }
+
+    /// Fails unless `tp` has the plan's tensor-parallel ranks.
+    fn check_group(&self, tp: &TensorParallel) -> Result<(), TrainError> {
+        if tp.size() != self.dims.tp {
+            return Err(TrainError::Config(format!(
+                "the plan splits over {} tensor-parallel ranks, but the group has {}",
+                self.dims.tp,
+                tp.size()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The plan as `--print-plan` prints it.
+    pub fn describe(&self, model: &LlamaConfig) -> String {
+        let ParallelDims { dp, pp, tp } = self.dims;
+        let mut out = format!(
+            "parallel plan: dp {dp} x pp {pp} x tp {tp} = {} ranks (tp fastest, then pp)\n",
+            dp * pp * tp
+        );
+        let sp = if self.sequence_parallel {
+            ", sequence parallel: activations between the regions split along the sequence"
+        } else {
+            ""
+        };
+        let _ = writeln!(out, "\ntensor parallelism over {tp} rank(s){sp}");
+        let _ = writeln!(
+            out,
+            "  {:<40} {:<34} {:>14} {:>14}",
+            "parameter", "placement", "whole", "per rank"
+        );
+        for rule in &self.rules {
+            let _ = writeln!(
+                out,
+                "  {:<40} {:<34} {:>14} {:>14}",
+                rule.path,
+                rule.placement.name(),
+                format!("{:?}", rule.shape),
+                format!("{:?}", rule.placement.shape_per_rank(&rule.shape, tp)),
+            );
+        }
+        if model.tie_word_embeddings {
+            let _ = writeln!(out, "  (lm_head is tied to embed_tokens)");
+        }
+        let last = self.stages.len() - 1;
+        let balance = match self.balance {
+            Balance::Params => "balanced by parameter count",
+            Balance::Time => "by parameter count here; --balance time measures them again",
+        };
+        let _ = writeln!(
+            out,
+            "\npipeline: {} stage(s) on {pp} rank(s), {balance}",
+            self.stages.len()
+        );
+        for (s, blocks) in self.stages.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "  stage {s} (pp rank {}): {}",
+                s % pp,
+                part_names(blocks, s == 0, s == last)
+            );
+        }
+        match &self.units {
+            Some(units) => {
+                let _ = writeln!(
+                    out,
+                    "\nZeRO-3: {} unit(s), each gathered for its forward and backward and sharded over dp {dp}:",
+                    units.len()
+                );
+                let last = units.len() - 1;
+                for (u, blocks) in units.iter().enumerate() {
+                    let _ = writeln!(out, "  unit {u}: {}", part_names(blocks, u == 0, u == last));
+                }
+            }
+            None => {
+                let _ = writeln!(out, "\ndata parallelism: {dp} replica(s)");
+            }
+        }
+        out
+    }
+}
+
+/// What a part holding `blocks` holds, in words.
+fn part_names(blocks: &Range<usize>, first: bool, last: bool) -> String {
+    let mut names = Vec::new();
+    if first {
+        names.push("embed_tokens".to_string());
+    }
+    names.push(format!("layers {}..{}", blocks.start, blocks.end));
+    if last {
+        names.push("norm, lm_head".to_string());
+    }
+    names.join(", ")
+}
+
+/// Every parameter of a model shaped `model` and its placement over `tp` ranks: Megatron's
+/// layout of a Llama block.
+fn rules(model: &LlamaConfig, tp: usize) -> Vec<Rule> {
+    let (h, f, v) = (model.hidden_size, model.intermediate_size, model.vocab_size);
+    let kv = model.num_key_value_heads * model.head_dim();
+    let kv_shared_by = (tp / model.num_key_value_heads).max(1);
+    let rule = |path, shape: &[usize], placement| Rule {
+        path,
+        shape: shape.to_vec(),
+        placement,
+    };
+    let columns = Placement::Columns { shared_by: 1 };
+    let kv_columns = Placement::Columns {
+        shared_by: kv_shared_by,
+    };
+    let mut rules = vec![
+        rule("embed_tokens", &[v, h], Placement::VocabRows),
+        rule(
+            "layers.*.input_layernorm.weight",
+            &[h],
+            Placement::Replicated,
+        ),
+        rule("layers.*.self_attn.q_proj", &[h, h], columns),
+        rule("layers.*.self_attn.k_proj", &[h, kv], kv_columns),
+        rule("layers.*.self_attn.v_proj", &[h, kv], kv_columns),
+        rule("layers.*.self_attn.o_proj", &[h, h], Placement::Rows),
+        rule(
+            "layers.*.post_attention_layernorm.weight",
+            &[h],
+            Placement::Replicated,
+        ),
+        rule("layers.*.mlp.gate_proj", &[h, f], columns),
+        rule("layers.*.mlp.up_proj", &[h, f], columns),
+        rule("layers.*.mlp.down_proj", &[f, h], Placement::Rows),
+        rule("norm.weight", &[h], Placement::Replicated),
+    ];
+    if !model.tie_word_embeddings {
+        rules.push(rule("lm_head", &[h, v], Placement::VocabColumns));
+    }
+    rules
+}
+
+/// Checks that `config` can be split over `tp` ranks (and, with `sequence_parallel`, sequences
+/// of `seq_len` tokens too), with a sentence saying what to change.
+pub fn check_split(
+    config: &LlamaConfig,
+    tp: usize,
+    sequence_parallel: bool,
+    seq_len: usize,
+) -> Result<(), String> {
+    // The hidden size is heads x head width, so it divides whenever the heads do.
+    let must_divide = [
+        ("num_attention_heads", config.num_attention_heads),
+        ("intermediate_size", config.intermediate_size),
+        ("vocab_size", config.vocab_size),
+    ];
+    for (name, value) in must_divide {
+        if !value.is_multiple_of(tp) {
+            return Err(format!(
+                "--tp {tp} does not divide {name} {value}; choose --tp among {}",
+                divisors(value)
+            ));
+        }
+    }
+    check_heads(config.num_attention_heads, config.num_key_value_heads, tp)
+        .map_err(|e| format!("--tp {tp}: {e}"))?;
+    if sequence_parallel && !seq_len.is_multiple_of(tp) {
+        return Err(format!(
+            "--sp splits each sequence over the {tp} tensor-parallel ranks, but --seq-len {seq_len} does not divide by {tp}; choose a --seq-len that is a multiple of {tp}"
+        ));
+    }
+    Ok(())
+}
+
+/// What is done to each split parameter, over the tensor-parallel group.
+#[derive(Clone, Copy)]
+enum SplitOp<'a> {
+    /// Keep this rank's block.
+    Cut(&'a TensorParallel),
+    /// All-gather the blocks into the whole.
+    Gather(&'a TensorParallel),
+}
+
+impl SplitOp<'_> {
+    /// `tensor`, split along `dim` into `blocks`, cut or gathered.
+    fn apply<B: Backend, const D: usize>(
+        self,
+        tensor: Tensor<B, D>,
+        dim: usize,
+        blocks: usize,
+    ) -> Result<Tensor<B, D>, TrainError> {
+        Ok(match self {
+            Self::Cut(tp) => {
+                // The block is a leaf of its own, tracked as the whole was.
+                let tracked = tensor.is_require_grad();
+                let block = tp.block_of(tensor, dim, blocks)?;
+                if tracked { block.require_grad() } else { block }
+            }
+            Self::Gather(tp) => tp.gather_blocks(tensor.detach(), dim, blocks)?,
+        })
+    }
+}
+
+/// Applies a [`SplitOp`] to every split parameter by its path; the first failure, or a
+/// parameter without a rule, is kept for [`finish`](Self::finish).
+struct PathMapper<'a> {
+    plan: &'a ParallelPlan,
+    op: SplitOp<'a>,
+    path: Vec<String>,
+    failed: Option<TrainError>,
+}
+
+impl<'a> PathMapper<'a> {
+    fn new(plan: &'a ParallelPlan, op: SplitOp<'a>) -> Self {
+        Self {
+            plan,
+            op,
+            path: Vec::new(),
+            failed: None,
+        }
+    }
+
+    fn finish(self) -> Result<(), TrainError> {
+        self.failed.map_or(Ok(()), Err)
+    }
+}
+
+impl<B: Backend> ModuleMapper<B> for PathMapper<'_> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        if self.failed.is_some() {
+            return param;
+        }
+        let path = self.path.join(".");
+        let tp = self.plan.dims.tp;
+        let Some(rule) = self.plan.rule(&path) else {
+            self.failed = Some(TrainError::Config(format!(
+                "the parallel plan has no rule for the parameter `{path}`"
+            )));
+            return param;
+        };
+        // Cut from the whole; gathered from this rank's part.
+        let expected = match self.op {
+            SplitOp::Cut(_) => rule.shape.clone(),
+            SplitOp::Gather(_) => rule.placement.shape_per_rank(&rule.shape, tp),
+        };
+        if param.dims().as_slice() != expected.as_slice() {
+            self.failed = Some(TrainError::Config(format!(
+                "the parameter `{path}` is shaped {:?}, but the parallel plan expects {expected:?}",
+                param.dims()
+            )));
+            return param;
+        }
+        let split = rule.placement.split(tp);
+        let Some((dim, blocks)) = split else {
+            return param;
+        };
+        param.map(|tensor| match self.op.apply(tensor.clone(), dim, blocks) {
+            Ok(done) => done,
+            Err(error) => {
+                self.failed = Some(error);
+                tensor
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Flex;
+    use burn::module::ModuleVisitor;
+
+    use super::*;
+
+    /// Every parameter path and shape of a model.
+    struct Paths {
+        path: Vec<String>,
+        found: Vec<(String, Vec<usize>)>,
+    }
+
+    impl<B: Backend> ModuleVisitor<B> for Paths {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.found
+                .push((self.path.join("."), param.dims().to_vec()));
+        }
+    }
+
+    fn paths(model: &Llama<Flex>) -> Vec<(String, Vec<usize>)> {
+        let mut visitor = Paths {
+            path: Vec::new(),
+            found: Vec::new(),
+        };
+        model.visit(&mut visitor);
+        visitor.found
+    }
+
+    #[test]
+    fn every_parameter_of_the_model_has_one_rule_of_its_shape() {
+        for tied in [false, true] {
+            let model = LlamaConfig::preset("tiny")
+                .unwrap()
+                .with_tie_word_embeddings(tied);
+            let mut config = TrainConfig::new(model.clone(), 1);
+            config.tp = 2;
+            let plan = ParallelPlan::new(&config).unwrap();
+            let found = paths(&Llama::init(&model, 1, &Default::default()));
+            assert_eq!(
+                found.len(),
+                2 + 9 * model.num_hidden_layers + !tied as usize
+            );
+            for (path, shape) in &found {
+                let rule = plan
+                    .rule(path)
+                    .unwrap_or_else(|| panic!("no rule for {path}"));
+                assert_eq!(&rule.shape, shape, "{path}");
+            }
+            // And no rule names a parameter the model lacks.
+            for rule in &plan.rules {
+                let matches = |(path, _): &(String, Vec<usize>)| {
+                    plan.rule(path).map(|r| r.path) == Some(rule.path)
+                };
+                assert!(found.iter().any(matches), "{}", rule.path);
+            }
+        }
+    }
+
+    #[test]
+    fn the_plan_prints_every_placement_stage_and_unit() {
+        let model = LlamaConfig::preset("tiny").unwrap();
+        let mut config = TrainConfig::new(model.clone(), 1);
+        (config.dp, config.pp, config.tp) = (2, 2, 4);
+        config.strategy = crate::train::Strategy::Ddp;
+        let text = ParallelPlan::new(&config).unwrap().describe(&model);
+        for expected in [
+            "dp 2 x pp 2 x tp 4 = 16 ranks",
+            "layers.*.self_attn.k_proj                column-parallel, each block on 2",
+            "layers.*.mlp.down_proj                   row-parallel",
+            "embed_tokens                             vocab-parallel rows",
+            "[256, 128]",
+            "[64, 128]",
+            "[128, 32]",
+            "stage 0 (pp rank 0): embed_tokens, layers 0..",
+            "norm, lm_head",
+        ] {
+            assert!(text.contains(expected), "{expected:?} in\n{text}");
+        }
+        config.pp = 1;
+        config.zero = ZeroStage::Parameters;
+        let text = ParallelPlan::new(&config).unwrap().describe(&model);
+        assert!(text.contains("ZeRO-3: 4 unit(s)"), "{text}");
+        assert!(
+            text.contains("unit 3: layers 3..4, norm, lm_head"),
+            "{text}"
+        );
+    }
+}

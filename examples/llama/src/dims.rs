@@ -136,14 +136,34 @@ impl ParallelDims {
 
     /// This rank's groups over `world`, a communicator of [`ranks`](Self::ranks) ranks.
     pub fn groups(&self, world: &Communicator, config: &TrainConfig) -> Result<Groups, TrainError> {
-        let mesh = DeviceMesh::new(world, &[("dp", self.dp), ("pp", self.pp), ("tp", self.tp)])?;
-        let group = |name: &str, wanted: bool| -> Result<Option<Communicator>, TrainError> {
-            Ok(wanted.then(|| mesh.group(name).cloned()).transpose()?)
+        // Only the dimensions the run uses are split (each split is a communicator, on NCCL
+        // too); the others have one rank, so leaving them out keeps every rank's place.
+        let wanted = [
+            ("dp", self.dp, config.strategy != Strategy::Single),
+            ("pp", self.pp, self.pp > 1),
+            ("tp", self.tp, self.tp > 1),
+        ];
+        let dims: Vec<(&str, usize)> = wanted
+            .iter()
+            .filter(|(_, _, wanted)| *wanted)
+            .map(|&(name, size, _)| (name, size))
+            .collect();
+        let mesh = match dims.is_empty() {
+            true => None,
+            false => Some(DeviceMesh::new(world, &dims)?),
+        };
+        let group = |name: &str| -> Result<Option<Communicator>, TrainError> {
+            match &mesh {
+                Some(mesh) if dims.iter().any(|(n, _)| *n == name) => {
+                    Ok(Some(mesh.group(name)?.clone()))
+                }
+                _ => Ok(None),
+            }
         };
         Ok(Groups {
-            dp: group("dp", config.strategy != Strategy::Single)?,
-            pp: group("pp", self.pp > 1)?,
-            tp: group("tp", self.tp > 1)?.map(|tp| config.tensor_parallel(&tp)),
+            dp: group("dp")?,
+            pp: group("pp")?,
+            tp: group("tp")?.map(|tp| config.tensor_parallel(&tp)),
         })
     }
 }

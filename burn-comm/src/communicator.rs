@@ -11,8 +11,8 @@ use burn::tensor::{BasicOps, DType, Element, Tensor, TensorCreationOptions, Tens
 
 use crate::call::{Call, Op};
 use crate::kernels;
-use crate::local::lock;
 use crate::stats::CommStats;
+use crate::sync::{lock, panic_message};
 use crate::transport::{Retired, Stream, Transport};
 use crate::{CommError, ReduceOp};
 
@@ -661,14 +661,4 @@ fn refuse<T>(
     }
     inner.transport.join(inner.rank, stream, call)?;
     Err(error)
-}
-
-pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a non-string panic payload".to_string()
-    }
 }

@@ -4,9 +4,9 @@ use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
-use crate::communicator::panic_message;
 use crate::local::{RankStatus, World};
 use crate::mesh::DeviceMesh;
+use crate::sync::panic_message;
 use crate::{CommError, Communicator};
 
 /// The timeout of a collective when neither the code nor `BURN_COMM_TIMEOUT_SECS` sets one:

@@ -46,6 +46,7 @@ mod process;
 mod shared;
 mod stats;
 mod store;
+mod sync;
 mod transport;
 
 pub use call::ReduceOp;

@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 use burn::tensor::{DType, TensorData};
 
 use crate::call::Call;
-use crate::communicator::panic_message;
 use crate::kernels::{self, Region};
 use crate::shared::SharedBuffer;
+use crate::sync::{lock, panic_message};
 use crate::transport::{Stream, Transport, describe_message, mismatched_message};
 use crate::{CommError, ReduceOp};
 
@@ -794,12 +794,6 @@ impl Transport for Group {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
-}
-
-/// Locks a mutex, going on after a panic elsewhere: every mutex of the transport guards data that
-/// each writer leaves consistent (counters, queues, a stream whose calls catch their panics).
-pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
 #[cfg(test)]

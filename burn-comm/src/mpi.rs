@@ -27,8 +27,8 @@ use mpi::ffi;
 
 use crate::call::Call;
 use crate::kernels;
-use crate::local::lock;
 use crate::shared::SharedBuffer;
+use crate::sync::lock;
 use crate::transport::{Stream, Transport, describe_message, mismatched_message};
 use crate::{CommError, ReduceOp};
 
@@ -1024,7 +1024,7 @@ mod watchdog {
     use std::sync::{Mutex, Once};
     use std::time::{Duration, Instant};
 
-    use crate::local::lock;
+    use crate::sync::lock;
 
     struct Watched {
         next_id: u64,

@@ -31,10 +31,11 @@ use cudarc::nccl::sys::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResul
 
 use crate::call::Op;
 use crate::communicator::Inner;
-use crate::local::{Group, World, lock};
+use crate::local::{Group, World};
 use crate::nccl_p2p::Peers;
 use crate::nccl_tensor::{Cuda, from_cube, to_cube};
 use crate::store::Store;
+use crate::sync::lock;
 use crate::{CommError, Communicator, ProcessEnv, ReduceOp};
 
 impl Communicator {

@@ -34,10 +34,11 @@ use cudarc::nccl::sys::{self, ncclDataType_t};
 
 use crate::CommError;
 use crate::communicator::Inner;
-use crate::local::{World, lock};
+use crate::local::World;
 use crate::nccl::{Bound, Failure, Nccl, byte_len, issued, unique_id};
 use crate::nccl_tensor::{Cuda, from_cube, to_cube};
 use crate::pair_ids::PairIds;
+use crate::sync::lock;
 
 /// Bytes of a message's header: the data's length (8 bytes), the length of the description
 /// (2 bytes) and the description, as a mismatch error prints it, zero-padded.

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::local::lock;
 use crate::store::Store;
+use crate::sync::lock;
 
 /// An NCCL unique id.
 pub(crate) type Id = [u8; 128];

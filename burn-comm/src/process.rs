@@ -6,8 +6,8 @@ use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use crate::CommError;
-use crate::communicator::panic_message;
 use crate::launch::RankContext;
+use crate::sync::panic_message;
 
 /// Which launcher started this process, read from its environment.
 #[derive(Debug, Clone, PartialEq, Eq)]

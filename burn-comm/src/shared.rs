@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use burn::tensor::{AllocationProperty, Bytes, DType, TensorData};
 
-use crate::local::lock;
+use crate::sync::lock;
 
 /// A buffer that ranks fill in disjoint parts during a call and all read afterwards.
 #[derive(Clone)]

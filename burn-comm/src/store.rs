@@ -13,7 +13,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::local::lock;
+use crate::sync::lock;
 
 /// What a store call can fail with.
 #[derive(Debug, thiserror::Error)]

@@ -111,15 +111,11 @@ pub struct Positions<B: Backend> {
 }
 
 impl<B: Backend> Positions<B> {
-    /// The rotary tables and causal mask for sequences of `seq` tokens and heads of `head_dim`,
-    /// in `dtype`, the activations' dtype.
-    pub fn new(
-        seq: usize,
-        head_dim: usize,
-        rope: &Rope,
-        (device, dtype): (&B::Device, DType),
-    ) -> Self {
-        let (cos, sin) = rope::tables::<B>(seq, head_dim, rope, device);
+    /// The rotary tables and causal mask of a model shaped `config` for sequences of `seq`
+    /// tokens, on the device and in the dtype of the activations `x`.
+    pub fn new(config: &LlamaConfig, seq: usize, x: &Tensor<B, 3>) -> Self {
+        let (device, dtype) = (&x.device(), x.dtype());
+        let (cos, sin) = rope::tables::<B>(seq, config.head_dim(), &config.rope(), device);
         let mask = causal_mask::<B>(seq, device);
         Self {
             cos: in_dtype(cos, dtype),
@@ -483,6 +479,36 @@ impl<B: TpBackend> Llama<B> {
         inputs: &Tensor<B, 2, Int>,
         targets: &Tensor<B, 2, Int>,
     ) -> Result<StageOutput<B>, TpError> {
+        let x = self.blocks_forward(input, inputs, targets.dims()[1])?;
+        let Some(norm) = &self.norm else {
+            return Ok(StageOutput::Activation(x));
+        };
+        let weight = self.head_weight()?;
+        let loss = match self.part.tp.as_ref() {
+            None => next_token_loss(head(norm, weight, x), targets.clone()),
+            Some(tp) => {
+                let logits = tp.enter_matmul(norm.forward_in(x, Some(tp))?, weight)?;
+                let [batch, seq] = targets.dims();
+                let vocab_part = logits.dims()[2];
+                vocab_parallel_cross_entropy(
+                    logits.reshape([batch * seq, vocab_part]),
+                    targets.clone().reshape([batch * seq]),
+                    tp,
+                )?
+                .mean()
+            }
+        };
+        Ok(StageOutput::Loss(loss))
+    }
+
+    /// This part up to its head: the embedded `inputs` on the part holding the embedding,
+    /// `input` on every other, through its blocks, for sequences of `seq` tokens.
+    fn blocks_forward(
+        &self,
+        input: Option<Tensor<B, 3>>,
+        inputs: &Tensor<B, 2, Int>,
+        seq: usize,
+    ) -> Result<Tensor<B, 3>, TpError> {
         let tp = self.part.tp.as_ref();
         let config = &self.part.config;
         let mut x = match (&self.embed_tokens, input) {
@@ -501,34 +527,11 @@ impl<B: TpBackend> Llama<B> {
             }
         };
         // The whole sequence: under sequence parallelism `x` holds this rank's part of it.
-        let positions = Positions::new(
-            targets.dims()[1],
-            config.head_dim(),
-            &config.rope(),
-            (&x.device(), x.dtype()),
-        );
+        let positions = Positions::new(config, seq, &x);
         for layer in &self.layers {
             x = layer.forward(x, &positions, tp)?;
         }
-        let Some(norm) = &self.norm else {
-            return Ok(StageOutput::Activation(x));
-        };
-        let weight = self.head_weight()?;
-        let loss = match tp {
-            None => next_token_loss(head(norm, weight, x), targets.clone()),
-            Some(tp) => {
-                let logits = tp.enter_matmul(norm.forward_in(x, Some(tp))?, weight)?;
-                let [batch, seq] = targets.dims();
-                let vocab_part = logits.dims()[2];
-                vocab_parallel_cross_entropy(
-                    logits.reshape([batch * seq, vocab_part]),
-                    targets.clone().reshape([batch * seq]),
-                    tp,
-                )?
-                .mean()
-            }
-        };
-        Ok(StageOutput::Loss(loss))
+        Ok(x)
     }
 
     /// Mean next-token cross-entropy (nats) of `targets` given `inputs`, both `[batch, seq]`,
@@ -575,18 +578,8 @@ impl<B: TpBackend> Llama<B> {
                 "logits come from the whole model on one rank; gather the model first".into(),
             ));
         }
-        let table = self.embed_tokens.as_ref().expect("whole");
-        let mut x = embed(table, tokens);
-        let config = &self.part.config;
-        let positions = Positions::new(
-            x.dims()[1],
-            config.head_dim(),
-            &config.rope(),
-            (&x.device(), x.dtype()),
-        );
-        for layer in &self.layers {
-            x = layer.forward(x, &positions, None)?;
-        }
+        let seq = tokens.dims()[1];
+        let x = self.blocks_forward(None, &tokens, seq)?;
         Ok(head(
             self.norm.as_ref().expect("whole"),
             self.head_weight()?,

@@ -113,12 +113,7 @@ impl StageCosts {
             .as_ref()
             .ok_or_else(|| TrainError::Config("the stages are timed on the whole model".into()))?;
         let x = embed(table, inputs.clone()).detach();
-        let positions = Positions::new(
-            targets.dims()[1],
-            config.head_dim(),
-            &config.rope(),
-            (&x.device(), x.dtype()),
-        );
+        let positions = Positions::new(config, targets.dims()[1], &x);
         let embedding = time(&|| {
             embed(table, inputs.clone()).sum().backward();
         })?;

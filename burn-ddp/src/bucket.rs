@@ -3,38 +3,42 @@
 
 use burn::tensor::DType;
 
-/// Buckets of parameter indices, in launch order.
+/// Which parameters travel together, in launch order: each bucket's parameter indices in
+/// buffer order, and its buffer's length (their elements, plus the zeros a reduce-scatter
+/// needs to split evenly).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct BucketPlan {
-    pub buckets: Vec<Vec<usize>>,
-    pub bucket_of: Vec<usize>,
+pub struct Buckets {
+    /// Parameter indices of each bucket.
+    pub members: Vec<Vec<usize>>,
+    /// Elements of each bucket's buffer.
+    pub lengths: Vec<usize>,
 }
 
-impl BucketPlan {
-    /// Packs parameters in `order` into buckets of at most `cap` bytes (a larger parameter gets a
-    /// bucket of its own), starting a new bucket whenever the dtype changes.
-    pub fn new(order: &[usize], bytes: &[usize], dtypes: &[DType], cap: usize) -> Self {
-        let mut buckets: Vec<Vec<usize>> = Vec::new();
+impl Buckets {
+    /// Packs parameters (`numels[i]` elements of `dtypes[i]`) in `order` into buckets of at
+    /// most `cap` bytes (a larger parameter gets a bucket of its own), starting a new bucket
+    /// whenever the dtype changes; no padding.
+    pub fn packed(order: &[usize], numels: &[usize], dtypes: &[DType], cap: usize) -> Self {
+        let bytes = |p: usize| numels[p] * dtypes[p].size();
+        let mut members: Vec<Vec<usize>> = Vec::new();
         let mut filled = 0;
         for &param in order {
-            let fits = buckets.last().is_some_and(|bucket| {
-                dtypes[bucket[0]] == dtypes[param] && filled + bytes[param] <= cap
+            let fits = members.last().is_some_and(|bucket| {
+                dtypes[bucket[0]] == dtypes[param] && filled + bytes(param) <= cap
             });
             if fits {
-                buckets.last_mut().unwrap().push(param);
-                filled += bytes[param];
+                members.last_mut().unwrap().push(param);
+                filled += bytes(param);
             } else {
-                buckets.push(vec![param]);
-                filled = bytes[param];
+                members.push(vec![param]);
+                filled = bytes(param);
             }
         }
-        let mut bucket_of = vec![0; order.len()];
-        for (b, bucket) in buckets.iter().enumerate() {
-            for &param in bucket {
-                bucket_of[param] = b;
-            }
-        }
-        Self { buckets, bucket_of }
+        let lengths = members
+            .iter()
+            .map(|bucket| bucket.iter().map(|&p| numels[p]).sum())
+            .collect();
+        Self { members, lengths }
     }
 }
 
@@ -45,13 +49,8 @@ mod tests {
     #[test]
     fn packs_in_order_under_the_cap_and_splits_dtypes() {
         let f = DType::F32;
-        let plan = BucketPlan::new(
-            &[3, 2, 1, 0],
-            &[40, 40, 100, 30],
-            &[f, f, DType::F16, f],
-            80,
-        );
-        assert_eq!(plan.buckets, vec![vec![3], vec![2], vec![1, 0]]);
-        assert_eq!(plan.bucket_of, vec![2, 2, 1, 0]);
+        let buckets = Buckets::packed(&[3, 2, 1, 0], &[10, 10, 50, 7], &[f, f, DType::F16, f], 80);
+        assert_eq!(buckets.members, vec![vec![3], vec![2], vec![1, 0]]);
+        assert_eq!(buckets.lengths, vec![7, 50, 20]);
     }
 }

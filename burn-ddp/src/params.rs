@@ -24,6 +24,8 @@ pub type Put<B> = Box<dyn Fn(&mut GradientsParams, Tensor<Inner<B>, 1>) + Send +
 pub struct ParamSlot<B: AutodiffBackend> {
     /// The parameter's path in the module, such as `layers.0.mlp.up_proj.weight`.
     pub name: String,
+    /// The parameter's id, which its gradients are keyed by.
+    pub id: ParamId,
     /// Frozen parameters (`require_grad` off) are kept equal but get no gradient.
     pub require_grad: bool,
     /// Number of elements.
@@ -131,6 +133,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Collector<B> {
         let inner = tensor.clone().inner();
         self.slots.push(ParamSlot {
             name: self.path.join("."),
+            id,
             require_grad: tensor.is_require_grad(),
             numel,
             dtype: inner.dtype(),

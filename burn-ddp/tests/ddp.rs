@@ -301,3 +301,45 @@ fn data_parallel_refuses_a_batch_that_does_not_split_on_every_rank_at_once() {
         "an error must not wait for a timeout"
     );
 }
+
+#[test]
+fn a_step_fed_in_pieces_gives_the_bits_of_no_sync_then_backward() {
+    // Each rank's 4 rows in 2 micro-batches; `first` is used twice, so it gets late parts.
+    let results = launch(2, |ctx| {
+        let net = Net::<AD>::new(0);
+        let config = DdpConfig::new().with_bucket_cap_bytes(1);
+        let micro = |mb: usize| batch(8, 99).narrow(0, 4 * ctx.rank() + 2 * mb, 2);
+        let loss = |mb| net.loss(micro(mb), true, true) / 2.0;
+
+        let mut plain = burn_ddp::GradientSync::new(&net, ctx.world().clone(), config.clone())?;
+        plain.backward_no_sync(&net, loss(0));
+        let want = plain.backward(&net, loss(1))?;
+
+        let mut pieces = burn_ddp::GradientSync::new(&net, ctx.world().clone(), config)?;
+        let mut step = pieces.begin(&net)?;
+        step.accumulate(&net, &mut loss(0).backward());
+        step.backward_of(&net, loss(1));
+        let got = step.finish()?;
+        Ok::<_, DdpError>((flat(&got, &net), flat(&want, &net), pieces.stats()))
+    });
+    for result in results {
+        let (got, want, stats) = result.unwrap();
+        assert_eq!(got, want);
+        assert!(stats.overlapped_buckets > 0, "{stats:?}");
+    }
+}
+
+#[test]
+fn finishing_a_step_before_every_gradient_is_in_names_the_missing_ones() {
+    let results = launch(1, |ctx| {
+        let net = Net::<AD>::new(0);
+        let mut sync = burn_ddp::GradientSync::new(&net, ctx.world().clone(), DdpConfig::new())?;
+        let step = sync.begin(&net)?;
+        step.finish().map(|_| ())
+    });
+    let error = results[0].as_ref().unwrap_err().to_string();
+    assert!(
+        error.contains("never taken") && error.contains("first") && error.contains("extra"),
+        "{error}"
+    );
+}

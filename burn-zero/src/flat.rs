@@ -7,6 +7,8 @@ use std::ops::Range;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 
+use burn_ddp::reducer::Buckets;
+
 use crate::ZeroError;
 
 /// One flat buffer: some parameters of one dtype, end to end, then zeros up to `padded`.
@@ -103,22 +105,16 @@ impl FlatLayout {
         cap_bytes: usize,
         world: usize,
     ) -> Result<Self, ZeroError> {
-        let mut units: Vec<Vec<usize>> = Vec::new();
-        let mut filled = 0;
-        for &p in order {
-            let bytes = numels[p] * dtypes[p].size();
-            let fits = units
-                .last()
-                .is_some_and(|unit| dtypes[unit[0]] == dtypes[p] && filled + bytes <= cap_bytes);
-            if fits {
-                units.last_mut().expect("checked above").push(p);
-                filled += bytes;
-            } else {
-                units.push(vec![p]);
-                filled = bytes;
-            }
-        }
+        let units = Buckets::packed(order, numels, dtypes, cap_bytes).members;
         Self::new(numels, dtypes, units, world)
+    }
+
+    /// The units as the gradient reducer's buckets: their parameters and padded lengths.
+    pub fn buckets(&self) -> Buckets {
+        Buckets {
+            members: self.units.iter().map(|u| u.params.clone()).collect(),
+            lengths: self.units.iter().map(|u| u.padded).collect(),
+        }
     }
 
     /// Elements of each rank's part of `unit`.

@@ -23,9 +23,9 @@ use crate::flat::FlatLayout;
 use crate::memory::ModelStateBytes;
 use crate::optimizer::{PlacedAdamW, bytes, to_f32};
 use crate::precision::{LossScaler, StepOutcome, cast};
-use crate::reducer::Reduction;
 use crate::sharded::{ZeroConfig, unscale};
 use burn::optim::AdamWConfig;
+use burn_ddp::reducer::Reduction;
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 

@@ -24,7 +24,6 @@ mod fully_sharded;
 mod memory;
 mod optimizer;
 mod precision;
-mod reducer;
 mod redundancy;
 mod sharded;
 

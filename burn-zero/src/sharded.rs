@@ -4,7 +4,7 @@
 //! its part. Each rank steps its shard and the updated shards are all-gathered into every
 //! replica.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::config::Config;
@@ -14,7 +14,9 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor};
 use burn_comm::Communicator;
 use burn_ddp::BackwardHooks;
+use burn_ddp::MissingGradient;
 use burn_ddp::params::{self, ParamSlot};
+use burn_ddp::reducer::{Buckets, Reducer, Reduction};
 
 use crate::ZeroError;
 use crate::clip::clip_global_norm;
@@ -22,9 +24,10 @@ use crate::flat::FlatLayout;
 use crate::memory::{ModelStateBytes, ZeroStage};
 use crate::optimizer::{PlacedAdamW, bytes, to_f32};
 use crate::precision::{LossScaler, MixedPrecision, StepOutcome, cast, overflowed};
-use crate::reducer::{Reducer, Reduction, UnitGrads};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+/// One reduced gradient per unit: the whole buffer or this rank's part.
+type UnitGrads<B> = Vec<Tensor<Inner<B>, 1>>;
 
 /// Settings shared by the ZeRO engines.
 #[derive(Config, Debug)]
@@ -113,6 +116,8 @@ pub struct ShardedDataParallel<B: BackwardHooks, M: AutodiffModule<B>> {
     config: ZeroConfig,
     names: Vec<String>,
     layout: Arc<FlatLayout>,
+    /// The units as the gradient reducer's buckets.
+    buckets: Arc<Buckets>,
     optimizer: PlacedAdamW<Inner<B>>,
     scaler: Option<LossScaler>,
     /// Parameters whose gradient got a part after it was taken: taken after backward from then
@@ -191,6 +196,7 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             comm,
             stage,
             config,
+            buckets: Arc::new(layout.buckets()),
             layout: Arc::new(layout),
             optimizer,
             grads: None,
@@ -281,8 +287,8 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         }
         let mut reducer = self.reducer()?;
         let waited = Instant::now();
-        reducer.take_params(&mut grads);
-        let (reduced, late) = reducer.finish()?;
+        reducer.take_rest(|slot| (slot.take_param)(&mut grads));
+        let (reduced, late, _) = finish(reducer)?;
         self.stats = ZeroStepStats {
             comm_wait: waited.elapsed(),
             overlapped_units: 0,
@@ -305,14 +311,11 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             ZeroStage::OptimizerState => Reduction::Whole,
             _ => Reduction::Part,
         };
-        Ok(Reducer::new(
-            slots,
-            self.layout.clone(),
-            reduction,
-            self.config.reduce_dtype(),
-            self.comm.clone(),
-            self.late.clone(),
-        ))
+        Ok(
+            Reducer::new(slots, self.buckets.clone(), reduction, self.comm.clone())?
+                .reduce_in(self.config.reduce_dtype())
+                .known_late(self.late.clone()),
+        )
     }
 
     /// Adds one reduction's gradients to this step's, and remembers which parameters got late
@@ -486,28 +489,10 @@ fn reduce<B: BackwardHooks>(
     reducer: Reducer<B>,
     overlap: bool,
 ) -> Result<(UnitGrads<B>, Vec<bool>, ZeroStepStats), ZeroError> {
-    let reducer = Arc::new(Mutex::new(Some(reducer)));
-    let loss = if overlap {
-        let hook = reducer.clone();
-        B::with_depth_hooks(
-            loss,
-            Arc::new(move |grads| {
-                if let Some(reducer) = lock(&hook).as_mut() {
-                    reducer.take_ready(grads);
-                }
-            }),
-        )
-    } else {
-        loss
-    };
-    let mut grads = loss.backward();
-    let mut reducer = lock(&reducer)
-        .take()
-        .expect("only backward borrows the reducer");
-    reducer.take_remaining(&mut grads);
-    let overlapped_units = reducer.overlapped;
+    let (mut reducer, mut grads) = reducer.backward(loss, overlap);
+    reducer.take_rest(|slot| (slot.take)(&mut grads));
     let waited = Instant::now();
-    let (reduced, late) = reducer.finish()?;
+    let (reduced, late, overlapped_units) = finish(reducer)?;
     Ok((
         reduced,
         late,
@@ -518,6 +503,25 @@ fn reduce<B: BackwardHooks>(
     ))
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
+/// Waits for `reducer`'s units: each unit's reduced gradient, the parameters that got late
+/// parts, and how many units started during backward. Every rank must have had a gradient for
+/// every parameter: a rank without one would step a stale shard.
+fn finish<B: AutodiffBackend>(
+    reducer: Reducer<B>,
+) -> Result<(UnitGrads<B>, Vec<bool>, usize), ZeroError> {
+    let reduced = reducer.finish()?;
+    let missing: Vec<MissingGradient> = reduced
+        .lacking
+        .iter()
+        .zip(&reduced.slots)
+        .filter(|(ranks, _)| !ranks.is_empty())
+        .map(|(ranks, slot)| MissingGradient {
+            name: slot.name.clone(),
+            ranks: ranks.clone(),
+        })
+        .collect();
+    if !missing.is_empty() {
+        return Err(ZeroError::MissingGradients(missing));
+    }
+    Ok((reduced.buffers, reduced.late, reduced.overlapped))
 }

@@ -1,5 +1,6 @@
 //! Replays one rank's actions of a [`Schedule`] on real model chunks, sending activations and
-//! gradients over burn-comm, and sums the weight gradients over the micro-batches.
+//! gradients over burn-comm, and hands the weight gradients to a [`GradientSink`] (by default
+//! [`Accumulate`], their sum over the micro-batches).
 //!
 //! burn has no backward that starts from a given output gradient, so a stage's backward is the
 //! backward of `sum(output * received_gradient)`, whose gradient with respect to the output is
@@ -16,12 +17,13 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use burn::module::{AutodiffModule, ModuleMapper, Param};
-use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, ElementConversion, Tensor};
 use burn_comm::Communicator;
 
 use crate::PipelineError;
+use crate::gradients::{Accumulate, GradientSink};
 use crate::schedule::{Action, Kind, Schedule};
 use crate::simulate::Span;
 
@@ -74,6 +76,15 @@ pub struct StepOutput {
     /// Gradients of this rank's chunks, summed over micro-batches (each loss divided by their
     /// number), times the step's loss scale.
     pub grads: GradientsParams,
+    /// The mean loss over the micro-batches, on the rank that holds the last stage.
+    pub loss: Option<f64>,
+    /// When each action ran, in seconds since the step's origin.
+    pub spans: Vec<Span>,
+}
+
+/// What one rank got out of a step whose gradients went to a sink.
+#[derive(Debug)]
+pub struct StepRun {
     /// The mean loss over the micro-batches, on the rank that holds the last stage.
     pub loss: Option<f64>,
     /// When each action ran, in seconds since the step's origin.
@@ -176,6 +187,28 @@ impl PipelineExecutor {
         device: &B::Device,
         origin: Instant,
     ) -> Result<StepOutput, M::Error> {
+        let mut sink = Accumulate::new(loss_scale);
+        let StepRun { loss, spans } =
+            self.step_into(chunks, batches, message, device, origin, &mut sink)?;
+        Ok(StepOutput {
+            grads: sink.grads(),
+            loss,
+            spans,
+        })
+    }
+
+    /// [`Self::step`] with the weight gradients handed to `sink` (which also gives the loss
+    /// scale), told for each backward whether it is its chunk's last of the step.
+    pub fn step_into<B: AutodiffBackend, M: PipelineStage<B>>(
+        &self,
+        chunks: &[M],
+        batches: &[M::Batch],
+        message: Message,
+        device: &B::Device,
+        origin: Instant,
+        sink: &mut impl GradientSink<B, M>,
+    ) -> Result<StepRun, M::Error> {
+        let loss_scale = sink.loss_scale();
         let schedule = &self.schedule;
         let (rank, m) = (self.comm.rank(), schedule.micro_batches);
         if !(loss_scale.is_finite() && loss_scale > 0.0) {
@@ -215,7 +248,13 @@ impl PipelineExecutor {
         let mut output_grads: HashMap<Key, Tensor<Inner<B>, 3>> = HashMap::new();
         let mut outgoing: HashMap<(Kind, usize, usize), Tensor<Inner<B>, 3>> = HashMap::new();
         let mut deferred: HashMap<Key, WeightHalf<Inner<B>>> = HashMap::new();
-        let mut accumulator = GradientsAccumulator::<M>::new();
+        // The action after which no backward adds to a stage's weight gradients.
+        let mut last_weight_action: HashMap<usize, usize> = HashMap::new();
+        for (index, action) in actions.iter().enumerate() {
+            if matches!(action.kind, Kind::Backward | Kind::BackwardWeight) {
+                last_weight_action.insert(action.stage, index);
+            }
+        }
         let mut loss_sum = 0.0;
         let mut spans = Vec::with_capacity(actions.len());
 
@@ -233,8 +272,9 @@ impl PipelineExecutor {
             }
         };
 
-        for action in actions {
+        for (index, action) in actions.iter().enumerate() {
             let start = origin.elapsed().as_secs_f64();
+            let completes_chunk = last_weight_action.get(&action.stage) == Some(&index);
             let key = (action.micro_batch, action.stage);
             let (mb, s) = key;
             match action.kind {
@@ -364,7 +404,11 @@ impl PipelineExecutor {
                     if whole || input.is_some() {
                         let target = target(output, grad, action)?;
                         self.enter_backward()?;
-                        let mut grads = target.backward();
+                        let mut grads = if whole {
+                            sink.backward(&module, target, completes_chunk)?
+                        } else {
+                            target.backward()
+                        };
                         if let Some(input) = input {
                             let input_grad = input
                                 .grad_remove(&mut grads)
@@ -374,10 +418,6 @@ impl PipelineExecutor {
                             } else {
                                 outgoing.insert((Kind::SendBackward, mb, s), input_grad);
                             }
-                        }
-                        if whole {
-                            let grads = GradientsParams::from_grads(grads, &module);
-                            accumulator.accumulate(chunk(s), grads);
                         }
                     }
                 }
@@ -389,9 +429,7 @@ impl PipelineExecutor {
                     let output = module.forward(input.map(Tensor::from_inner), &batches[mb])?;
                     let target = target(output, grad, action)?;
                     self.enter_backward()?;
-                    let grads = target.backward();
-                    let grads = GradientsParams::from_grads(grads, &module);
-                    accumulator.accumulate(chunk(s), grads);
+                    sink.backward(&module, target, completes_chunk)?;
                 }
             }
             spans.push(Span {
@@ -401,8 +439,7 @@ impl PipelineExecutor {
             });
         }
         let holds_last = self.stages().contains(&last);
-        Ok(StepOutput {
-            grads: accumulator.grads(),
+        Ok(StepRun {
             loss: holds_last.then(|| loss_sum / m as f64),
             spans,
         })

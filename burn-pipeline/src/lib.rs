@@ -19,13 +19,15 @@
 
 mod error;
 pub mod executor;
+pub mod gradients;
 pub mod schedule;
 pub mod simulate;
 pub mod split;
 mod svg;
 
 pub use error::PipelineError;
-pub use executor::{Message, PipelineExecutor, PipelineStage, StageOutput, StepOutput};
+pub use executor::{Message, PipelineExecutor, PipelineStage, StageOutput, StepOutput, StepRun};
+pub use gradients::{Accumulate, GradientSink};
 pub use schedule::{
     Action, Kind, Schedule, ScheduleKind, gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1,
 };

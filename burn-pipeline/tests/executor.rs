@@ -1,7 +1,8 @@
 //! The executor against one device: a chain of `tanh(x W)` layers with a squared-error loss,
 //! cut into stages, gives the same loss and the same weight gradients as the whole chain
 //! trained with gradient accumulation, under every schedule, with and without recompute; in
-//! bf16 as in fp32, and under a loss scale.
+//! bf16 as in fp32, and under a loss scale; with data-parallel replicas, their gradients
+//! averaged during the last backwards give the bits of averaging after the drain.
 
 use std::time::Instant;
 
@@ -10,6 +11,7 @@ use burn::module::{Module, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
+use burn_ddp::{DdpConfig, GradientSync};
 use burn_pipeline::{
     Message, PipelineError, PipelineExecutor, PipelineStage, Schedule, ScheduleKind, StageOutput,
     balance,
@@ -140,6 +142,50 @@ fn reference(layers: usize, micro_batches: usize, dtype: DType) -> (f64, Vec<Vec
     (loss_sum, per_layer)
 }
 
+/// This rank's chunks of the chain cut at `ranges`, in `dtype`.
+fn chunks(
+    executor: &PipelineExecutor,
+    ranges: &[std::ops::Range<usize>],
+    layers: usize,
+    dtype: DType,
+) -> Vec<Chain<B>> {
+    let all = weights(layers);
+    executor
+        .stages()
+        .into_iter()
+        .map(|s| Chain {
+            layers: all[ranges[s].clone()]
+                .iter()
+                .map(|w| param(w, dtype))
+                .collect(),
+            first: s == 0,
+            last: s + 1 == ranges.len(),
+        })
+        .collect()
+}
+
+/// The gradient of every layer this rank holds, by layer index.
+fn per_layer(
+    executor: &PipelineExecutor,
+    ranges: &[std::ops::Range<usize>],
+    chunks: &[Chain<B>],
+    grads: &GradientsParams,
+) -> Vec<(usize, Vec<f32>)> {
+    executor
+        .stages()
+        .into_iter()
+        .zip(chunks)
+        .flat_map(|(s, chunk)| {
+            ranges[s].clone().zip(&chunk.layers).map(move |(layer, w)| {
+                (
+                    layer,
+                    values(grads.get::<Inner, 2>(w.id).expect("a gradient")),
+                )
+            })
+        })
+        .collect()
+}
+
 /// Loss and per-layer gradients of the chain cut into stages and run under `kind`.
 fn pipelined(
     kind: ScheduleKind,
@@ -151,25 +197,12 @@ fn pipelined(
     numerics: Numerics,
 ) -> Result<(f64, Vec<Vec<f32>>), PipelineError> {
     let ranges = balance(&vec![1.0; layers], ranks * virtual_stages, 0.0, 0.0).unwrap();
-    let stages = ranges.len();
     let origin = Instant::now();
     let results = burn_comm::launch(ranks, |ctx| {
         let schedule = Schedule::new(kind, ranks, micro_batches, virtual_stages)?;
         let executor =
             PipelineExecutor::new(schedule, ctx.world().clone())?.with_recompute(recompute);
-        let all = weights(layers);
-        let chunks: Vec<Chain<B>> = executor
-            .stages()
-            .into_iter()
-            .map(|s| Chain {
-                layers: all[ranges[s].clone()]
-                    .iter()
-                    .map(|w| param(w, numerics.dtype))
-                    .collect(),
-                first: s == 0,
-                last: s + 1 == stages,
-            })
-            .collect();
+        let chunks = chunks(&executor, &ranges, layers, numerics.dtype);
         let out = executor.step(
             &chunks,
             &batches(micro_batches, numerics.dtype),
@@ -178,20 +211,7 @@ fn pipelined(
             &Default::default(),
             origin,
         )?;
-        let grads: Vec<(usize, Vec<f32>)> = executor
-            .stages()
-            .into_iter()
-            .zip(&chunks)
-            .flat_map(|(s, chunk)| {
-                let grads = &out.grads;
-                ranges[s].clone().zip(&chunk.layers).map(move |(layer, w)| {
-                    (
-                        layer,
-                        values(grads.get::<Inner, 2>(w.id).expect("a gradient")),
-                    )
-                })
-            })
-            .collect();
+        let grads = per_layer(&executor, &ranges, &chunks, &out.grads);
         Ok::<_, PipelineError>((out.loss, grads))
     });
     let mut loss = None;
@@ -340,4 +360,101 @@ fn a_loss_scale_scales_every_gradient_exactly_and_not_the_loss() {
     .unwrap_err()
     .to_string();
     assert!(error.contains("loss scale"), "{error}");
+}
+
+/// Loss and per-layer gradients of dp 2 x pp 2 (replica `d` taking micro-batches `d * m..`),
+/// the replicas averaging either through the executor's sink (`overlap`) or once the pipeline
+/// has drained; and the buckets each rank started during a backward.
+fn data_parallel(
+    kind: ScheduleKind,
+    virtual_stages: usize,
+    layers: usize,
+    micro_batches: usize,
+    recompute: bool,
+    overlap: bool,
+) -> ((f64, Vec<Vec<f32>>), Vec<usize>) {
+    let (dp, pp) = (2, 2);
+    let ranges = balance(&vec![1.0; layers], pp * virtual_stages, 0.0, 0.0).unwrap();
+    let every_batch = batches(dp * micro_batches, DType::F32);
+    let results = burn_comm::launch(dp * pp, |ctx| {
+        let mesh = ctx.mesh(&[("dp", dp), ("pp", pp)])?;
+        let replica = mesh.coord("dp")?;
+        let schedule = Schedule::new(kind, pp, micro_batches, virtual_stages)?;
+        let executor =
+            PipelineExecutor::new(schedule, mesh.group("pp")?.clone())?.with_recompute(recompute);
+        let chunks = chunks(&executor, &ranges, layers, DType::F32);
+        // One bucket per parameter, so a chunk's backward can start some before it ends.
+        let config = DdpConfig::new().with_bucket_cap_bytes(1);
+        let mut sync = GradientSync::new(&chunks, mesh.group("dp")?.clone(), config)
+            .map_err(|e| PipelineError::Config(e.to_string()))?;
+        let mine = &every_batch[replica * micro_batches..(replica + 1) * micro_batches];
+        let message = Message::new([MICRO, SEQ, HIDDEN], DType::F32);
+        let (device, origin) = (Default::default(), Instant::now());
+        let (run, grads) = if overlap {
+            let mut sink = sync.begin(&chunks).unwrap();
+            let run = executor.step_into(&chunks, mine, message, &device, origin, &mut sink)?;
+            (run.loss, sink.finish())
+        } else {
+            let out = executor.step(&chunks, mine, message, 1.0, &device, origin)?;
+            (out.loss, sync.average(&chunks, out.grads))
+        };
+        let grads = grads.map_err(|e| PipelineError::Config(e.to_string()))?;
+        let per_layer = per_layer(&executor, &ranges, &chunks, &grads);
+        let loss = mesh
+            .group("dp")?
+            .all_reduce(
+                Tensor::<Inner, 1>::from_floats([run.unwrap_or(0.0) as f32], &device),
+                burn_comm::ReduceOp::Avg,
+            )?
+            .into_scalar()
+            .elem::<f64>();
+        Ok::<_, PipelineError>((
+            run.map(|_| loss),
+            per_layer,
+            sync.stats().overlapped_buckets,
+        ))
+    });
+    let mut loss = None;
+    let mut per_layer = vec![Vec::new(); layers];
+    let mut overlapped = Vec::new();
+    for result in results {
+        let (rank_loss, grads, started) = result.unwrap_or_else(|e| panic!("{e}"));
+        loss = loss.or(rank_loss);
+        overlapped.push(started);
+        for (layer, grad) in grads {
+            per_layer[layer] = grad;
+        }
+    }
+    (
+        (loss.expect("the last stage reports the loss"), per_layer),
+        overlapped,
+    )
+}
+
+#[test]
+fn data_parallel_pipelines_average_during_their_last_backwards() {
+    let (layers, micro_batches) = (8, 4);
+    // One device over both replicas' micro-batches.
+    let want = reference(layers, 2 * micro_batches, DType::F32);
+    for (kind, v, recompute) in [
+        (ScheduleKind::OneFOneB, 1, false),
+        (ScheduleKind::OneFOneB, 1, true),
+        (ScheduleKind::Interleaved, 2, false),
+        (ScheduleKind::ZeroBubbleH1, 1, false),
+    ] {
+        let what = format!("dp 2 x pp 2 {kind} v {v} recompute {recompute}");
+        let run = |overlap| data_parallel(kind, v, layers, micro_batches, recompute, overlap);
+        let ((overlapped, started), (drained, none)) = (run(true), run(false));
+        // The same sums averaged in the same buckets: the same bits, whenever they start.
+        assert_eq!(
+            overlapped.1, drained.1,
+            "{what}: overlapped vs after the drain"
+        );
+        assert_matches(&what, overlapped, &want);
+        assert!(
+            started.iter().all(|&n| n > 0),
+            "{what}: every rank starts buckets during its backwards: {started:?}"
+        );
+        assert!(none.iter().all(|&n| n == 0), "{what}: {none:?}");
+    }
 }

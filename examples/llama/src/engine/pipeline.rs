@@ -1,6 +1,6 @@
 //! Pipeline parallelism: each rank trains its stages under a burn-pipeline schedule; the
-//! replicas of a stage (data parallelism) average its gradients once the pipeline has drained,
-//! or shard its optimizer state (ZeRO-1). At the end every rank of a pipeline hands its stages
+//! replicas of a stage (data parallelism) average its gradients in DDP's buckets, each chunk's
+//! starting during its last backward, or shard its optimizer state (ZeRO-1). At the end every rank of a pipeline hands its stages
 //! to the others, so each holds the whole model.
 
 use std::time::Instant;
@@ -11,7 +11,9 @@ use burn::optim::{AdamW, GradientsParams, Optimizer};
 use burn::tensor::DType;
 use burn_comm::{Communicator, ReduceOp};
 use burn_ddp::{BackwardHooks, GradientSync};
-use burn_pipeline::{Message, PipelineExecutor, Schedule, Span, StepOutput};
+use burn_pipeline::{
+    Accumulate, Message, PipelineExecutor, PipelineStage, Schedule, Span, StepRun,
+};
 use burn_zero::{ShardedDataParallel, ZeroStage};
 
 use super::{Engine, Finished, Stepped, TrainBackend, ZeroStep};
@@ -36,8 +38,6 @@ pub(crate) struct PipelineEngine<'a, B: TrainBackend> {
     message: Message,
     /// The step's micro-batches and the instant its clock started, from `prepare`.
     prepared: Option<(Vec<MicroBatch<B>>, Instant)>,
-    /// What the step's pipeline gave back, between forward_backward and step.
-    out: Option<(GradientsParams, f64)>,
     /// The timeline of the last step.
     spans: Vec<Span>,
 }
@@ -116,7 +116,6 @@ impl<'a, B: TrainBackend> PipelineEngine<'a, B> {
             ranges,
             message,
             prepared: None,
-            out: None,
             spans: Vec::new(),
         })
     }
@@ -145,24 +144,16 @@ impl<B: TrainBackend> Engine<B> for PipelineEngine<'_, B> {
         device: &B::Device,
     ) -> Result<f64, TrainError> {
         let (micro_batches, begun) = self.prepared.take().expect("prepare ran first");
-        let loss_scale = self.stepper.loss_scale();
-        let StepOutput { grads, loss, spans } = self.executor.step(
-            self.stepper.chunks(),
-            &micro_batches,
-            self.message,
-            loss_scale,
-            device,
-            begun,
-        )?;
-        self.out = Some((grads, loss_scale));
-        self.spans = spans;
+        let run = self
+            .stepper
+            .run(&self.executor, &micro_batches, self.message, device, begun)?;
+        self.spans = run.spans;
         // The last stage's rank knows the loss; the sum over the pipeline hands it to all.
-        Ok(loss.unwrap_or(0.0))
+        Ok(run.loss.unwrap_or(0.0))
     }
 
     fn step(&mut self, lr: f64) -> Result<Stepped, TrainError> {
-        let (grads, loss_scale) = self.out.take().expect("forward_backward ran first");
-        self.stepper.step(grads, loss_scale, lr)
+        self.stepper.step(lr)
     }
 
     fn loss_groups(&self) -> Vec<(Communicator, ReduceOp)> {
@@ -216,19 +207,22 @@ impl<B: TrainBackend> Engine<B> for PipelineEngine<'_, B> {
 }
 
 /// How a pipeline rank steps its chunks: burn's AdamW on gradients averaged over the
-/// replicas (in DDP's buckets, once the pipeline has drained), or ZeRO-1, whose optimizer state
-/// is sharded over them.
+/// replicas (DDP's buckets, each chunk's started during its last backward), or ZeRO-1, whose
+/// optimizer state is sharded over them.
 enum Stepper<B: BackwardHooks, S: AutodiffModule<B>> {
     Replicated {
         chunks: Vec<S>,
         optimizer: OptimizerAdaptor<AdamW, Vec<S>, B>,
         /// The replicas' gradient averaging; none without data parallelism.
         sync: Option<Box<GradientSync<B>>>,
+        /// The step's gradients and the time spent waiting for their averaging after the
+        /// pipeline drained, between `run` and `step`.
+        grads: Option<(GradientsParams, f64)>,
     },
     Zero(Box<ShardedDataParallel<B, Vec<S>>>),
 }
 
-impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
+impl<B: BackwardHooks, S: PipelineStage<B, Error = TrainError>> Stepper<B, S> {
     fn new(
         chunks: Vec<S>,
         config: &TrainConfig,
@@ -244,6 +238,7 @@ impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
                     chunks,
                     optimizer: config.optimizer().init::<B, Vec<S>>(),
                     sync,
+                    grads: None,
                 }
             }
             (stage, Some(dp)) => Self::Zero(Box::new(ShardedDataParallel::new(
@@ -261,42 +256,69 @@ impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
         })
     }
 
-    /// What the pipeline multiplies its losses by before their backward (f16 loss scaling).
-    fn loss_scale(&self) -> f64 {
-        match self {
-            Self::Replicated { .. } => 1.0,
-            Self::Zero(zero) => zero.loss_scale().unwrap_or(1.0),
-        }
-    }
-
-    fn chunks(&self) -> &Vec<S> {
-        match self {
-            Self::Replicated { chunks, .. } => chunks,
-            Self::Zero(zero) => zero.module(),
-        }
-    }
-
-    /// Steps with the pipeline's gradients (of its losses times `loss_scale`), reduced over
-    /// the replicas first.
-    fn step(
+    /// Runs the step's pipeline, its gradients going where this stepper wants them.
+    fn run(
         &mut self,
-        grads: GradientsParams,
-        loss_scale: f64,
-        lr: f64,
-    ) -> Result<Stepped, TrainError> {
+        executor: &PipelineExecutor,
+        micro_batches: &[S::Batch],
+        message: Message,
+        device: &B::Device,
+        begun: Instant,
+    ) -> Result<StepRun, TrainError> {
+        match self {
+            Self::Replicated {
+                chunks,
+                sync: Some(sync),
+                grads,
+                ..
+            } => {
+                let mut step = sync.begin(chunks)?;
+                let run =
+                    executor.step_into(chunks, micro_batches, message, device, begun, &mut step)?;
+                let waited = Instant::now();
+                *grads = Some((step.finish()?, waited.elapsed().as_secs_f64()));
+                Ok(run)
+            }
+            Self::Replicated {
+                chunks,
+                sync: None,
+                grads,
+                ..
+            } => {
+                let mut sum = Accumulate::new(1.0);
+                let run =
+                    executor.step_into(chunks, micro_batches, message, device, begun, &mut sum)?;
+                *grads = Some((sum.grads(), 0.0));
+                Ok(run)
+            }
+            Self::Zero(zero) => {
+                // ZeRO reduces the whole sum once the pipeline has drained.
+                let loss_scale = zero.loss_scale().unwrap_or(1.0);
+                let mut sum = Accumulate::new(loss_scale);
+                let run = executor.step_into(
+                    zero.module(),
+                    micro_batches,
+                    message,
+                    device,
+                    begun,
+                    &mut sum,
+                )?;
+                zero.add_gradients(sum.grads(), loss_scale)?;
+                Ok(run)
+            }
+        }
+    }
+
+    /// Steps with the gradients of the last `run`.
+    fn step(&mut self, lr: f64) -> Result<Stepped, TrainError> {
         match self {
             Self::Replicated {
                 chunks,
                 optimizer,
-                sync,
+                grads,
+                ..
             } => {
-                let mut grads = grads;
-                let mut wait = 0.0;
-                if let Some(sync) = sync {
-                    let waited = Instant::now();
-                    grads = sync.average(chunks, grads)?;
-                    wait = waited.elapsed().as_secs_f64();
-                }
+                let (grads, wait) = grads.take().expect("run came first");
                 *chunks = optimizer.step(lr, std::mem::take(chunks), grads);
                 Ok(Stepped {
                     comm_wait_s: wait,
@@ -304,7 +326,6 @@ impl<B: BackwardHooks, S: AutodiffModule<B>> Stepper<B, S> {
                 })
             }
             Self::Zero(zero) => {
-                zero.add_gradients(grads, loss_scale)?;
                 let wait = zero.stats().comm_wait.as_secs_f64();
                 Ok(Stepped {
                     comm_wait_s: wait,

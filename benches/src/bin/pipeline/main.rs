@@ -14,7 +14,12 @@
 //! oversubscribed: waiting for a core then counts as busy, and the measured bubble is a lower
 //! bound. A tensor received from another rank stays charged to its sender.
 //!
+//! Then dp x pp (`--dp`, `--dp-pp`): the replicas of each stage average their gradients after
+//! the pipeline has drained or overlapped with its last backwards ([`dp`]).
+//!
 //! `cargo run --release -p benches --bin pipeline -- --help`
+
+mod dp;
 
 use std::time::Instant;
 
@@ -65,6 +70,15 @@ struct Args {
     /// Rounds over all configurations; the medians pool the rounds.
     #[arg(long, default_value_t = 2)]
     repeats: usize,
+    /// Data-parallel replicas of the dp x pp comparison (0 skips it).
+    #[arg(long, default_value_t = 2)]
+    dp: usize,
+    /// Pipeline ranks of the dp x pp comparison.
+    #[arg(long, default_value_t = 2)]
+    dp_pp: usize,
+    /// DDP bucket size in MiB for the dp x pp comparison (small, so the model makes several).
+    #[arg(long, default_value_t = 1.0)]
+    bucket_mb: f64,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/pipeline.json")]
     json: String,
@@ -137,6 +151,16 @@ fn main() {
         "--batch-size {} must be a multiple of --micro-batches {}",
         args.batch_size,
         args.micro_batches
+    );
+    assert!(
+        args.dp == 0 || args.dp_pp >= 2,
+        "--dp-pp {} must be at least 2: a pipeline has two stages or more",
+        args.dp_pp
+    );
+    assert!(
+        args.bucket_mb.is_finite() && args.bucket_mb > 0.0,
+        "--bucket-mb {} must be a positive number of MiB",
+        args.bucket_mb
     );
     let config = benches::preset(&args.model);
     let data = MarkovSource::new(16, 3, args.seq_len, 4096, 1);
@@ -263,7 +287,26 @@ fn main() {
         });
     }
     print_tables(&rows);
-    benches::write_json(&args.json, &rows);
+    let dp_rows = if args.dp > 0 {
+        let dp_rows = dp::measure(&args, &config, &data, base_step);
+        dp::print(&dp_rows);
+        dp_rows
+    } else {
+        Vec::new()
+    };
+    benches::write_json(
+        &args.json,
+        &Results {
+            pipeline: rows,
+            dp_pp: dp_rows,
+        },
+    );
+}
+
+#[derive(Serialize)]
+struct Results {
+    pipeline: Vec<Row>,
+    dp_pp: Vec<dp::Row>,
 }
 
 fn print_tables(rows: &[Row]) {
@@ -341,6 +384,26 @@ fn calibrate(timelines: &[Timeline], virtual_stages: usize) -> Costs {
         backward_weight: cost(&|s| s.action.kind == Kind::BackwardWeight) * v,
         send: cost(&|s| matches!(s.action.kind, Kind::SendForward | Kind::SendBackward)),
     }
+}
+
+/// This rank's chunks of the seeded model cut into `pp * v` stages.
+fn seeded_chunks(
+    config: &LlamaConfig,
+    executor: &PipelineExecutor,
+    pp: usize,
+    v: usize,
+) -> Result<Vec<Llama<B>>, TrainError> {
+    let ranges = split(config, pp, v)?;
+    let mut stages: Vec<Option<Llama<B>>> = Llama::init(config, 42, &Default::default())
+        .cut(&ranges)
+        .into_iter()
+        .map(Some)
+        .collect();
+    Ok(executor
+        .stages()
+        .iter()
+        .map(|&s| stages[s].take().expect("each stage once"))
+        .collect())
 }
 
 /// Micro-batch `mb` of step `step`: `[micro, seq]` inputs and their next tokens.
@@ -427,18 +490,7 @@ fn pipeline_rank(
     let slot = comm.rank() + 1;
     let schedule = Schedule::new(layout.kind, pp, m, v)?;
     let executor = PipelineExecutor::new(schedule, comm.clone())?.with_recompute(layout.recompute);
-    let ranges = split(config, pp, v)?;
-    let mut stages: Vec<Option<Llama<B>>> = Llama::init(config, 42, &device)
-        .cut(&ranges)
-        .into_iter()
-        .map(Some)
-        .collect();
-    let mut chunks: Vec<Llama<B>> = executor
-        .stages()
-        .iter()
-        .map(|&s| stages[s].take().expect("each stage once"))
-        .collect();
-    drop(stages);
+    let mut chunks = seeded_chunks(config, &executor, pp, v)?;
     let mut optimizer = AdamWConfig::new().init::<B, Vec<Llama<B>>>();
     let message = Message::new(
         [args.batch_size / m, args.seq_len, config.hidden_size],

@@ -55,6 +55,8 @@ pub struct FullyShardedDataParallel<B: AutodiffBackend, S: PipelineStage<B>> {
     shard: Vec<Tensor<Inner<B>, 1>>,
     optimizer: PlacedAdamW<Inner<B>>,
     scaler: Option<LossScaler>,
+    /// The ranks that agree on skipping a step for overflow, when more than the group.
+    overflow_group: Option<Communicator>,
     /// This rank's part of each unit's gradient, summed over the step's micro-batches.
     grads: Option<Vec<Tensor<Inner<B>, 1>>>,
     memory: ModelStateBytes,
@@ -131,6 +133,7 @@ where
             shard,
             optimizer,
             scaler,
+            overflow_group: None,
             grads: None,
             memory: ModelStateBytes::default(),
             grad_norm: None,
@@ -142,6 +145,14 @@ where
     /// burn-pipeline's `PipelineExecutor::with_backward_group`.
     pub fn with_backward_group(mut self, group: Communicator) -> Self {
         self.backward_group = Some(group);
+        self
+    }
+
+    /// Agrees on overflow (f16 loss scaling) over `group`, which holds this engine's group:
+    /// the whole job when other ranks hold other parts of the model (tensor parallelism), so
+    /// they all skip the same steps; see `ShardedDataParallel::with_overflow_group`.
+    pub fn with_overflow_group(mut self, group: Communicator) -> Self {
+        self.overflow_group = Some(group);
         self
     }
 
@@ -268,7 +279,8 @@ where
         })?;
         let grad_bytes = grads.iter().map(bytes).sum();
         let grad = params::concat(grads.into_iter().map(to_f32).collect());
-        let grad = match unscale(&self.comm, self.scaler.as_mut(), grad)? {
+        let agree = self.overflow_group.as_ref().unwrap_or(&self.comm);
+        let grad = match unscale(agree, self.scaler.as_mut(), grad)? {
             Ok(grad) => grad,
             Err(skipped) => return Ok(skipped),
         };

@@ -120,6 +120,9 @@ pub struct ShardedDataParallel<B: BackwardHooks, M: AutodiffModule<B>> {
     buckets: Arc<Buckets>,
     optimizer: PlacedAdamW<Inner<B>>,
     scaler: Option<LossScaler>,
+    /// The ranks that agree on skipping a step for overflow, when more than the data-parallel
+    /// group: every rank holding a part of the model (tensor and pipeline parallelism).
+    overflow_group: Option<Communicator>,
     /// Parameters whose gradient got a part after it was taken: taken after backward from then
     /// on, as DDP does.
     late: Vec<bool>,
@@ -191,6 +194,7 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         Ok(Self {
             module: Some(module),
             scaler,
+            overflow_group: None,
             late: vec![false; slots.len()],
             names: slots.iter().map(|s| s.name.clone()).collect(),
             comm,
@@ -204,6 +208,16 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             stats: ZeroStepStats::default(),
             grad_norm: None,
         })
+    }
+
+    /// Agrees on overflow (f16 loss scaling) over `group` rather than the data-parallel group
+    /// alone: give the whole job when other ranks hold other parts of the model (tensor- or
+    /// pipeline-parallel), so that they all skip the same steps and keep one loss scale, as
+    /// Megatron agrees on `found_inf` over its model-parallel group. `group` must hold the
+    /// data-parallel group's ranks.
+    pub fn with_overflow_group(mut self, group: Communicator) -> Self {
+        self.overflow_group = Some(group);
+        self
     }
 
     /// The local replica, for the forward pass.
@@ -353,7 +367,8 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
                 _ => to_f32(g),
             })
             .collect();
-        let grad = match unscale(&self.comm, self.scaler.as_mut(), params::concat(grad))? {
+        let agree = self.overflow_group.as_ref().unwrap_or(&self.comm);
+        let grad = match unscale(agree, self.scaler.as_mut(), params::concat(grad))? {
             Ok(grad) => grad,
             Err(skipped) => return Ok(skipped),
         };

@@ -3,7 +3,8 @@
 //! padded, and the errors: a parameter without a gradient named on every rank, a step before
 //! any backward, stage 3 asked of the replicated engine, a unit that returns the loss early.
 //! Mixed precision: 16-bit parameters are the rounded fp32 master weights, which keep updates
-//! smaller than 16 bits can hold; an f16 overflow on one rank skips the step on every rank.
+//! smaller than 16 bits can hold; an f16 overflow on one rank skips the step on every rank, and
+//! with an overflow group on the ranks holding other parts of the model too.
 
 use burn::backend::{Autodiff, Flex};
 use burn::grad_clipping::GradientClippingConfig;
@@ -467,6 +468,44 @@ fn an_f16_overflow_on_one_rank_skips_the_step_on_every_rank_and_backs_the_scale_
     );
     assert!(outcomes.contains(&StepOutcome::Applied), "{outcomes:?}");
     assert!(changed, "the applied steps moved the weights");
+}
+
+#[test]
+fn an_overflow_group_makes_ranks_holding_other_parts_of_the_model_skip_together() {
+    let scale = LossScaleConfig::new().with_init_scale(2f64.powi(10));
+    let config =
+        ZeroConfig::new().with_precision(Some(MixedPrecision::f16().with_loss_scale(Some(scale))));
+    let results = launch(2, |ctx| {
+        // Each rank its own data-parallel group of one, as two pipeline stages are; only rank
+        // 1's gradients overflow (a factor past f16's 65504).
+        let alone = ctx.world().split("dp", ctx.rank())?;
+        let step = |agree: bool| {
+            let mut zero = ShardedDataParallel::new(
+                Net::new(),
+                alone.clone(),
+                ZeroStage::Gradients,
+                &adamw(),
+                config.clone(),
+            )?;
+            if agree {
+                zero = zero.with_overflow_group(ctx.world().clone());
+            }
+            let loss = zero
+                .module()
+                .loss(batch(ctx.rank(), 0).cast(DType::F16), true);
+            zero.backward(loss * if ctx.rank() == 0 { 1e-3 } else { 1e6 })?;
+            zero.step(0.01)
+        };
+        Ok::<_, ZeroError>((step(false)?, step(true)?))
+    });
+    let results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+    let skipped = |o: &StepOutcome| matches!(o, StepOutcome::Skipped { .. });
+    assert_eq!(results[0].0, StepOutcome::Applied, "alone, rank 0 steps");
+    assert!(skipped(&results[1].0), "{:?}", results[1].0);
+    assert!(
+        skipped(&results[0].1) && skipped(&results[1].1),
+        "{results:?}"
+    );
 }
 
 #[test]

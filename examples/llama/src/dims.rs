@@ -75,8 +75,7 @@ impl ParallelDims {
             config.seq_len,
         )
         .map_err(TrainError::Config)?;
-        if config.model.tie_word_embeddings && (self.pp > 1 || config.zero == ZeroStage::Parameters)
-        {
+        if config.model.tie_word_embeddings && config.zero == ZeroStage::Parameters {
             return Err(TrainError::Config(TIED_NOT_SPLIT.into()));
         }
         if config.strategy == Strategy::ParameterServer && self.tp > 1 {
@@ -161,6 +160,7 @@ impl ParallelDims {
             }
         };
         Ok(Groups {
+            world: Some(world.clone()),
             dp: group("dp")?,
             pp: group("pp")?,
             tp: group("tp")?.map(|tp| config.tensor_parallel(&tp)),
@@ -171,6 +171,9 @@ impl ParallelDims {
 /// One rank's groups; none where the layout has no such dimension.
 #[derive(Clone, Default)]
 pub struct Groups {
+    /// Every rank of the job: where the ranks agree on what all of them must (an f16
+    /// overflow skipping a step).
+    pub world: Option<Communicator>,
     /// The replicas of this rank's weights (data parallelism).
     pub dp: Option<Communicator>,
     /// One rank per stage of this rank's pipeline, in stage order.

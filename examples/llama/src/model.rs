@@ -304,7 +304,9 @@ pub struct Part {
 /// The decoder, or a part of it (see [`Part`]).
 #[derive(Module, Debug)]
 pub struct Llama<B: Backend> {
-    /// `[vocab, hidden]`, vocab-parallel; on the part holding the first block.
+    /// `[vocab, hidden]`, vocab-parallel; on the part holding the first block, and when the
+    /// head is tied to it, a copy (same id) on the part holding the last block for the head,
+    /// whose gradient the pipeline sums with the first's (Megatron's embedding group).
     pub embed_tokens: Option<Param<Tensor<B, 2>>>,
     /// Transformer blocks.
     pub layers: Vec<Block<B>>,
@@ -420,7 +422,8 @@ impl<B: Backend> Llama<B> {
     }
 
     /// The parts of this whole model holding the blocks in `ranges`, in order: the first with
-    /// the embedding, the last with the final norm and head.
+    /// the embedding, the last with the final norm and head (a copy of the embedding when the
+    /// head is tied to it).
     pub fn cut(self, ranges: &[Range<usize>]) -> Vec<Self> {
         let tiles = ranges.first().map(|r| r.start) == Some(self.part.layers.start)
             && ranges.last().map(|r| r.end) == Some(self.part.layers.end)
@@ -433,13 +436,21 @@ impl<B: Backend> Llama<B> {
         );
         let last = ranges.len() - 1;
         let mut blocks = self.layers.into_iter();
-        let (mut embed_tokens, mut norm, mut lm_head) =
-            (self.embed_tokens, self.norm, self.lm_head);
+        let tied_copy = self
+            .embed_tokens
+            .clone()
+            .filter(|_| self.part.config.tie_word_embeddings && last > 0);
+        let (mut embed_tokens, mut tied_copy, mut norm, mut lm_head) =
+            (self.embed_tokens, tied_copy, self.norm, self.lm_head);
         ranges
             .iter()
             .enumerate()
             .map(|(s, range)| Self {
-                embed_tokens: if s == 0 { embed_tokens.take() } else { None },
+                embed_tokens: match s {
+                    0 => embed_tokens.take(),
+                    s if s == last => tied_copy.take(),
+                    _ => None,
+                },
                 layers: blocks.by_ref().take(range.len()).collect(),
                 norm: if s == last { norm.take() } else { None },
                 lm_head: if s == last { lm_head.take() } else { None },
@@ -451,7 +462,8 @@ impl<B: Backend> Llama<B> {
             .collect()
     }
 
-    /// The whole model from all its parts, in order.
+    /// The whole model from all its parts, in order (a tied head's copy of the embedding is
+    /// dropped: it equals the first part's).
     pub fn join(parts: Vec<Self>) -> Self {
         let mut parts = parts.into_iter();
         let mut whole = parts.next().expect("a model has at least one part");
@@ -511,7 +523,9 @@ impl<B: TpBackend> Llama<B> {
     ) -> Result<Tensor<B, 3>, TpError> {
         let tp = self.part.tp.as_ref();
         let config = &self.part.config;
-        let mut x = match (&self.embed_tokens, input) {
+        // A later part's embedding is a tied head's copy, not the input's.
+        let reads_tokens = self.part.layers.start == 0;
+        let mut x = match (self.embed_tokens.as_ref().filter(|_| reads_tokens), input) {
             (Some(table), None) => match tp {
                 None => embed(table, inputs.clone()),
                 Some(tp) => {
@@ -557,7 +571,9 @@ impl<B: TpBackend> Llama<B> {
         match (&self.lm_head, &self.embed_tokens) {
             (Some(lm_head), _) if !tied => Ok(lm_head.val()),
             (None, Some(table)) if tied => Ok(table.val().transpose()),
-            (None, None) if tied => Err(TpError::Config(TIED_NOT_SPLIT.into())),
+            (None, None) if tied => Err(TpError::Config(
+                "the last part of a tied model holds no copy of the embedding for its head; cut the model with Llama::cut".into(),
+            )),
             _ => Err(TpError::Config(format!(
                 "the head of this part does not match the model: {} model, lm_head {}",
                 if tied { "a tied" } else { "an untied" },
@@ -589,7 +605,7 @@ impl<B: TpBackend> Llama<B> {
 }
 
 /// Why a tied model is refused where its head would be apart from its embedding.
-pub const TIED_NOT_SPLIT: &str = "the model ties its head to its embedding (tie_word_embeddings), which is not yet split over --pp or ZeRO-3's units; train it with --dp, --tp and --zero 0, 1 or 2";
+pub const TIED_NOT_SPLIT: &str = "the model ties its head to its embedding (tie_word_embeddings), which is not yet split over ZeRO-3's units; train it with --zero 0, 1 or 2 (with any --dp, --tp and --pp)";
 
 /// The rows of `table` `[vocab, hidden]` for `tokens` `[batch, seq]`: `[batch, seq, hidden]`.
 pub fn embed<B: Backend>(table: &Param<Tensor<B, 2>>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {

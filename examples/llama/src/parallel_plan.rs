@@ -222,7 +222,12 @@ impl ParallelPlan {
             );
         }
         if model.tie_word_embeddings {
-            let _ = writeln!(out, "  (lm_head is tied to embed_tokens)");
+            let copy = if self.stages.len() > 1 {
+                "; the last stage holds a copy, its gradient summed with the first stage's"
+            } else {
+                ""
+            };
+            let _ = writeln!(out, "  (lm_head is tied to embed_tokens{copy})");
         }
         let last = self.stages.len() - 1;
         let balance = match self.balance {

@@ -75,8 +75,15 @@ impl StageCosts {
         let (h, v) = (config.hidden_size as f64, config.vocab_size as f64);
         let total = config.num_params() as f64;
         let embedding = v * h;
+        // A tied head has no parameters of its own, but the last stage holds a copy of the
+        // embedding for it and does the head's work: it costs as much either way.
+        let own_head = if config.tie_word_embeddings {
+            0.0
+        } else {
+            h * v
+        };
         let tail = h + h * v;
-        let block = (total - embedding - tail) / config.num_hidden_layers as f64;
+        let block = (total - embedding - h - own_head) / config.num_hidden_layers as f64;
         Self {
             blocks: vec![block; config.num_hidden_layers],
             embedding,
@@ -265,11 +272,19 @@ mod tests {
     use burn_comm::DeviceMesh;
 
     #[test]
+    fn a_tied_head_costs_its_blocks_and_its_last_stage_the_same_as_an_untied_one() {
+        let untied = LlamaConfig::preset("tiny").unwrap();
+        let tied = untied.clone().with_tie_word_embeddings(true);
+        assert_eq!(StageCosts::params(&tied), StageCosts::params(&untied));
+    }
+
+    #[test]
     fn every_rank_gets_the_first_ranks_costs() {
         let results = burn_comm::launch(8, |ctx| {
             let mesh = DeviceMesh::new(ctx.world(), &[("dp", 2), ("pp", 2), ("tp", 2)])?;
             let tp = TensorParallel::new(mesh.group("tp")?.clone());
             let groups = Groups {
+                world: Some(ctx.world().clone()),
                 pp: Some(mesh.group("pp")?.clone()),
                 dp: Some(mesh.group("dp")?.clone()),
                 tp: Some(tp),

@@ -4,7 +4,8 @@
 //! sequence parallelism, and all three on a 2 x 2 x 2 mesh), and split by measured time. Interleaving 4 ranks x 2 chunks
 //! needs 8 blocks, so that case trains `tiny` with 8 layers against its own oracle. Llama 3's
 //! scaled rotary positions are checked in each way of splitting the model (tp + sp, pp,
-//! pp x tp) against their own one-device oracle.
+//! pp x tp) against their own one-device oracle. A head tied to the embedding matches one
+//! device under pp (1F1B, interleaved, ZB-H1 at pp 4), dp x pp with DDP and ZeRO-1, and pp x tp.
 //!
 //! Tolerances are in `common`: micro-batch means summed one by one differ in float32 rounding
 //! from one mean over the whole batch.
@@ -12,6 +13,7 @@
 mod common;
 
 use burn_pipeline::ScheduleKind;
+use burn_zero::ZeroStage;
 use common::*;
 use llama::rope::RopeScaling;
 use llama::train::{Strategy, TrainConfig};
@@ -158,4 +160,39 @@ fn scaled_rotary_positions_match_one_device_in_every_model_split() {
     both.tp = 2;
     both.grad_accum = Some(4);
     assert_close(&oracle, &run(&both), "llama3 rotary, pp 2 x tp 2 1f1b");
+}
+
+#[test]
+fn a_tied_head_matches_one_device_in_every_pipeline_layout() {
+    // The last stage's copy of the embedding and the first stage's sum their gradients.
+    let mut base = config(Strategy::Single, 1);
+    base.model.tie_word_embeddings = true;
+    let oracle = run(&base);
+    for (pp, schedule, v) in [
+        (2, ScheduleKind::OneFOneB, 1),
+        (2, ScheduleKind::Interleaved, 2),
+        (4, ScheduleKind::ZeroBubbleH1, 1),
+    ] {
+        let what = format!("tied, pp {pp} {schedule} v {v}");
+        assert_close(&oracle, &pipelined(&base, pp, schedule, v, false), &what);
+    }
+    let layout = |dp: usize, tp: usize, zero: ZeroStage| {
+        let mut config = base.clone();
+        config.strategy = if dp > 1 {
+            Strategy::Ddp
+        } else {
+            Strategy::Single
+        };
+        (config.dp, config.tp, config.pp, config.zero) = (dp, tp, 2, zero);
+        config.grad_accum = Some(4 / dp);
+        config
+    };
+    for (dp, tp, zero) in [
+        (2, 1, ZeroStage::Replicated),
+        (2, 1, ZeroStage::OptimizerState),
+        (1, 2, ZeroStage::Replicated),
+    ] {
+        let what = format!("tied, dp {dp} x pp 2 x tp {tp}, {zero:?}");
+        assert_close(&oracle, &run(&layout(dp, tp, zero)), &what);
+    }
 }

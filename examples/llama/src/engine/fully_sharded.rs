@@ -2,9 +2,9 @@
 //! the final norm and head with the last), each gathered from its shards for its forward and
 //! again for its backward; each rank keeps and steps only its shard.
 
+use crate::dims::Groups;
 use burn::module::AutodiffModule;
 use burn_comm::{Communicator, ReduceOp};
-use burn_tensor_parallel::TensorParallel;
 use burn_zero::FullyShardedDataParallel;
 
 use super::{Engine, Finished, Stepped, TrainBackend, ZeroStep};
@@ -20,14 +20,15 @@ pub(crate) struct FullyShardedEngine<'a, B: TrainBackend> {
 }
 
 impl<'a, B: TrainBackend> FullyShardedEngine<'a, B> {
-    /// Shards `model`'s units (the plan's, each cut over `tp` too) over `dp`.
+    /// Shards `model`'s units (the plan's, each cut over `groups`' tp too) over `dp`.
     pub fn new(
         config: &TrainConfig,
         plan: &'a ParallelPlan,
         model: Llama<B>,
-        tp: Option<&TensorParallel>,
+        groups: &Groups,
         dp: Communicator,
     ) -> Result<Self, TrainError> {
+        let tp = groups.tp.as_ref();
         let ranges = plan.units.as_ref().expect("ZeRO-3's plan has its units");
         let units = model
             .cut(ranges)
@@ -42,6 +43,10 @@ impl<'a, B: TrainBackend> FullyShardedEngine<'a, B> {
         )?;
         if let Some(tp) = tp {
             fsdp = fsdp.with_backward_group(tp.comm().clone());
+        }
+        // Tensor-parallel peers skip the same steps for overflow.
+        if let Some(world) = &groups.world {
+            fsdp = fsdp.with_overflow_group(world.clone());
         }
         Ok(Self { plan, fsdp, dp })
     }

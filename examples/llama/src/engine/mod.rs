@@ -155,7 +155,7 @@ pub(crate) fn choose<'a, B: TrainBackend>(
     };
     let tp = groups.tp.as_ref();
     if config.zero == ZeroStage::Parameters {
-        let engine = fully_sharded::FullyShardedEngine::new(config, plan, model, tp, dp())?;
+        let engine = fully_sharded::FullyShardedEngine::new(config, plan, model, groups, dp())?;
         return Ok(Box::new(engine));
     }
     let replica = plan.shard(model, tp)?;
@@ -164,7 +164,13 @@ pub(crate) fn choose<'a, B: TrainBackend>(
         (Strategy::Ddp, ZeroStage::Replicated) => {
             Box::new(ddp::DdpEngine::new(config, plan, replica, dp())?)
         }
-        (Strategy::Ddp, _) => Box::new(sharded::ShardedEngine::new(config, plan, replica, dp())?),
+        (Strategy::Ddp, _) => Box::new(sharded::ShardedEngine::new(
+            config,
+            plan,
+            replica,
+            dp(),
+            groups.world.clone(),
+        )?),
         (Strategy::ParameterServer, _) => Box::new(parameter_server::ParameterServerEngine::new(
             config,
             plan,

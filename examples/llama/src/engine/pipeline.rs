@@ -1,14 +1,17 @@
 //! Pipeline parallelism: each rank trains its stages under a burn-pipeline schedule; the
 //! replicas of a stage (data parallelism) average its gradients in DDP's buckets, each chunk's
-//! starting during its last backward, or shard its optimizer state (ZeRO-1). At the end every rank of a pipeline hands its stages
-//! to the others, so each holds the whole model.
+//! starting during its last backward, or shard its optimizer state (ZeRO-1). A head tied to
+//! the embedding holds a copy on the last stage whose gradient is summed with the first's. At
+//! the end every rank of a pipeline hands its stages to the others, so each holds the whole
+//! model.
 
 use std::time::Instant;
 
-use burn::module::{AutodiffModule, Module};
+use burn::module::{AutodiffModule, Module, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsParams, Optimizer};
 use burn::tensor::DType;
+use burn::tensor::backend::AutodiffBackend;
 use burn_comm::{Communicator, ReduceOp};
 use burn_ddp::{BackwardHooks, GradientSync};
 use burn_pipeline::{
@@ -105,11 +108,12 @@ impl<'a, B: TrainBackend> PipelineEngine<'a, B> {
             ],
             dtype,
         );
+        let tied = TiedEmbedding::new(config, &pp, &chunks)?;
         Ok(Self {
             config,
             plan,
             executor,
-            stepper: Stepper::new(chunks, config, groups.dp.as_ref())?,
+            stepper: Stepper::new(chunks, config, groups, tied)?,
             pp,
             dp: groups.dp.clone(),
             mine,
@@ -218,19 +222,26 @@ enum Stepper<B: BackwardHooks, S: AutodiffModule<B>> {
         /// The step's gradients and the time spent waiting for their averaging after the
         /// pipeline drained, between `run` and `step`.
         grads: Option<(GradientsParams, f64)>,
+        tied: Option<TiedEmbedding>,
     },
-    Zero(Box<ShardedDataParallel<B, Vec<S>>>),
+    Zero {
+        zero: Box<ShardedDataParallel<B, Vec<S>>>,
+        tied: Option<TiedEmbedding>,
+    },
 }
 
 impl<B: BackwardHooks, S: PipelineStage<B, Error = TrainError>> Stepper<B, S> {
     fn new(
         chunks: Vec<S>,
         config: &TrainConfig,
-        dp: Option<&Communicator>,
+        groups: &Groups,
+        tied: Option<TiedEmbedding>,
     ) -> Result<Self, TrainError> {
-        Ok(match (config.zero, dp) {
+        Ok(match (config.zero, groups.dp.as_ref()) {
             (ZeroStage::Replicated, _) => {
-                let sync = dp
+                let sync = groups
+                    .dp
+                    .as_ref()
                     .map(|dp| GradientSync::new(&chunks, dp.clone(), config.ddp.clone()))
                     .transpose()?
                     .map(Box::new);
@@ -239,15 +250,27 @@ impl<B: BackwardHooks, S: PipelineStage<B, Error = TrainError>> Stepper<B, S> {
                     optimizer: config.optimizer().init::<B, Vec<S>>(),
                     sync,
                     grads: None,
+                    tied,
                 }
             }
-            (stage, Some(dp)) => Self::Zero(Box::new(ShardedDataParallel::new(
-                chunks,
-                dp.clone(),
-                stage,
-                &config.optimizer(),
-                config.zero_engine_config(),
-            )?)),
+            (stage, Some(dp)) => {
+                let mut zero = ShardedDataParallel::new(
+                    chunks,
+                    dp.clone(),
+                    stage,
+                    &config.optimizer(),
+                    config.zero_engine_config(),
+                )?;
+                // Every stage skips the same steps for overflow and keeps one loss scale: the
+                // last stage scales the loss that every stage's gradients come from.
+                if let Some(world) = &groups.world {
+                    zero = zero.with_overflow_group(world.clone());
+                }
+                Self::Zero {
+                    zero: Box::new(zero),
+                    tied,
+                }
+            }
             (_, None) => {
                 return Err(TrainError::Config(
                     "ZeRO shards over the data-parallel group; use --strategy ddp".into(),
@@ -270,28 +293,34 @@ impl<B: BackwardHooks, S: PipelineStage<B, Error = TrainError>> Stepper<B, S> {
                 chunks,
                 sync: Some(sync),
                 grads,
+                tied,
                 ..
             } => {
                 let mut step = sync.begin(chunks)?;
                 let run =
                     executor.step_into(chunks, micro_batches, message, device, begun, &mut step)?;
                 let waited = Instant::now();
-                *grads = Some((step.finish()?, waited.elapsed().as_secs_f64()));
+                let mut averaged = step.finish()?;
+                TiedEmbedding::sum::<B>(tied, &mut averaged)?;
+                *grads = Some((averaged, waited.elapsed().as_secs_f64()));
                 Ok(run)
             }
             Self::Replicated {
                 chunks,
                 sync: None,
                 grads,
+                tied,
                 ..
             } => {
                 let mut sum = Accumulate::new(1.0);
                 let run =
                     executor.step_into(chunks, micro_batches, message, device, begun, &mut sum)?;
-                *grads = Some((sum.grads(), 0.0));
+                let mut summed = sum.grads();
+                TiedEmbedding::sum::<B>(tied, &mut summed)?;
+                *grads = Some((summed, 0.0));
                 Ok(run)
             }
-            Self::Zero(zero) => {
+            Self::Zero { zero, tied } => {
                 // ZeRO reduces the whole sum once the pipeline has drained.
                 let loss_scale = zero.loss_scale().unwrap_or(1.0);
                 let mut sum = Accumulate::new(loss_scale);
@@ -303,7 +332,9 @@ impl<B: BackwardHooks, S: PipelineStage<B, Error = TrainError>> Stepper<B, S> {
                     begun,
                     &mut sum,
                 )?;
-                zero.add_gradients(sum.grads(), loss_scale)?;
+                let mut summed = sum.grads();
+                TiedEmbedding::sum::<B>(tied, &mut summed)?;
+                zero.add_gradients(summed, loss_scale)?;
                 Ok(run)
             }
         }
@@ -325,7 +356,7 @@ impl<B: BackwardHooks, S: PipelineStage<B, Error = TrainError>> Stepper<B, S> {
                     ..Stepped::default()
                 })
             }
-            Self::Zero(zero) => {
+            Self::Zero { zero, .. } => {
                 let wait = zero.stats().comm_wait.as_secs_f64();
                 Ok(Stepped {
                     comm_wait_s: wait,
@@ -339,7 +370,60 @@ impl<B: BackwardHooks, S: PipelineStage<B, Error = TrainError>> Stepper<B, S> {
     fn into_chunks(self) -> Result<Vec<S>, TrainError> {
         match self {
             Self::Replicated { chunks, .. } => Ok(chunks),
-            Self::Zero(zero) => Ok(zero.master_module()?),
+            Self::Zero { zero, .. } => Ok(zero.master_module()?),
         }
+    }
+}
+
+/// A tied head's embedding under a pipeline: the first stage holds it for the tokens, the
+/// last a copy (same id) for the head. Their gradients are summed between the two ranks
+/// (Megatron's embedding group), so both copies take the same steps and stay equal.
+struct TiedEmbedding {
+    /// The ranks of the first and the last stage.
+    group: Communicator,
+    id: ParamId,
+}
+
+impl TiedEmbedding {
+    /// The group of this pipeline rank's copy, when the model is tied and the rank holds one;
+    /// every rank of the pipeline takes part in making it.
+    fn new<B: TrainBackend>(
+        config: &TrainConfig,
+        pp: &Communicator,
+        chunks: &[Llama<B>],
+    ) -> Result<Option<Self>, TrainError> {
+        if !config.model.tie_word_embeddings {
+            return Ok(None);
+        }
+        let ids: Vec<ParamId> = chunks
+            .iter()
+            .filter_map(|chunk| chunk.embed_tokens.as_ref().map(|table| table.id))
+            .collect();
+        let group = pp.split("tied-embedding", ids.len().min(1))?;
+        match ids[..] {
+            [] => Ok(None),
+            [id] if group.size() == 2 => Ok(Some(Self { group, id })),
+            _ => Err(TrainError::Config(format!(
+                "pipeline rank {} holds {} copies of the tied embedding among {} ranks; the first and the last stage must be on two ranks",
+                pp.rank(),
+                ids.len(),
+                group.size()
+            ))),
+        }
+    }
+
+    /// Sums this rank's gradient of the embedding with the other copy's, when it has one.
+    fn sum<B: AutodiffBackend>(
+        tied: &Option<Self>,
+        grads: &mut GradientsParams,
+    ) -> Result<(), TrainError> {
+        let Some(tied) = tied else {
+            return Ok(());
+        };
+        let grad = grads.remove::<B::InnerBackend, 2>(tied.id).ok_or_else(|| {
+            TrainError::Config("the tied embedding got no gradient on this pipeline rank".into())
+        })?;
+        grads.register(tied.id, tied.group.all_reduce(grad, ReduceOp::Sum)?);
+        Ok(())
     }
 }

@@ -25,14 +25,19 @@ impl<'a, B: TrainBackend> ShardedEngine<'a, B> {
         plan: &'a ParallelPlan,
         model: Llama<B>,
         dp: Communicator,
+        world: Option<Communicator>,
     ) -> Result<Self, TrainError> {
-        let zero = ShardedDataParallel::new(
+        let mut zero = ShardedDataParallel::new(
             model,
             dp,
             config.zero,
             &config.optimizer(),
             config.zero_engine_config(),
         )?;
+        // Tensor-parallel peers skip the same steps for overflow.
+        if let Some(world) = world {
+            zero = zero.with_overflow_group(world);
+        }
         Ok(Self {
             plan,
             zero,

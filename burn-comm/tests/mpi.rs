@@ -218,7 +218,7 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
             Ok(c.all_gather(input(4, r, [2, 3], DType::F32), dim)?
                 .into_data())
         })?;
-        for op in [ReduceOp::Sum, ReduceOp::Max] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
             same_as_threads(ctx, &format!("reduce_scatter({op}, dim {dim})"), |c, r| {
                 Ok(c.reduce_scatter(input(5, r, shape, DType::F32), op, dim)?
                     .into_data())
@@ -229,10 +229,12 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
                 .into_data())
         })?;
     }
-    same_as_threads(ctx, "broadcast", |c, r| {
-        Ok(c.broadcast(input(7, r, [4, 9], DType::F32), n - 1)?
-            .into_data())
-    })?;
+    for root in [0, n - 1] {
+        same_as_threads(ctx, &format!("broadcast from {root}"), |c, r| {
+            Ok(c.broadcast(input(7, r, [4, 9], DType::F32), root)?
+                .into_data())
+        })?;
+    }
     // Point to point around the ring, two messages per pair, in order.
     same_as_threads(ctx, "send and recv", |c, r| {
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
@@ -254,12 +256,14 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
         "{message}"
     );
     ctx.world().barrier()?;
-    // The async forms overlap: two in flight, then waited for.
-    same_as_threads(ctx, "async all_reduce", |c, r| {
+    // The async forms overlap: several in flight, then waited for.
+    same_as_threads(ctx, "async collectives", |c, r| {
         let a = c.all_reduce_async(input(11, r, [2, 50], DType::F32), ReduceOp::Sum);
         let b = c.all_gather_async(input(12, r, [2, 5], DType::F32), 1);
-        let (a, b) = (a.wait()?, b.wait()?);
-        Ok(Tensor::cat(vec![a, b], 1).into_data())
+        let s = c.reduce_scatter_async(input(15, r, [2, 6 * n], DType::F32), ReduceOp::Avg, 1);
+        let d = c.broadcast_async(input(16, r, [2, 4], DType::F32), n - 1);
+        let (a, b, s, d) = (a.wait()?, b.wait()?, s.wait()?, d.wait()?);
+        Ok(Tensor::cat(vec![a, b, s, d], 1).into_data())
     })?;
     // Sub-groups: even and odd ranks, and a mesh when the world allows one.
     same_as_threads(ctx, "split", |c, r| {

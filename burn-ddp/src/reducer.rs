@@ -14,6 +14,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor};
 use burn_comm::{CommError, Communicator, ReduceOp, Work};
 
+use crate::MissingGradient;
 pub use crate::bucket::Buckets;
 use crate::hooks::BackwardHooks;
 use crate::params::{self, ParamSlot};
@@ -66,6 +67,21 @@ pub struct Reduced<B: AutodiffBackend> {
     pub overlapped: usize,
     /// Gradient bytes this rank sent into the buckets' collectives.
     pub bytes: usize,
+}
+
+impl<B: AutodiffBackend> Reduced<B> {
+    /// The parameters some rank had no gradient for, each with those ranks.
+    pub fn missing(&self) -> Vec<MissingGradient> {
+        self.lacking
+            .iter()
+            .zip(&self.slots)
+            .filter(|(ranks, _)| !ranks.is_empty())
+            .map(|(ranks, slot)| MissingGradient {
+                name: slot.name.clone(),
+                ranks: ranks.clone(),
+            })
+            .collect()
+    }
 }
 
 /// One reduction in progress: which gradients are in, which buckets are in flight.

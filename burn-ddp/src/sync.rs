@@ -17,10 +17,10 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Device, Tensor};
 use burn_comm::Communicator;
 
+use crate::DdpError;
 use crate::hooks::BackwardHooks;
 use crate::params;
 use crate::reducer::{Buckets, Reduced, Reducer, Reduction};
-use crate::{DdpError, MissingGradient};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 
@@ -214,17 +214,8 @@ impl<B: AutodiffBackend> GradientSync<B> {
             overlapped_buckets: reduced.overlapped,
             bytes: reduced.bytes,
         };
-        let missing: Vec<MissingGradient> = reduced
-            .lacking
-            .iter()
-            .enumerate()
-            .filter(|(_, ranks)| !ranks.is_empty() && !self.config.allow_unused_parameters)
-            .map(|(i, ranks)| MissingGradient {
-                name: self.names[i].clone(),
-                ranks: ranks.clone(),
-            })
-            .collect();
-        if !missing.is_empty() {
+        let missing = reduced.missing();
+        if !missing.is_empty() && !self.config.allow_unused_parameters {
             return Err(DdpError::MissingGradients(missing));
         }
         for (known, now) in self.late.iter_mut().zip(&reduced.late) {

@@ -14,7 +14,6 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor};
 use burn_comm::Communicator;
 use burn_ddp::BackwardHooks;
-use burn_ddp::MissingGradient;
 use burn_ddp::params::{self, ParamSlot};
 use burn_ddp::reducer::{Buckets, Reducer, Reduction};
 
@@ -525,16 +524,7 @@ fn finish<B: AutodiffBackend>(
     reducer: Reducer<B>,
 ) -> Result<(UnitGrads<B>, Vec<bool>, usize), ZeroError> {
     let reduced = reducer.finish()?;
-    let missing: Vec<MissingGradient> = reduced
-        .lacking
-        .iter()
-        .zip(&reduced.slots)
-        .filter(|(ranks, _)| !ranks.is_empty())
-        .map(|(ranks, slot)| MissingGradient {
-            name: slot.name.clone(),
-            ranks: ranks.clone(),
-        })
-        .collect();
+    let missing = reduced.missing();
     if !missing.is_empty() {
         return Err(ZeroError::MissingGradients(missing));
     }

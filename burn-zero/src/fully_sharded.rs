@@ -4,12 +4,20 @@
 //! before its forward and again before its backward, let go after each, and its gradients are
 //! reduce-scattered; the next unit's gather runs while the current one computes.
 //!
+//! A parameter held by several units (the same `ParamId`: a head tied to the embedding) is
+//! sharded once, with the first unit holding it; a later unit reads its value from that unit's
+//! gathered buffer, and adds its gradient to the first unit's before that is reduced, so the
+//! weight gets the gradient of every use, as on one device.
+//!
 //! burn's tape keeps every tensor a forward used until backward, gathered weights included. So
 //! a unit's forward runs untracked, keeping only its input, and its backward runs the forward
 //! again with the re-gathered weights (per-unit activation checkpointing, as FSDP is usually
 //! run): the price of holding one or two units whole instead of the model.
 
-use burn::module::{AutodiffModule, ModuleMapper, Param};
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
+use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Shape, Tensor};
 use burn_comm::{Communicator, Work};
@@ -43,6 +51,8 @@ type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 pub struct FullyShardedDataParallel<B: AutodiffBackend, S: PipelineStage<B>> {
     /// The units with every parameter emptied: ids and structure only.
     skeletons: Vec<S>,
+    /// Where each unit's parameters, in visiting order, come from.
+    sources: Vec<Vec<Source>>,
     /// Shape of every parameter, by index.
     shapes: Vec<Vec<usize>>,
     names: Vec<String>,
@@ -63,12 +73,31 @@ pub struct FullyShardedDataParallel<B: AutodiffBackend, S: PipelineStage<B>> {
     grad_norm: Option<f64>,
 }
 
+/// Where a unit's parameter comes from.
+#[derive(Debug, Clone, Copy)]
+enum Source {
+    /// Parameter `p` of the layout, in this unit's buffer.
+    Own(usize),
+    /// Parameter `p` of the layout, held by the earlier unit `owner` (a tied weight).
+    Tied { p: usize, owner: usize },
+}
+
+impl Source {
+    /// The parameter's index in the layout.
+    fn param(self) -> usize {
+        match self {
+            Self::Own(p) | Self::Tied { p, .. } => p,
+        }
+    }
+}
+
 impl<B: AutodiffBackend, S: PipelineStage<B>> FullyShardedDataParallel<B, S>
 where
     S::Error: From<ZeroError>,
 {
     /// Shards `units` (whole on every rank; rank 0's values are used) over `comm`, one flat
-    /// buffer per unit; `optimizer` is the AdamW each rank applies to its shard.
+    /// buffer per unit; `optimizer` is the AdamW each rank applies to its shard. A parameter
+    /// found again in a later unit (same id) is sharded with the first unit only.
     pub fn new(
         units: Vec<S>,
         comm: Communicator,
@@ -82,29 +111,45 @@ where
         let param_dtype = config.precision.as_ref().map(|p| p.param_dtype);
         let (rank, mut names, mut shapes, mut values, mut members) =
             (comm.rank(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut dtypes = Vec::new();
-        for unit in &units {
-            let mut member = Vec::new();
-            for slot in params::slots::<B, S>(unit) {
+        let (mut dtypes, mut sources) = (Vec::new(), Vec::new());
+        let mut seen: HashMap<ParamId, (usize, usize)> = HashMap::new();
+        for (u, unit) in units.iter().enumerate() {
+            let (mut member, mut source) = (Vec::new(), Vec::new());
+            for (slot, shape) in params::slots::<B, S>(unit)
+                .iter()
+                .zip(shape_list::<B, S>(unit))
+            {
                 if !slot.require_grad {
                     return Err(ZeroError::Config(format!(
                         "`{}` is frozen; ZeRO-3 shards trainable parameters only, so keep frozen ones out of its units",
                         slot.name
                     )));
                 }
+                if let Some(&(p, owner)) = seen.get(&slot.id) {
+                    if shapes[p] != shape {
+                        return Err(ZeroError::Config(format!(
+                            "`{}` of unit {u} has the id of `{}` of unit {owner} but the shape {shape:?}, not {:?}; a tied weight is the same tensor in every unit",
+                            slot.name, names[p], shapes[p]
+                        )));
+                    }
+                    source.push(Source::Tied { p, owner });
+                    continue;
+                }
+                seen.insert(slot.id, (values.len(), u));
+                source.push(Source::Own(values.len()));
                 member.push(values.len());
                 names.push(slot.name.clone());
+                shapes.push(shape);
                 dtypes.push(param_dtype.unwrap_or(slot.dtype));
                 values.push(comm.broadcast(slot.value.clone(), 0)?);
             }
             if member.is_empty() {
                 return Err(ZeroError::Config(format!(
-                    "unit {} has no float parameters; merge it into a neighbour",
-                    members.len()
+                    "unit {u} has no float parameters of its own; merge it into a neighbour"
                 )));
             }
             members.push(member);
-            shapes.extend(shape_list::<B, S>(unit));
+            sources.push(source);
         }
         let numels: Vec<usize> = values.iter().map(|v| v.dims()[0]).collect();
         let layout = FlatLayout::new(&numels, &dtypes, members, comm.size())?;
@@ -124,6 +169,7 @@ where
         let scaler = config.loss_scaler();
         Ok(Self {
             skeletons: units.into_iter().map(empty).collect(),
+            sources,
             shapes,
             names,
             layout,
@@ -185,16 +231,20 @@ where
     pub fn forward_backward(&mut self, batch: &S::Batch, scale: f64) -> Result<f64, S::Error> {
         let last = self.skeletons.len() - 1;
         let mut gathers = Gathers::new(self, 0);
+        let owner = |o: usize| Ok(self.comm.all_gather(self.shard[o].clone(), 0)?);
+        // Gradients of tied weights from later units, until their own unit's backward.
+        let mut tied = HashMap::new();
         // Forward, untracked, keeping each unit's input.
         let mut inputs: Vec<Option<Tensor<Inner<B>, 3>>> = Vec::with_capacity(last);
         let mut x: Option<Tensor<B, 3>> = None;
         for u in 0..last {
-            let module = self.fill(u, gathers.take(self, u, Some(u + 1))?, false);
+            let module = self.fill(u, gathers.take(self, u, Some(u + 1))?, &owner, false)?;
             inputs.push(x.as_ref().map(|t| t.clone().inner()));
             x = Some(activation(module.forward(x, batch)?, u, last)?);
         }
         // The last unit stays gathered from its forward to its backward.
-        let module = self.fill(last, gathers.take(self, last, last.checked_sub(1))?, true);
+        let full = gathers.take(self, last, last.checked_sub(1))?;
+        let module = self.fill(last, full, &owner, true)?;
         let leaf = x.map(|t| Tensor::from_inner(t.inner()).require_grad());
         let loss = match module.forward(leaf.clone(), batch)? {
             StageOutput::Loss(loss) => loss,
@@ -203,10 +253,10 @@ where
         let value = loss.clone().into_scalar().elem::<f64>();
         let mut pending = Vec::with_capacity(last + 1);
         let scale = scale * self.scaler.as_ref().map_or(1.0, LossScaler::scale);
-        let mut grad = self.backward(last, module, leaf, loss * scale, &mut pending)?;
+        let mut grad = self.backward(last, module, leaf, loss * scale, &mut tied, &mut pending)?;
         for u in (0..last).rev() {
             let full = gathers.take(self, u, u.checked_sub(1))?;
-            let module = self.fill(u, full, true);
+            let module = self.fill(u, full, &owner, true)?;
             let leaf = inputs[u]
                 .take()
                 .map(|t| Tensor::from_inner(t).require_grad());
@@ -215,7 +265,7 @@ where
                 .take()
                 .expect("every unit after the first has an input");
             let target = (y * Tensor::from_inner(output_grad)).sum();
-            grad = self.backward(u, module, leaf, target, &mut pending)?;
+            grad = self.backward(u, module, leaf, target, &mut tied, &mut pending)?;
         }
         let mut sums = self.grads.take().unwrap_or_default();
         let first = sums.is_empty();
@@ -235,13 +285,15 @@ where
     }
 
     /// Backward of `target` through unit `u`'s `module`; starts the reduce-scatter of its
-    /// gradients and returns the gradient of its input.
+    /// gradients and returns the gradient of its input. The gradients of weights tied to an
+    /// earlier unit wait in `tied` for that unit's, which they are added to.
     fn backward(
         &self,
         u: usize,
         module: S,
         input: Option<Tensor<B, 3>>,
         target: Tensor<B, 1>,
+        tied: &mut HashMap<usize, Tensor<Inner<B>, 1>>,
         pending: &mut Vec<(usize, Work<Tensor<Inner<B>, 1>>)>,
     ) -> Result<Option<Tensor<Inner<B>, 3>>, ZeroError> {
         if let Some(group) = &self.backward_group {
@@ -250,14 +302,24 @@ where
         let mut grads = target.backward();
         let unit = &self.layout.units[u];
         let mut parts = Vec::with_capacity(unit.params.len());
-        for (slot, &p) in params::slots::<B, S>(&module).iter().zip(&unit.params) {
+        for (slot, &source) in params::slots::<B, S>(&module).iter().zip(&self.sources[u]) {
+            let p = source.param();
             let grad = (slot.take)(&mut grads).ok_or_else(|| {
                 ZeroError::MissingGradients(vec![MissingGradient {
                     name: self.names[p].clone(),
                     ranks: vec![self.comm.rank()],
                 }])
             })?;
-            parts.push(grad);
+            let grad = match tied.remove(&p) {
+                Some(later) => grad + later,
+                None => grad,
+            };
+            match source {
+                Source::Own(_) => parts.push(grad),
+                Source::Tied { .. } => {
+                    tied.insert(p, grad);
+                }
+            }
         }
         let flat = self.layout.flatten(u, parts);
         let reduce_dtype = self.config.reduce_dtype();
@@ -324,28 +386,50 @@ where
     }
 
     fn gather_all(&self, parts: Vec<Tensor<Inner<B>, 1>>) -> Result<Vec<S>, ZeroError> {
-        parts
+        let full = parts
             .into_iter()
-            .enumerate()
-            .map(|(u, part)| Ok(self.fill(u, self.comm.all_gather(part, 0)?, true)))
+            .map(|part| self.comm.all_gather(part, 0))
+            .collect::<Result<Vec<_>, _>>()?;
+        let owner = |o: usize| Ok(full[o].clone());
+        (0..full.len())
+            .map(|u| self.fill(u, full[u].clone(), &owner, true))
             .collect()
     }
 
-    /// Unit `u` with its parameters from `full`, its gathered buffer; `tracked` makes them
+    /// Unit `u` with its parameters from `full`, its gathered buffer, and its tied weights
+    /// from `owner(o)`, the gathered buffer of the unit `o` holding them; `tracked` makes them
     /// leaves that get gradients.
-    fn fill(&self, u: usize, full: Tensor<Inner<B>, 1>, tracked: bool) -> S {
-        let unit = &self.layout.units[u];
-        let values = self.layout.unflatten(u, full);
-        let shapes: Vec<Vec<usize>> = unit
-            .params
-            .iter()
-            .map(|&p| self.shapes[p].clone())
-            .collect();
-        self.skeletons[u].clone().map(&mut Filler::<B> {
+    fn fill(
+        &self,
+        u: usize,
+        full: Tensor<Inner<B>, 1>,
+        owner: &dyn Fn(usize) -> Result<Tensor<Inner<B>, 1>, ZeroError>,
+        tracked: bool,
+    ) -> Result<S, ZeroError> {
+        let mut own = self.layout.unflatten(u, full).into_iter();
+        let mut owners: HashMap<usize, Vec<Tensor<Inner<B>, 1>>> = HashMap::new();
+        let mut values = Vec::with_capacity(self.sources[u].len());
+        let mut shapes = Vec::with_capacity(self.sources[u].len());
+        for &source in &self.sources[u] {
+            let value = match source {
+                Source::Own(_) => own.next().expect("a value per parameter of its own"),
+                Source::Tied { p, owner: o } => {
+                    let values = match owners.entry(o) {
+                        Entry::Occupied(held) => held.into_mut(),
+                        Entry::Vacant(slot) => slot.insert(self.layout.unflatten(o, owner(o)?)),
+                    };
+                    let at = self.layout.units[o].params.iter().position(|&q| q == p);
+                    values[at.expect("a tied weight is in its owner's unit")].clone()
+                }
+            };
+            values.push(value);
+            shapes.push(self.shapes[source.param()].clone());
+        }
+        Ok(self.skeletons[u].clone().map(&mut Filler::<B> {
             values: values.into_iter(),
             shapes: shapes.into_iter(),
             tracked,
-        })
+        }))
     }
 }
 

@@ -213,10 +213,12 @@ fn misuse_is_refused_with_a_sentence() {
     results.into_iter().for_each(|r| r.unwrap());
 }
 
-/// `tanh(x W)`, or its mean square when it is the last unit.
+/// `tanh(x W)` (then `tanh(. T)` with a weight `T` tied to another unit's), or its mean
+/// square when it is the last unit.
 #[derive(Module, Debug)]
 struct Layer<B: Backend> {
     weight: Param<Tensor<B, 2>>,
+    tied: Option<Param<Tensor<B, 2>>>,
     last: bool,
 }
 
@@ -231,7 +233,10 @@ impl<B: AutodiffBackend> PipelineStage<B> for Layer<B> {
     ) -> Result<StageOutput<B>, ZeroError> {
         let weight = self.weight.val();
         let x = input.unwrap_or_else(|| batch.clone().cast(weight.dtype()));
-        let y = x.matmul(weight.unsqueeze()).tanh();
+        let mut y = x.matmul(weight.unsqueeze()).tanh();
+        if let Some(tied) = &self.tied {
+            y = y.matmul(tied.val().unsqueeze()).tanh();
+        }
         Ok(if self.last {
             StageOutput::Loss(y.powi_scalar(2).mean())
         } else {
@@ -244,16 +249,22 @@ fn layers(n: usize, early_loss: bool) -> Vec<Layer<AD>> {
     (0..n)
         .map(|i| Layer {
             weight: Param::from_tensor(values([5, 5], 7 + i as u64, 0.6)),
+            tied: None,
             last: i + 1 == n || (early_loss && i == 0),
         })
         .collect()
 }
 
-#[test]
-fn fully_sharded_units_train_like_one_device_and_refuse_an_early_loss() {
-    let world = 2;
-    // One device: the whole chain on both ranks' batches, stepped by burn's AdamW.
-    let mut chain = layers(3, false);
+/// The last unit of `chain` reads the first unit's weight again (the same parameter).
+fn tie_last_to_first(mut chain: Vec<Layer<AD>>) -> Vec<Layer<AD>> {
+    let first = chain[0].weight.clone();
+    chain.last_mut().unwrap().tied = Some(first);
+    chain
+}
+
+/// `chain`'s weights after 3 steps on one device, on every rank's batches at once, stepped by
+/// burn's AdamW. burn steps a parameter once per id, so a tied copy is put back after each.
+fn chain_on_one_device(mut chain: Vec<Layer<AD>>, world: usize, tied: bool) -> Vec<Vec<f32>> {
     let mut adam = adamw().init::<AD, Vec<Layer<AD>>>();
     for step in 0..3 {
         let x = Tensor::cat((0..world).map(|r| batch(r, step).unsqueeze()).collect(), 0);
@@ -267,37 +278,56 @@ fn fully_sharded_units_train_like_one_device_and_refuse_an_early_loss() {
         }
         let grads = GradientsParams::from_grads(loss.unwrap().backward(), &chain);
         chain = Optimizer::step(&mut adam, 0.01, chain, grads);
+        if tied {
+            chain = tie_last_to_first(chain);
+        }
     }
-    let want: Vec<Vec<f32>> = chain
-        .iter()
-        .map(|l| l.weight.val().into_data().to_vec().unwrap())
-        .collect();
+    chain.iter().map(|l| f32s(l.weight.val())).collect()
+}
 
+/// A rank's units' weights, and the last unit's tied copy if it has one.
+type ChainWeights = (Vec<Vec<f32>>, Option<Vec<f32>>);
+
+/// Every rank's weights after 3 steps of ZeRO-3.
+fn chain_fully_sharded(world: usize, tied: bool) -> Vec<ChainWeights> {
     let results = launch(world, |ctx| {
-        let mut fsdp = FullyShardedDataParallel::new(
-            layers(3, false),
-            ctx.world().clone(),
-            &adamw(),
-            ZeroConfig::new(),
-        )?;
+        let chain = layers(3, false);
+        let chain = if tied {
+            tie_last_to_first(chain)
+        } else {
+            chain
+        };
+        let mut fsdp =
+            FullyShardedDataParallel::new(chain, ctx.world().clone(), &adamw(), ZeroConfig::new())?;
+        // A tied weight is sharded once.
+        let held: usize = fsdp.layout().units.iter().map(|u| u.numel).sum();
+        assert_eq!(held, 3 * 25);
         for step in 0..3 {
             fsdp.forward_backward(&batch(ctx.rank(), step).unsqueeze(), 1.0)?;
             assert_eq!(fsdp.step(0.01)?, StepOutcome::Applied);
         }
         let full = fsdp.full()?;
-        Ok::<_, ZeroError>(
-            full.iter()
-                .map(|l| l.weight.val().into_data().to_vec::<f32>().unwrap())
-                .collect::<Vec<_>>(),
-        )
+        let copy = full[2].tied.as_ref().map(|t| f32s(t.val()));
+        Ok::<_, ZeroError>((full.iter().map(|l| f32s(l.weight.val())).collect(), copy))
     });
-    for result in results {
-        let got = result.unwrap();
-        for (g, w) in got.iter().zip(&want) {
-            for (a, b) in g.iter().zip(w) {
-                assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-2), "{a} vs {b}");
-            }
+    results.into_iter().map(|r| r.unwrap()).collect()
+}
+
+fn assert_close_weights(got: &[Vec<f32>], want: &[Vec<f32>]) {
+    for (g, w) in got.iter().zip(want) {
+        for (a, b) in g.iter().zip(w) {
+            assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-2), "{a} vs {b}");
         }
+    }
+}
+
+#[test]
+fn fully_sharded_units_train_like_one_device_and_refuse_an_early_loss() {
+    let world = 2;
+    let want = chain_on_one_device(layers(3, false), world, false);
+    for (got, copy) in chain_fully_sharded(world, false) {
+        assert_close_weights(&got, &want);
+        assert!(copy.is_none());
     }
 
     let results = launch(world, |ctx| {
@@ -314,6 +344,37 @@ fn fully_sharded_units_train_like_one_device_and_refuse_an_early_loss() {
         let message = format!("{:?}", result.unwrap_err());
         assert!(
             message.contains("only the last unit returns the loss"),
+            "{message}"
+        );
+    }
+}
+
+#[test]
+fn a_weight_tied_across_units_is_sharded_once_and_gets_the_gradient_of_both_uses() {
+    let world = 2;
+    let want = chain_on_one_device(tie_last_to_first(layers(3, false)), world, true);
+    let untied = chain_on_one_device(layers(3, false), world, false);
+    assert!(moved(&want, &untied) > 1e-4, "the tie changes the training");
+    for (got, copy) in chain_fully_sharded(world, true) {
+        assert_close_weights(&got, &want);
+        // The last unit reads the first's weight, as stepped.
+        assert_eq!(copy.as_ref(), Some(&got[0]));
+    }
+    // The same id with another shape is not a tied weight.
+    let results = launch(world, |ctx| {
+        let mut chain = layers(3, false);
+        let id = chain[0].weight.id;
+        chain[2].tied = Some(Param::initialized(
+            id,
+            values([5, 4], 3, 0.5).require_grad(),
+        ));
+        FullyShardedDataParallel::new(chain, ctx.world().clone(), &adamw(), ZeroConfig::new())
+            .map(|_| ())
+    });
+    for result in results {
+        let message = format!("{:?}", result.unwrap_err());
+        assert!(
+            message.contains("`tied` of unit 2 has the id of `weight` of unit 0"),
             "{message}"
         );
     }

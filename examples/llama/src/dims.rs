@@ -5,7 +5,6 @@ use burn_tensor_parallel::TensorParallel;
 
 use burn_zero::ZeroStage;
 
-use crate::model::TIED_NOT_SPLIT;
 use crate::parallel_plan::check_split;
 use crate::pipeline::Balance;
 use crate::train::{Strategy, TrainConfig, TrainError};
@@ -75,9 +74,6 @@ impl ParallelDims {
             config.seq_len,
         )
         .map_err(TrainError::Config)?;
-        if config.model.tie_word_embeddings && config.zero == ZeroStage::Parameters {
-            return Err(TrainError::Config(TIED_NOT_SPLIT.into()));
-        }
         if config.strategy == Strategy::ParameterServer && self.tp > 1 {
             return Err(TrainError::Config(
                 "the parameter-server baseline replicates whole models; use --strategy ddp with --tp".into(),

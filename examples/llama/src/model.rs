@@ -604,9 +604,6 @@ impl<B: TpBackend> Llama<B> {
     }
 }
 
-/// Why a tied model is refused where its head would be apart from its embedding.
-pub const TIED_NOT_SPLIT: &str = "the model ties its head to its embedding (tie_word_embeddings), which is not yet split over ZeRO-3's units; train it with --zero 0, 1 or 2 (with any --dp, --tp and --pp)";
-
 /// The rows of `table` `[vocab, hidden]` for `tokens` `[batch, seq]`: `[batch, seq, hidden]`.
 pub fn embed<B: Backend>(table: &Param<Tensor<B, 2>>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
     let [batch, seq] = tokens.dims();

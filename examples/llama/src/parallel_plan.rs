@@ -258,6 +258,12 @@ impl ParallelPlan {
                 for (u, blocks) in units.iter().enumerate() {
                     let _ = writeln!(out, "  unit {u}: {}", part_names(blocks, u == 0, u == last));
                 }
+                if model.tie_word_embeddings && last > 0 {
+                    let _ = writeln!(
+                        out,
+                        "  (the tied lm_head is embed_tokens, sharded once with unit 0: unit {last} gathers it again and adds its gradient to unit 0's)"
+                    );
+                }
             }
             None => {
                 let _ = writeln!(out, "\ndata parallelism: {dp} replica(s)");
@@ -549,5 +555,9 @@ mod tests {
             text.contains("unit 3: layers 3..4, norm, lm_head"),
             "{text}"
         );
+        let tied = model.with_tie_word_embeddings(true);
+        config.model = tied.clone();
+        let text = ParallelPlan::new(&config).unwrap().describe(&tied);
+        assert!(text.contains("sharded once with unit 0: unit 3"), "{text}");
     }
 }

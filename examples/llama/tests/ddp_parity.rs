@@ -1,7 +1,7 @@
 //! Data parallelism against the oracle: `tiny` trained 20 steps on one device and under DDP
 //! (1, 2 and 4 ranks), DDP with gradient accumulation and the parameter-server baseline, all on
 //! the same global batches from the same seed; and a head tied to the embedding under DDP and
-//! ZeRO-1/2, refused where the head would be split from the embedding (pp, ZeRO-3).
+//! ZeRO-1/2/3 (under pp: pp_parity.rs).
 //!
 //! Tolerances are in `common` (measured here: losses ~1e-7, weights ~3e-6 relative).
 
@@ -90,18 +90,9 @@ fn a_tied_head_matches_one_device_under_ddp_and_zero() {
     ddp.strategy = Strategy::Ddp;
     ddp.dp = 2;
     assert_close(&oracle, &run(&ddp), "tied, DDP with 2 ranks");
-    for stage in [STAGES[0], STAGES[1]] {
+    // ZeRO-3 shards the embedding once, with the first unit; the last unit reads it again.
+    for stage in STAGES {
         let sharded = zero(&base, 2, stage);
         assert_close(&oracle, &run(&sharded), &format!("tied, {stage:?} at dp 2"));
     }
-    // ZeRO-3's units would split the head from the embedding: refused with a sentence (under
-    // pp the two copies are summed: pp_parity.rs).
-    let split = zero(&base, 2, STAGES[2]);
-    let data = llama::data::MarkovSource::new(16, 3, split.seq_len, 64, 1);
-    let error = llama::train::train::<B>(&split, &data, &Default::default(), &mut |_| {})
-        .expect_err("refused");
-    assert!(
-        error.to_string().contains("tie_word_embeddings"),
-        "ZeRO-3: {error}"
-    );
 }

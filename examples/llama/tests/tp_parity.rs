@@ -2,7 +2,8 @@
 //! steps on one device and split over 2 and 4 tensor-parallel ranks (at 4 the key/value heads
 //! are shared by pairs of ranks), with sequence parallelism, and on a 2 x 2 data x tensor
 //! mesh, and with the communication overlapped by collective matmuls, and with the head tied to
-//! the vocab-parallel embedding. The final weights are gathered from the shards.
+//! the vocab-parallel embedding (also under ZeRO-3). The final weights are gathered from the
+//! shards.
 //!
 //! Tolerances are in `common`: row-parallel layers sum partial matmuls across ranks, a
 //! different order from one device's single matmul.
@@ -89,4 +90,8 @@ fn a_tied_head_matches_one_device_under_tensor_parallelism() {
     assert_close(&oracle, &tied(1, 2, false, 0), "tied, tp 2");
     assert_close(&oracle, &tied(1, 4, true, 2), "tied, tp 4 + sp, 2 chunks");
     assert_close(&oracle, &tied(2, 2, true, 0), "tied, dp 2 x tp 2 + sp");
+    // ZeRO-3 shards each unit's tp slices over dp: the last unit reads the first's rows.
+    let mut sharded = zero(&base, 2, STAGES[2]);
+    sharded.tp = 2;
+    assert_close(&oracle, &run(&sharded), "tied, dp 2 x tp 2, ZeRO-3");
 }

@@ -120,12 +120,19 @@ impl TensorParallel {
         dim: usize,
         blocks: usize,
     ) -> Result<Tensor<B, D>, TpError> {
-        self.check_blocks(full.dims()[dim], blocks)?;
-        let width = full.dims()[dim] / blocks;
-        let block = self.rank() / (self.size() / blocks);
-        let part = full.narrow(dim, block * width, width);
+        let range = self.block_range(full.dims()[dim], blocks)?;
+        let part = full.narrow(dim, range.start, range.len());
         let device = part.device();
         Ok(Tensor::from_data(part.into_data(), &device))
+    }
+
+    /// Where [`block_of`](Self::block_of) cuts a dimension of `len` elements into `blocks`:
+    /// this rank's block's elements (to read only them, as a checkpoint loader does).
+    pub fn block_range(&self, len: usize, blocks: usize) -> Result<Range<usize>, TpError> {
+        self.check_blocks(len, blocks)?;
+        let width = len / blocks;
+        let block = self.rank() / (self.size() / blocks);
+        Ok(block * width..(block + 1) * width)
     }
 
     /// The whole of what [`block_of`](Self::block_of) cut: every rank's block all-gathered

@@ -5,7 +5,7 @@
 //! burn stores matrices `[in, out]`; Hugging Face stores `[out, in]`: matrices are transposed
 //! on the way out and back on the way in. The embedding is `[vocab, hidden]` in both.
 
-use std::collections::HashMap;
+use std::collections::BTreeSet;
 use std::path::Path;
 
 use burn::module::{Module, Param};
@@ -17,7 +17,9 @@ use serde_json::Value;
 use crate::config::LlamaConfig;
 use crate::hf_config::{hf_config, parse_hf_config};
 use crate::model::Llama;
-use crate::safetensors_files;
+use crate::parallel_plan::parameters;
+use crate::safetensors_files::{self, Checkpoint};
+use crate::weights::{Block, Loaded, ParamSource, Weights};
 
 /// File of the burn record inside a weights directory (the recorder adds `.mpk`).
 pub const RECORD: &str = "model";
@@ -71,110 +73,99 @@ pub fn export<B: Backend>(model: &Llama<B>) -> Vec<(String, TensorData)> {
     out
 }
 
-/// Builds a model of shape `config` from Hugging Face tensors (f32, f16 or bf16), checking
-/// every name and shape, and that no tensor is left unused.
-pub fn import<B: Backend>(
-    config: &LlamaConfig,
-    mut tensors: HashMap<String, TensorData>,
-    device: &B::Device,
-) -> Result<Llama<B>, String> {
-    if config.tie_word_embeddings {
-        drop_tied_copy(&mut tensors)?;
+/// The Hugging Face name of the parameter at `path` in the whole model (burn's visitors'
+/// path, such as `layers.5.mlp.up_proj`); `Llama::init` draws each matrix by this name.
+pub fn name(path: &str) -> String {
+    match path {
+        "lm_head" => "lm_head.weight".into(),
+        path if path.ends_with(".weight") => format!("model.{path}"),
+        path => format!("model.{path}.weight"),
     }
-    let mut model = Llama::<B>::skeleton(config, device);
-    let mut source = Source { tensors, device };
-    let table = model.embed_tokens.as_mut().expect("a skeleton is whole");
-    source.plain("model.embed_tokens.weight", table)?;
-    for (i, layer) in model.layers.iter_mut().enumerate() {
-        let name = |part: &str| format!("model.layers.{i}.{part}.weight");
-        source.plain(&name("input_layernorm"), &mut layer.input_layernorm.weight)?;
-        source.matrix(&name("self_attn.q_proj"), &mut layer.self_attn.q_proj)?;
-        source.matrix(&name("self_attn.k_proj"), &mut layer.self_attn.k_proj)?;
-        source.matrix(&name("self_attn.v_proj"), &mut layer.self_attn.v_proj)?;
-        source.matrix(&name("self_attn.o_proj"), &mut layer.self_attn.o_proj)?;
-        source.plain(
-            &name("post_attention_layernorm"),
-            &mut layer.post_attention_layernorm.weight,
-        )?;
-        source.matrix(&name("mlp.gate_proj"), &mut layer.mlp.gate_proj)?;
-        source.matrix(&name("mlp.up_proj"), &mut layer.mlp.up_proj)?;
-        source.matrix(&name("mlp.down_proj"), &mut layer.mlp.down_proj)?;
-    }
-    let norm = model.norm.as_mut().expect("a skeleton is whole");
-    source.plain("model.norm.weight", &mut norm.weight)?;
-    if let Some(lm_head) = &mut model.lm_head {
-        source.matrix("lm_head.weight", lm_head)?;
-    }
-    // Rotary frequencies are computed from the config, not read: old exports carry them.
-    source
-        .tensors
-        .retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
-    if let Some(first) = source.tensors.keys().min() {
-        return Err(format!(
-            "the checkpoint holds {} tensor(s) this model has no place for, such as `{first}`; it is not a plain Llama of this config",
-            source.tensors.len()
-        ));
-    }
-    Ok(model)
 }
 
-/// A tied checkpoint may still hold the head: a copy of the embedding is dropped, but another
-/// tensor is refused, since transformers 4 would use the embedding and 5 this head.
-fn drop_tied_copy(tensors: &mut HashMap<String, TensorData>) -> Result<(), String> {
-    let (Some(head), Some(embedding)) = (
-        tensors.get("lm_head.weight"),
-        tensors.get("model.embed_tokens.weight"),
-    ) else {
-        // No head to drop, or no embedding, which the import names.
-        return Ok(());
-    };
-    // Compared as f32, so a copy stored in another precision is still a copy.
-    if head.clone().convert::<f32>() != embedding.clone().convert::<f32>() {
-        return Err("config.json ties the head to the embedding, but the checkpoint holds a different `lm_head.weight` (transformers 4 would use the embedding, 5 this head); set tie_word_embeddings to false to keep the head, or remove `lm_head.weight`".into());
-    }
-    tensors.remove("lm_head.weight");
-    Ok(())
+/// Whether Hugging Face stores the parameter at `path`, of `rank` dimensions, transposed:
+/// every matrix but the embedding.
+fn transposed(path: &str, rank: usize) -> bool {
+    rank == 2 && path != "embed_tokens"
 }
 
-/// The tensors of a checkpoint, handed out by name once each.
-struct Source<'a, B: Backend> {
-    tensors: HashMap<String, TensorData>,
-    device: &'a B::Device,
+/// A Hugging Face checkpoint of a model shaped as a config, read a block at a time.
+pub struct HfCheckpoint {
+    checkpoint: Checkpoint,
 }
 
-impl<B: Backend> Source<'_, B> {
-    fn take(&mut self, name: &str, want: &[usize]) -> Result<TensorData, String> {
-        let data = self
-            .tensors
-            .remove(name)
-            .ok_or_else(|| format!("the checkpoint has no tensor `{name}`"))?;
-        if data.shape.to_vec() != want {
+impl HfCheckpoint {
+    /// The safetensors checkpoint in `dir` (f32, f16 or bf16, one file or sharded), checked
+    /// against `config` from its headers: every tensor the model needs is there in its shape,
+    /// and none is left over.
+    pub fn open(dir: &Path, config: &LlamaConfig) -> Result<Self, String> {
+        let checkpoint = Checkpoint::open(dir)?;
+        let mut unused: BTreeSet<&str> = checkpoint.names().into_iter().collect();
+        for (path, shape) in parameters(config) {
+            let name = name(&path);
+            let mut want = shape;
+            if transposed(&path, want.len()) {
+                want.reverse();
+            }
+            let have = checkpoint
+                .shape(&name)
+                .ok_or_else(|| format!("the checkpoint has no tensor `{name}`"))?;
+            if have != want.as_slice() {
+                return Err(format!(
+                    "`{name}` has shape {have:?}, but the config asks for {want:?}"
+                ));
+            }
+            unused.remove(name.as_str());
+        }
+        if config.tie_word_embeddings && unused.remove("lm_head.weight") {
+            check_tied_copy(&checkpoint)?;
+        }
+        // Rotary frequencies are computed from the config, not read: old exports carry them.
+        unused.retain(|name| !name.ends_with("rotary_emb.inv_freq"));
+        if let Some(first) = unused.first() {
             return Err(format!(
-                "`{name}` has shape {:?}, but the config asks for {want:?}",
-                data.shape
+                "the checkpoint holds {} tensor(s) this model has no place for, such as `{first}`; it is not a plain Llama of this config",
+                unused.len()
             ));
         }
-        Ok(data.convert::<f32>())
+        Ok(Self { checkpoint })
     }
 
-    /// A tensor stored in the same layout by both (norms, embedding).
-    fn plain<const D: usize>(
-        &mut self,
-        name: &str,
-        p: &mut Param<Tensor<B, D>>,
-    ) -> Result<(), String> {
-        let data = self.take(name, &p.dims())?;
-        *p = Param::from_tensor(Tensor::from_data(data, self.device));
-        Ok(())
+    /// Bytes of tensor data read so far.
+    pub fn bytes_read(&self) -> u64 {
+        self.checkpoint.bytes_read()
     }
+}
 
-    /// A matrix, `[out, in]` in the file and `[in, out]` here.
-    fn matrix(&mut self, name: &str, p: &mut Param<Tensor<B, 2>>) -> Result<(), String> {
-        let [d_in, d_out] = p.dims();
-        let data = self.take(name, &[d_out, d_in])?;
-        *p = Param::from_tensor(Tensor::<B, 2>::from_data(data, self.device).transpose());
-        Ok(())
+impl ParamSource for HfCheckpoint {
+    fn block(&self, block: &Block<'_>) -> Result<Option<Loaded>, String> {
+        let name = name(block.path);
+        let transposed = transposed(block.path, block.whole.len());
+        let data = match &block.split {
+            None => self.checkpoint.read(&name)?,
+            Some((dim, range)) => {
+                let stored_dim = if transposed { 1 - dim } else { *dim };
+                self.checkpoint
+                    .read_block(&name, stored_dim, range.clone())?
+            }
+        };
+        Ok(Some(Loaded {
+            data: data.convert::<f32>(),
+            transposed,
+        }))
     }
+}
+
+/// A tied checkpoint may still hold the head: a copy of the embedding is let be, another
+/// tensor is refused, since transformers 4 would use the embedding and 5 this head.
+fn check_tied_copy(checkpoint: &Checkpoint) -> Result<(), String> {
+    let head = checkpoint.read("lm_head.weight")?;
+    let embedding = checkpoint.read("model.embed_tokens.weight")?;
+    // Compared as f32, so a copy stored in another precision is still a copy.
+    if head.convert::<f32>() != embedding.convert::<f32>() {
+        return Err("config.json ties the head to the embedding, but the checkpoint holds a different `lm_head.weight` (transformers 4 would use the embedding, 5 this head); set tie_word_embeddings to false to keep the head, or remove `lm_head.weight`".into());
+    }
+    Ok(())
 }
 
 /// Writes `model` into `dir`: burn's record, the safetensors export (sharded above
@@ -224,18 +215,41 @@ pub fn load<B: Backend>(dir: &Path, device: &B::Device) -> Result<(LlamaConfig, 
             .map_err(|e| format!("cannot load {}: {e}", record.display()))?;
         return Ok((config, model));
     }
-    let model = import(&config, safetensors_files::read(dir)?, device)?;
+    let checkpoint = HfCheckpoint::open(dir, &config)?;
+    let model = Weights::Checkpoint(checkpoint)
+        .whole(&config, device)
+        .map_err(|e| e.to_string())?;
     Ok((config, model))
 }
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use super::*;
     use burn::backend::Flex;
     use burn::tensor::Int;
 
+    /// Loads `tensors` written as safetensors beside `dir`'s config.json, in `dir`/`case`.
+    fn load_tensors(
+        dir: &Path,
+        case: &str,
+        tensors: &HashMap<String, TensorData>,
+    ) -> Result<Llama<Flex>, String> {
+        let case = dir.join(case);
+        std::fs::create_dir_all(&case).unwrap();
+        std::fs::copy(dir.join(CONFIG), case.join(CONFIG)).unwrap();
+        let tensors: Vec<_> = tensors
+            .iter()
+            .map(|(name, data)| (name.clone(), data.clone()))
+            .collect();
+        safetensors_files::write(&case, &tensors, safetensors_files::DEFAULT_MAX_SHARD_BYTES)
+            .unwrap();
+        load::<Flex>(&case, &Default::default()).map(|(_, model)| model)
+    }
+
     #[test]
-    fn export_then_import_gives_the_same_model_and_config() {
+    fn export_then_load_gives_the_same_model_and_config() {
         let config = LlamaConfig::preset("tiny").unwrap();
         let device = Default::default();
         let model = Llama::<Flex>::init(&config, 3, &device);
@@ -248,13 +262,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!(parse_hf_config(&hf_config(&config)).unwrap(), config);
-        let stored = safetensors_files::read_file(&dir.join(safetensors_files::SINGLE)).unwrap();
-        let back = import::<Flex>(&config, stored, &device).unwrap();
-        std::fs::remove_file(dir.join(format!("{RECORD}.mpk"))).unwrap();
-        let (_, loaded) = load::<Flex>(&dir, &device).unwrap();
         let tokens = Tensor::<Flex, 2, Int>::from_ints([[3, 1, 4, 1, 5]], &device);
         let logits = |m: &Llama<Flex>| m.forward(tokens.clone()).unwrap().into_data();
-        assert_eq!(logits(&model), logits(&back));
+        let (_, from_record) = load::<Flex>(&dir, &device).unwrap();
+        assert_eq!(logits(&model), logits(&from_record));
+        std::fs::remove_file(dir.join(format!("{RECORD}.mpk"))).unwrap();
+        let (_, loaded) = load::<Flex>(&dir, &device).unwrap();
         assert_eq!(logits(&model), logits(&loaded));
         // Tied: no head of its own in the file, and the embedding serves as the head again.
         let tied_config = config.clone().with_tie_word_embeddings(true);
@@ -275,12 +288,12 @@ mod tests {
         assert!(loaded.lm_head.is_none());
         assert_eq!(logits(&tied), logits(&loaded));
         // A head that is a copy of the embedding loads; another head is refused, as is a
-        // tensor with no place.
+        // tensor with no place, a missing one and one of another shape.
         let embedding = stored["model.embed_tokens.weight"].clone();
         let with = |name: &str, data: TensorData| {
             let mut tensors = stored.clone();
             tensors.insert(name.into(), data);
-            import::<Flex>(&tied_config, tensors, &device)
+            load_tensors(&tied_dir, "case", &tensors)
         };
         assert!(with("lm_head.weight", embedding.clone()).is_ok());
         let other = TensorData::new(vec![0.5f32; 256 * 128], [256, 128]);
@@ -291,9 +304,36 @@ mod tests {
             error.contains("`model.layers.0.self_attn.q_proj.bias`"),
             "{error}"
         );
+        let error = with("model.norm.weight", TensorData::new(vec![1.0f32; 64], [64])).unwrap_err();
+        assert!(
+            error.contains("`model.norm.weight` has shape [64], but the config asks for [128]"),
+            "{error}"
+        );
+        let mut missing = stored.clone();
+        missing.remove("model.layers.1.mlp.up_proj.weight");
+        let error = load_tensors(&tied_dir, "case", &missing).unwrap_err();
+        assert!(
+            error.contains("no tensor `model.layers.1.mlp.up_proj.weight`"),
+            "{error}"
+        );
         let q = &export(&model)[1];
         assert_eq!(q.0, "model.layers.0.input_layernorm.weight");
         assert_eq!(export(&model)[2].1.shape.to_vec(), vec![128, 128]);
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn names_are_hugging_faces() {
+        assert_eq!(name("embed_tokens"), "model.embed_tokens.weight");
+        assert_eq!(
+            name("layers.3.mlp.up_proj"),
+            "model.layers.3.mlp.up_proj.weight"
+        );
+        assert_eq!(
+            name("layers.3.input_layernorm.weight"),
+            "model.layers.3.input_layernorm.weight"
+        );
+        assert_eq!(name("norm.weight"), "model.norm.weight");
+        assert_eq!(name("lm_head"), "lm_head.weight");
     }
 }

@@ -24,6 +24,7 @@ pub mod schedule;
 pub mod token_cache;
 pub mod tokenizer;
 pub mod train;
+pub mod weights;
 
 pub use config::LlamaConfig;
 pub use model::Llama;

@@ -326,13 +326,14 @@ impl<B: Backend> Llama<B> {
     /// the order of construction or the parallel layout.
     pub fn init(config: &LlamaConfig, seed: u64, device: &B::Device) -> Self {
         Self::build(config, device, |name, shape| {
-            let mut rng = StdRng::seed_from_u64(seed ^ fnv1a(name.as_bytes()));
-            let dist = Normal::new(0.0f32, config.initializer_range as f32).unwrap();
-            let values: Vec<f32> = (0..shape[0] * shape[1])
-                .map(|_| dist.sample(&mut rng))
-                .collect();
-            Tensor::from_data(TensorData::new(values, shape), device)
+            Tensor::from_data(seeded_matrix(config, seed, name, shape), device)
         })
+    }
+
+    /// The model's structure with empty matrices (its norms' ones), to fill part by part
+    /// (`weights.rs`): a rank builds no matrix it does not hold.
+    pub fn shell(config: &LlamaConfig, device: &B::Device) -> Self {
+        Self::build(config, device, |_, _| Tensor::empty([0, 0], device))
     }
 
     /// The model's structure with zero matrices, to load weights into (drawing random ones
@@ -637,6 +638,22 @@ pub fn next_token_loss<B: Backend>(
 /// before mixed precision existed.
 pub fn in_dtype<B: Backend, const D: usize>(x: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
     if x.dtype() == dtype { x } else { x.cast(dtype) }
+}
+
+/// The matrix `name` (Hugging Face's name), shaped `shape`, as `Llama::init` draws it from
+/// `seed`: normal with the config's `initializer_range`, from a generator of its own.
+pub(crate) fn seeded_matrix(
+    config: &LlamaConfig,
+    seed: u64,
+    name: &str,
+    shape: [usize; 2],
+) -> TensorData {
+    let mut rng = StdRng::seed_from_u64(seed ^ fnv1a(name.as_bytes()));
+    let dist = Normal::new(0.0f32, config.initializer_range as f32).unwrap();
+    let values: Vec<f32> = (0..shape[0] * shape[1])
+        .map(|_| dist.sample(&mut rng))
+        .collect();
+    TensorData::new(values, shape)
 }
 
 /// FNV-1a: gives every tensor name its own stream of random numbers, and keys cached data.

@@ -20,6 +20,7 @@ use crate::dims::ParallelDims;
 use crate::model::Llama;
 use crate::pipeline::{Balance, split};
 use crate::train::{TrainConfig, TrainError};
+use crate::weights::{Block, ParamSource};
 
 /// How one parameter is held by the ranks of a tensor-parallel group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,8 +154,41 @@ impl ParallelPlan {
         let Some(tp) = tp else {
             return Ok(model);
         };
+        self.make_groups(tp)?;
+        let mut mapper = PathMapper::new(self, SplitOp::Cut(tp));
+        let model = model.map(&mut mapper);
+        mapper.finish()?;
+        Ok(model.with_tp(Some(tp.clone())))
+    }
+
+    /// `part` (of a `Llama::shell`) with every parameter read from `source`: of a split
+    /// parameter, this rank's block over `tp` only. What [`shard`](Self::shard) gives of the
+    /// whole model, without it.
+    pub fn load<B: Backend>(
+        &self,
+        part: Llama<B>,
+        tp: Option<&TensorParallel>,
+        source: &dyn ParamSource,
+    ) -> Result<Llama<B>, TrainError> {
+        if let Some(tp) = tp {
+            self.make_groups(tp)?;
+        }
+        let first_layer = part.part().layers.start;
+        let op = SplitOp::Load {
+            source,
+            tp,
+            first_layer,
+        };
+        let mut mapper = PathMapper::new(self, op);
+        let part = part.map(&mut mapper);
+        mapper.finish()?;
+        Ok(part.with_tp(tp.cloned()))
+    }
+
+    /// Checks `tp` against the plan and makes the groups of ranks sharing a block, in the same
+    /// order on every rank.
+    fn make_groups(&self, tp: &TensorParallel) -> Result<(), TrainError> {
         self.check_group(tp)?;
-        // The groups of ranks sharing a block are made now, in the same order on every rank.
         for rule in &self.rules {
             if let Placement::Columns { shared_by } = rule.placement
                 && shared_by > 1
@@ -162,10 +196,7 @@ impl ParallelPlan {
                 tp.replica_group(tp.size() / shared_by)?;
             }
         }
-        let mut mapper = PathMapper::new(self, SplitOp::Cut(tp));
-        let model = model.map(&mut mapper);
-        mapper.finish()?;
-        Ok(model.with_tp(Some(tp.clone())))
+        Ok(())
     }
 
     /// The whole of `model` (cut by [`shard`](Self::shard)), gathered from its tensor-parallel
@@ -328,6 +359,22 @@ fn rules(model: &LlamaConfig, tp: usize) -> Vec<Rule> {
     rules
 }
 
+/// Every parameter of the whole model shaped `model`: its path (as burn's visitors name it) and
+/// its shape.
+pub fn parameters(model: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
+    let mut out = Vec::new();
+    for rule in rules(model, 1) {
+        match rule.path.split_once("*.") {
+            Some((head, tail)) => out.extend(
+                (0..model.num_hidden_layers)
+                    .map(|i| (format!("{head}{i}.{tail}"), rule.shape.clone())),
+            ),
+            None => out.push((rule.path.to_string(), rule.shape)),
+        }
+    }
+    out
+}
+
 /// Checks that `config` can be split over `tp` ranks (and, with `sequence_parallel`, sequences
 /// of `seq_len` tokens too), with a sentence saying what to change.
 pub fn check_split(
@@ -367,6 +414,13 @@ enum SplitOp<'a> {
     Cut(&'a TensorParallel),
     /// All-gather the blocks into the whole.
     Gather(&'a TensorParallel),
+    /// Read every parameter (this rank's block of a split one) from `source`, into a part
+    /// whose blocks start at `first_layer`.
+    Load {
+        source: &'a dyn ParamSource,
+        tp: Option<&'a TensorParallel>,
+        first_layer: usize,
+    },
 }
 
 impl SplitOp<'_> {
@@ -385,7 +439,22 @@ impl SplitOp<'_> {
                 if tracked { block.require_grad() } else { block }
             }
             Self::Gather(tp) => tp.gather_blocks(tensor.detach(), dim, blocks)?,
+            Self::Load { .. } => unreachable!("a load reads, it does not split"),
         })
+    }
+}
+
+/// `path` of a part whose blocks start at `first_layer`, in the whole model.
+fn whole_path(path: &str, first_layer: usize) -> String {
+    match path
+        .strip_prefix("layers.")
+        .and_then(|rest| rest.split_once('.'))
+    {
+        Some((i, tail)) => {
+            let i: usize = i.parse().expect("a block's path holds its index");
+            format!("layers.{}.{tail}", first_layer + i)
+        }
+        None => path.to_string(),
     }
 }
 
@@ -434,10 +503,20 @@ impl<B: Backend> ModuleMapper<B> for PathMapper<'_> {
             )));
             return param;
         };
+        if let SplitOp::Load {
+            source,
+            tp,
+            first_layer,
+        } = self.op
+        {
+            let path = whole_path(&path, first_layer);
+            return load(param, rule, &path, source, tp, &mut self.failed);
+        }
         // Cut from the whole; gathered from this rank's part.
         let expected = match self.op {
             SplitOp::Cut(_) => rule.shape.clone(),
             SplitOp::Gather(_) => rule.placement.shape_per_rank(&rule.shape, tp),
+            SplitOp::Load { .. } => unreachable!("loaded above"),
         };
         if param.dims().as_slice() != expected.as_slice() {
             self.failed = Some(TrainError::Config(format!(
@@ -458,6 +537,65 @@ impl<B: Backend> ModuleMapper<B> for PathMapper<'_> {
             }
         })
     }
+}
+
+/// `param`, the parameter at `path` (in the whole model) under `rule`, read from `source`:
+/// this rank's block over `tp` when the rule splits it. On failure, the parameter as it was
+/// and the error in `failed`.
+fn load<B: Backend, const D: usize>(
+    param: Param<Tensor<B, D>>,
+    rule: &Rule,
+    path: &str,
+    source: &dyn ParamSource,
+    tp: Option<&TensorParallel>,
+    failed: &mut Option<TrainError>,
+) -> Param<Tensor<B, D>> {
+    let split = tp.and_then(|tp| {
+        let (dim, blocks) = rule.placement.split(tp.size())?;
+        Some(
+            tp.block_range(rule.shape[dim], blocks)
+                .map(|range| (dim, range)),
+        )
+    });
+    let block = match split.transpose() {
+        Ok(split) => Block {
+            path,
+            whole: &rule.shape,
+            split,
+        },
+        Err(error) => {
+            *failed = Some(error.into());
+            return param;
+        }
+    };
+    let loaded = match source.block(&block) {
+        Ok(Some(loaded)) => loaded,
+        Ok(None) => return param,
+        Err(error) => {
+            *failed = Some(TrainError::Config(error));
+            return param;
+        }
+    };
+    let want = rule
+        .placement
+        .shape_per_rank(&rule.shape, tp.map_or(1, TensorParallel::size));
+    param.map(|tensor| {
+        let tracked = tensor.is_require_grad();
+        let value = Tensor::<B, D>::from_data(loaded.data, &tensor.device());
+        let value = if loaded.transposed {
+            value.transpose()
+        } else {
+            value
+        };
+        if value.dims().as_slice() != want.as_slice() {
+            *failed = Some(TrainError::Config(format!(
+                "`{path}` was read shaped {:?}, but this rank holds {want:?} of it",
+                value.dims()
+            )));
+            return tensor;
+        }
+        if tracked { value.require_grad() } else { value }
+    })
 }
 
 #[cfg(test)]

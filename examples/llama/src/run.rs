@@ -10,18 +10,19 @@ use crate::batches::Batches;
 use crate::data::Dataset;
 use crate::dims::{Groups, ParallelDims};
 use crate::engine::{Engine, Finished, TrainBackend, choose};
-use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::{StepMetrics, Strategy, TrainConfig, TrainError, reduce_scalar};
+use crate::weights::Weights;
 
-/// Trains one rank of `config` from `model` (whole, the same on every rank) and returns the
-/// whole trained model. `world` holds every rank of the run; none when one rank trains alone.
+/// Trains one rank of `config` from `weights` (of which it builds only its parts) and returns
+/// the whole trained model. `world` holds every rank of the run; none when one rank trains
+/// alone.
 /// `on_step` sees every step's metrics (the same on every rank).
 pub fn train_rank<B: TrainBackend>(
     config: &TrainConfig,
     data: &dyn Dataset,
     world: Option<&Communicator>,
-    model: Llama<B>,
+    weights: &Weights,
     device: &B::Device,
     on_step: &mut dyn FnMut(&StepMetrics),
 ) -> Result<Finished<B::InnerBackend>, TrainError> {
@@ -42,7 +43,7 @@ pub fn train_rank<B: TrainBackend>(
     };
     let (replicas, replica) = groups.dp.as_ref().map_or((1, 0), |c| (c.size(), c.rank()));
     let batches = Batches::new(config, data, replicas, replica, layout)?;
-    let mut engine = choose(config, &plan, model, &groups, &batches, device)?;
+    let mut engine = choose::<B>(config, &plan, weights, &groups, &batches, device)?;
     train_loop(config, engine.as_mut(), &batches, device, on_step)?;
     engine.finish()
 }

@@ -2,11 +2,15 @@
 //! `model.safetensors`, or, above a size limit, shards `model-0000N-of-0000M.safetensors` and
 //! `model.safetensors.index.json` mapping each tensor to its shard.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::tensor::{DType, TensorData};
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, Metadata, TensorView};
 use serde_json::{Value, json};
 
 /// The single file of an unsharded checkpoint.
@@ -17,7 +21,7 @@ pub const INDEX: &str = "model.safetensors.index.json";
 /// 50GB shards), which both read.
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
-/// Writes `tensors` (f32) into `dir`: one file if they fit in `max_shard_bytes`, else shards
+/// Writes `tensors` (f32, f16 or bf16, each as given) into `dir`: one file if they fit in `max_shard_bytes`, else shards
 /// filled in order, each closed before the next tensor would take it past the limit (a
 /// tensor larger than the limit gets a shard of its own), and the index. Files of an earlier
 /// save in another layout are removed first, so a reader never sees both.
@@ -58,95 +62,273 @@ pub fn write(
         .map_err(|e| format!("cannot write {}: {e}", dir.join(INDEX).display()))
 }
 
-/// Every tensor of the checkpoint in `dir`, in its stored dtype: from the index and its
-/// shards when there is an index, else from the single file. Both at once are refused, since
-/// transformers would read the single file and might not read the same weights.
+/// Every tensor of the checkpoint in `dir`, in its stored dtype (see [`Checkpoint::open`]).
 pub fn read(dir: &Path) -> Result<HashMap<String, TensorData>, String> {
-    let index = dir.join(INDEX);
-    if !index.exists() {
-        return read_file(&dir.join(SINGLE));
-    }
-    if dir.join(SINGLE).exists() {
-        return Err(format!(
-            "{} holds both {SINGLE} and {INDEX}, which transformers would not read alike; remove the one that is stale",
-            dir.display()
-        ));
-    }
-    let text = std::fs::read_to_string(&index)
-        .map_err(|e| format!("cannot read {}: {e}", index.display()))?;
-    let json: Value =
-        serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", index.display()))?;
-    let weight_map = json
-        .get("weight_map")
-        .and_then(Value::as_object)
-        .ok_or_else(|| format!("{} has no weight_map", index.display()))?;
-    let mut by_shard: HashMap<&str, Vec<&str>> = HashMap::new();
-    for (tensor, shard) in weight_map {
-        let shard = shard.as_str().ok_or_else(|| {
-            format!(
-                "{} maps `{tensor}` to {shard}, not a file name",
-                index.display()
-            )
-        })?;
-        if shard.contains(['/', '\\']) {
-            return Err(format!(
-                "{} maps `{tensor}` to {shard}, outside the checkpoint's directory",
-                index.display()
-            ));
-        }
-        by_shard.entry(shard).or_default().push(tensor);
-    }
-    let mut tensors = HashMap::new();
-    for (shard, names) in by_shard {
-        let path = dir.join(shard);
-        let mut stored = read_file(&path)?;
-        for name in names {
-            let data = stored.remove(name).ok_or_else(|| {
-                format!(
-                    "{} says `{name}` is in {shard}, but it is not",
-                    index.display()
-                )
-            })?;
-            tensors.insert(name.to_string(), data);
-        }
-        if let Some(name) = stored.keys().min() {
-            return Err(format!(
-                "{shard} holds `{name}`, which {} does not list; a reader that loads whole shards would see it, so remove it or list it",
-                index.display()
-            ));
-        }
-    }
-    Ok(tensors)
+    Checkpoint::open(dir)?.read_all()
 }
 
 /// Every tensor of one safetensors file, in its stored dtype (f32, f16 or bf16).
 pub fn read_file(path: &Path) -> Result<HashMap<String, TensorData>, String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    parse(&bytes).map_err(|e| format!("{}: {e}", path.display()))
+    Checkpoint::open_file(path)?.read_all()
 }
 
-/// Every tensor of a safetensors file's bytes, in its stored dtype.
-pub fn parse(bytes: &[u8]) -> Result<HashMap<String, TensorData>, String> {
-    let file =
-        SafeTensors::deserialize(bytes).map_err(|e| format!("not a safetensors file: {e}"))?;
-    file.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let dtype = match view.dtype() {
-                Dtype::F32 => DType::F32,
-                Dtype::F16 => DType::F16,
-                Dtype::BF16 => DType::BF16,
-                other => {
-                    return Err(format!(
-                        "`{name}` is {other:?}; only f32, f16 and bf16 load"
-                    ));
-                }
-            };
-            let data =
-                TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype);
-            Ok((name, data))
+/// A checkpoint opened by reading its files' headers only: a tensor, or a range of it along one
+/// dimension, is read when asked for, so a rank reads only the slices it holds.
+pub struct Checkpoint {
+    files: Vec<PathBuf>,
+    tensors: HashMap<String, Stored>,
+    bytes_read: AtomicU64,
+}
+
+/// Where one tensor lies in its file.
+struct Stored {
+    file: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+    /// Its first byte in the file.
+    start: u64,
+}
+
+impl Checkpoint {
+    /// The checkpoint in `dir`: the index and its shards when there is an index, else the
+    /// single file. Both at once are refused, since transformers would read the single file and
+    /// might not read the same weights; an index naming a tensor its shard lacks, or a shard
+    /// holding a tensor its index does not list, too.
+    pub fn open(dir: &Path) -> Result<Self, String> {
+        let index = dir.join(INDEX);
+        if !index.exists() {
+            return Self::open_file(&dir.join(SINGLE));
+        }
+        if dir.join(SINGLE).exists() {
+            return Err(format!(
+                "{} holds both {SINGLE} and {INDEX}, which transformers would not read alike; remove the one that is stale",
+                dir.display()
+            ));
+        }
+        let text = std::fs::read_to_string(&index)
+            .map_err(|e| format!("cannot read {}: {e}", index.display()))?;
+        let json: Value = serde_json::from_str(&text)
+            .map_err(|e| format!("{} is not JSON: {e}", index.display()))?;
+        let weight_map = json
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| format!("{} has no weight_map", index.display()))?;
+        let mut by_shard: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (tensor, shard) in weight_map {
+            let shard = shard.as_str().ok_or_else(|| {
+                format!(
+                    "{} maps `{tensor}` to {shard}, not a file name",
+                    index.display()
+                )
+            })?;
+            if shard.contains(['/', '\\']) {
+                return Err(format!(
+                    "{} maps `{tensor}` to {shard}, outside the checkpoint's directory",
+                    index.display()
+                ));
+            }
+            by_shard.entry(shard).or_default().push(tensor);
+        }
+        let mut checkpoint = Self::empty();
+        for (shard, names) in by_shard {
+            let mut stored = checkpoint.add_file(&dir.join(shard))?;
+            for name in names {
+                let tensor = stored.remove(name).ok_or_else(|| {
+                    format!(
+                        "{} says `{name}` is in {shard}, but it is not",
+                        index.display()
+                    )
+                })?;
+                checkpoint.tensors.insert(name.to_string(), tensor);
+            }
+            if let Some(name) = stored.keys().min() {
+                return Err(format!(
+                    "{shard} holds `{name}`, which {} does not list; a reader that loads whole shards would see it, so remove it or list it",
+                    index.display()
+                ));
+            }
+        }
+        Ok(checkpoint)
+    }
+
+    /// One safetensors file as a checkpoint.
+    pub fn open_file(path: &Path) -> Result<Self, String> {
+        let mut checkpoint = Self::empty();
+        checkpoint.tensors = checkpoint.add_file(path)?;
+        Ok(checkpoint)
+    }
+
+    fn empty() -> Self {
+        Self {
+            files: Vec::new(),
+            tensors: HashMap::new(),
+            bytes_read: AtomicU64::new(0),
+        }
+    }
+
+    /// Reads `path`'s header and returns where its tensors lie.
+    fn add_file(&mut self, path: &Path) -> Result<HashMap<String, Stored>, String> {
+        let header = Header::read(path)?;
+        let file = self.files.len();
+        self.files.push(path.to_path_buf());
+        header
+            .metadata
+            .tensors()
+            .into_iter()
+            .map(|(name, info)| {
+                let dtype = match info.dtype {
+                    Dtype::F32 => DType::F32,
+                    Dtype::F16 => DType::F16,
+                    Dtype::BF16 => DType::BF16,
+                    other => {
+                        return Err(format!(
+                            "{}: `{name}` is {other:?}; only f32, f16 and bf16 load",
+                            path.display()
+                        ));
+                    }
+                };
+                let stored = Stored {
+                    file,
+                    dtype,
+                    shape: info.shape.clone(),
+                    start: header.data_start + info.data_offsets.0 as u64,
+                };
+                Ok((name, stored))
+            })
+            .collect()
+    }
+
+    /// The names of its tensors, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.tensors.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// The stored shape of `name`, if the checkpoint holds it.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.tensors.get(name).map(|t| t.shape.as_slice())
+    }
+
+    /// Bytes of tensor data read so far.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
+    }
+
+    /// Every tensor, whole, in its stored dtype.
+    pub fn read_all(&self) -> Result<HashMap<String, TensorData>, String> {
+        self.tensors
+            .keys()
+            .map(|name| Ok((name.clone(), self.read(name)?)))
+            .collect()
+    }
+
+    /// `name` whole, in its stored dtype.
+    pub fn read(&self, name: &str) -> Result<TensorData, String> {
+        let len = self.stored(name)?.shape.first().copied().unwrap_or(1);
+        self.read_block(name, 0, 0..len)
+    }
+
+    /// The elements `range` along `dim` of `name` (every index of the other dimensions), in
+    /// its stored dtype: one read when they are contiguous, one per outer index otherwise.
+    pub fn read_block(
+        &self,
+        name: &str,
+        dim: usize,
+        range: Range<usize>,
+    ) -> Result<TensorData, String> {
+        let stored = self.stored(name)?;
+        let shape = if stored.shape.is_empty() {
+            vec![1]
+        } else {
+            stored.shape.clone()
+        };
+        if dim >= shape.len() || range.start > range.end || range.end > shape[dim] {
+            return Err(format!(
+                "`{name}` is shaped {shape:?}: it has no elements {range:?} along dimension {dim}"
+            ));
+        }
+        let size = stored.dtype.size();
+        let outer: usize = shape[..dim].iter().product();
+        let inner: usize = shape[dim + 1..].iter().product::<usize>() * size;
+        // Whole rows of the outer dimensions follow each other when the range covers `dim`.
+        let (outer, run, stride) = if range.len() == shape[dim] {
+            (1, outer * shape[dim] * inner, 0)
+        } else {
+            (outer, range.len() * inner, shape[dim] * inner)
+        };
+        let path = &self.files[stored.file];
+        let failed =
+            |e: std::io::Error| format!("cannot read `{name}` from {}: {e}", path.display());
+        let mut file = File::open(path).map_err(failed)?;
+        let mut bytes = vec![0u8; outer * run];
+        for (o, chunk) in bytes.chunks_exact_mut(run.max(1)).enumerate() {
+            let at = stored.start + (o * stride + range.start * inner) as u64;
+            file.seek(SeekFrom::Start(at)).map_err(failed)?;
+            file.read_exact(chunk).map_err(failed)?;
+        }
+        self.bytes_read
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        let mut block = shape;
+        block[dim] = range.len();
+        if stored.shape.is_empty() {
+            block.clear();
+        }
+        Ok(TensorData::from_bytes_vec(bytes, block, stored.dtype))
+    }
+
+    fn stored(&self, name: &str) -> Result<&Stored, String> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| format!("the checkpoint has no tensor `{name}`"))
+    }
+}
+
+/// A safetensors file's header, checked against the file's length.
+struct Header {
+    metadata: Metadata,
+    /// Where the tensors' data starts.
+    data_start: u64,
+}
+
+impl Header {
+    /// safetensors' own bound on a header.
+    const MAX_BYTES: u64 = 100_000_000;
+
+    fn read(path: &Path) -> Result<Self, String> {
+        let failed = |e: std::io::Error| format!("cannot read {}: {e}", path.display());
+        let mut file = File::open(path).map_err(failed)?;
+        let len = file.metadata().map_err(failed)?.len();
+        let not = |why: String| format!("{} is not a safetensors file: {why}", path.display());
+        let mut n = [0u8; 8];
+        file.read_exact(&mut n)
+            .map_err(|_| not(format!("{len} bytes, shorter than a header")))?;
+        let n = u64::from_le_bytes(n);
+        if n > Self::MAX_BYTES || 8 + n > len {
+            return Err(not(format!("a header of {n} bytes in a file of {len}")));
+        }
+        let mut text = vec![0u8; n as usize];
+        file.read_exact(&mut text).map_err(failed)?;
+        let metadata: Metadata =
+            serde_json::from_slice(&text).map_err(|e| not(format!("its header: {e}")))?;
+        let data = metadata
+            .tensors()
+            .values()
+            .map(|info| info.data_offsets.1 as u64)
+            .max()
+            .unwrap_or(0);
+        if 8 + n + data != len {
+            return Err(format!(
+                "{} is truncated or has bytes after its tensors: its header describes {data} bytes of tensor data, the file holds {}",
+                path.display(),
+                len - 8 - n
+            ));
+        }
+        Ok(Self {
+            metadata,
+            data_start: 8 + n,
         })
-        .collect()
+    }
 }
 
 /// `model-0000i-of-0000n.safetensors`, transformers' shard name.
@@ -154,12 +336,22 @@ fn shard_name(i: usize, n: usize) -> String {
     format!("model-{i:05}-of-{n:05}.safetensors")
 }
 
-/// One safetensors file of f32 tensors.
+/// One safetensors file.
 fn write_file(path: &Path, tensors: &[&(String, TensorData)]) -> Result<(), String> {
     let views = tensors
         .iter()
         .map(|(name, data)| {
-            let view = TensorView::new(Dtype::F32, data.shape.to_vec(), data.as_bytes())
+            let dtype = match data.dtype {
+                DType::F32 => Dtype::F32,
+                DType::F16 => Dtype::F16,
+                DType::BF16 => Dtype::BF16,
+                other => {
+                    return Err(format!(
+                        "`{name}` is {other:?}; only f32, f16 and bf16 are written"
+                    ));
+                }
+            };
+            let view = TensorView::new(dtype, data.shape.to_vec(), data.as_bytes())
                 .map_err(|e| format!("`{name}`: {e}"))?;
             Ok((name.clone(), view))
         })
@@ -287,6 +479,55 @@ mod tests {
             "c": "model-00002-of-00002.safetensors",
         }));
         assert!(error.contains("holds `b`, which"), "{error}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_block_reads_only_its_rows_or_columns() {
+        let dir = std::env::temp_dir().join(format!("llama-blocks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let values: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let matrix = ("m".to_string(), TensorData::new(values, [3, 4]));
+        write(
+            &dir,
+            &[matrix.clone(), tensor("v", vec![7.0; 5])],
+            DEFAULT_MAX_SHARD_BYTES,
+        )
+        .unwrap();
+        let checkpoint = Checkpoint::open(&dir).unwrap();
+        assert_eq!(checkpoint.names(), ["m", "v"]);
+        assert_eq!(checkpoint.shape("m"), Some(&[3, 4][..]));
+        let floats = |data: TensorData| (data.shape.to_vec(), data.to_vec::<f32>().unwrap());
+        let rows = checkpoint.read_block("m", 0, 1..3).unwrap();
+        assert_eq!(
+            floats(rows),
+            (vec![2, 4], (4..12).map(|i| i as f32).collect())
+        );
+        assert_eq!(checkpoint.bytes_read(), 8 * 4);
+        let columns = checkpoint.read_block("m", 1, 1..3).unwrap();
+        assert_eq!(
+            floats(columns),
+            (vec![3, 2], vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0])
+        );
+        assert_eq!(checkpoint.bytes_read(), 14 * 4);
+        assert_eq!(checkpoint.read("m").unwrap(), matrix.1);
+        let error = checkpoint.read_block("m", 1, 3..5).unwrap_err();
+        assert!(
+            error.contains("no elements 3..5 along dimension 1"),
+            "{error}"
+        );
+        let error = checkpoint.read("w").unwrap_err();
+        assert!(error.contains("no tensor `w`"), "{error}");
+        // A file cut short, or longer than its header says, is refused when opened.
+        let bytes = std::fs::read(dir.join(SINGLE)).unwrap();
+        for len in [bytes.len() - 4, 6] {
+            std::fs::write(dir.join(SINGLE), &bytes[..len]).unwrap();
+            let error = Checkpoint::open(&dir).err().unwrap();
+            assert!(error.contains(SINGLE), "{error}");
+        }
+        std::fs::write(dir.join(SINGLE), [&bytes[..], &[0; 4]].concat()).unwrap();
+        let error = Checkpoint::open(&dir).err().unwrap();
+        assert!(error.contains("is truncated or has bytes after"), "{error}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -24,6 +24,7 @@ use crate::launch::{check_processes, launch_ranks};
 use crate::model::Llama;
 use crate::run::train_rank;
 use crate::schedule::WarmupCosine;
+use crate::weights::Weights;
 
 /// How the data-parallel ranks share the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -393,28 +394,13 @@ pub fn train<B: TrainBackend>(
 ) -> Result<Llama<B::InnerBackend>, TrainError> {
     config.layout()?;
     check_processes(config)?;
-    let init = || -> Result<Llama<B>, TrainError> {
-        match &config.init_from {
-            None => Ok(Llama::init(&config.model, config.seed, device)),
-            Some(dir) => {
-                let (shape, model) =
-                    crate::hf::load::<B>(dir, device).map_err(TrainError::Config)?;
-                if shape != config.model {
-                    return Err(TrainError::Config(format!(
-                        "{} holds a model of another shape than the one asked for; drop --model or pick the matching preset",
-                        dir.display()
-                    )));
-                }
-                Ok(model)
-            }
-        }
-    };
+    let weights = Weights::of(config)?;
     let dims = ParallelDims::of(config);
     if dims.ranks() == 1 && config.strategy == Strategy::Single {
-        return Ok(train_rank(config, data, None, init()?, device, on_step)?.model);
+        return Ok(train_rank::<B>(config, data, None, &weights, device, on_step)?.model);
     }
     let results = launch_ranks(config, dims.ranks(), on_step, |world, forward| {
-        let finished = train_rank(config, data, Some(world), init()?, device, forward)?;
+        let finished = train_rank::<B>(config, data, Some(world), &weights, device, forward)?;
         // Threads keep rank 0's model only; a process keeps its own.
         let keep = world.rank() == 0 || config.process.is_some();
         let model = keep.then_some(finished.model);

@@ -6,15 +6,20 @@
 //! scaled rotary positions are checked in each way of splitting the model (tp + sp, pp,
 //! pp x tp) against their own one-device oracle. A head tied to the embedding matches one
 //! device under pp (1F1B, interleaved, ZB-H1 at pp 4), dp x pp with DDP and ZeRO-1, and pp x tp.
+//! A bf16 checkpoint in shards, which each rank reads only its slices of, trains under pp x tp
+//! and dp x tp with ZeRO-3 as one device trains from it.
 //!
 //! Tolerances are in `common`: micro-batch means summed one by one differ in float32 rounding
 //! from one mean over the whole batch.
 
 mod common;
 
+use burn::backend::Flex;
+use burn::tensor::DType;
 use burn_pipeline::ScheduleKind;
 use burn_zero::ZeroStage;
 use common::*;
+use llama::Llama;
 use llama::rope::RopeScaling;
 use llama::train::{Strategy, TrainConfig};
 
@@ -195,4 +200,40 @@ fn a_tied_head_matches_one_device_in_every_pipeline_layout() {
         let what = format!("tied, dp {dp} x pp 2 x tp {tp}, {zero:?}");
         assert_close(&oracle, &run(&layout(dp, tp, zero)), &what);
     }
+}
+
+#[test]
+fn a_bf16_checkpoint_read_in_slices_trains_like_one_device_from_it() {
+    // `tiny` from another seed, in bf16, in shards with their index.
+    let base = config(Strategy::Single, 1);
+    let dir = std::env::temp_dir().join(format!("pp-parity-bf16-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = Llama::<Flex>::init(&base.model, 11, &Default::default());
+    let tensors: Vec<_> = llama::hf::export(&model)
+        .into_iter()
+        .map(|(name, data)| (name, data.convert_dtype(DType::BF16)))
+        .collect();
+    llama::safetensors_files::write(&dir, &tensors, 1_000_000).unwrap();
+    assert!(dir.join(llama::safetensors_files::INDEX).exists());
+    let config = llama::hf_config::hf_config(&base.model);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let mut from = base.clone();
+    from.init_from = Some(dir.clone());
+    let oracle = run(&from);
+    assert_ne!(
+        oracle.losses[0],
+        run(&base).losses[0],
+        "the checkpoint, not the seed, is what trains"
+    );
+    let mut both = from.clone();
+    (both.pp, both.tp, both.grad_accum) = (2, 2, Some(4));
+    assert_close(&oracle, &run(&both), "bf16 checkpoint, pp 2 x tp 2");
+    let mut sharded = zero(&from, 2, ZeroStage::Parameters);
+    sharded.tp = 2;
+    assert_close(
+        &oracle,
+        &run(&sharded),
+        "bf16 checkpoint, dp 2 x tp 2, ZeRO-3",
+    );
+    std::fs::remove_dir_all(dir).unwrap();
 }

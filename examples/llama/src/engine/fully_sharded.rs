@@ -12,6 +12,7 @@ use crate::batches::Batches;
 use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError};
+use crate::weights::Weights;
 
 pub(crate) struct FullyShardedEngine<'a, B: TrainBackend> {
     plan: &'a ParallelPlan,
@@ -20,21 +21,19 @@ pub(crate) struct FullyShardedEngine<'a, B: TrainBackend> {
 }
 
 impl<'a, B: TrainBackend> FullyShardedEngine<'a, B> {
-    /// Shards `model`'s units (the plan's, each cut over `groups`' tp too) over `dp`.
+    /// Shards the plan's units of `weights` (each holding this rank's tp slices) over `dp`.
     pub fn new(
         config: &TrainConfig,
         plan: &'a ParallelPlan,
-        model: Llama<B>,
+        weights: &Weights,
         groups: &Groups,
         dp: Communicator,
+        device: &B::Device,
     ) -> Result<Self, TrainError> {
         let tp = groups.tp.as_ref();
         let ranges = plan.units.as_ref().expect("ZeRO-3's plan has its units");
-        let units = model
-            .cut(ranges)
-            .into_iter()
-            .map(|unit| plan.shard(unit, tp))
-            .collect::<Result<Vec<_>, _>>()?;
+        let every: Vec<usize> = (0..ranges.len()).collect();
+        let units = weights.parts(&config.model, plan, ranges, &every, tp, device)?;
         let mut fsdp = FullyShardedDataParallel::new(
             units,
             dp.clone(),

@@ -22,6 +22,7 @@ use crate::dims::Groups;
 use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::{StepMetrics, Strategy, TrainConfig, TrainError};
+use crate::weights::Weights;
 
 /// One rank's part of a strategy. The loop calls, each step, [`prepare`](Self::prepare), then
 /// (on the step's clock) [`forward_backward`](Self::forward_backward) and
@@ -138,13 +139,13 @@ impl<B: BackwardHooks<InnerBackend: TpBackend> + TpBackend> TrainBackend for B {
 pub(crate) fn choose<'a, B: TrainBackend>(
     config: &'a TrainConfig,
     plan: &'a ParallelPlan,
-    model: Llama<B>,
+    weights: &Weights,
     groups: &Groups,
     batches: &Batches<'_>,
     device: &B::Device,
 ) -> Result<Box<dyn Engine<B> + 'a>, TrainError> {
     if config.pp > 1 {
-        let engine = pipeline::PipelineEngine::new(config, plan, model, groups, batches, device)?;
+        let engine = pipeline::PipelineEngine::new(config, plan, weights, groups, batches, device)?;
         return Ok(Box::new(engine));
     }
     let dp = || {
@@ -155,10 +156,14 @@ pub(crate) fn choose<'a, B: TrainBackend>(
     };
     let tp = groups.tp.as_ref();
     if config.zero == ZeroStage::Parameters {
-        let engine = fully_sharded::FullyShardedEngine::new(config, plan, model, groups, dp())?;
+        let engine =
+            fully_sharded::FullyShardedEngine::new(config, plan, weights, groups, dp(), device)?;
         return Ok(Box::new(engine));
     }
-    let replica = plan.shard(model, tp)?;
+    let all = 0..config.model.num_hidden_layers;
+    let replica = weights
+        .parts(&config.model, plan, &[all], &[0], tp, device)?
+        .remove(0);
     Ok(match (config.strategy, config.zero) {
         (Strategy::Single, _) => Box::new(single::SingleEngine::new(config, plan, replica)),
         (Strategy::Ddp, ZeroStage::Replicated) => {

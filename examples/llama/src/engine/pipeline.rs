@@ -26,6 +26,7 @@ use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
 use crate::pipeline::{Balance, MicroBatch, StageCosts, share_stages};
 use crate::train::{TrainConfig, TrainError};
+use crate::weights::Weights;
 
 pub(crate) struct PipelineEngine<'a, B: TrainBackend> {
     config: &'a TrainConfig,
@@ -49,7 +50,7 @@ impl<'a, B: TrainBackend> PipelineEngine<'a, B> {
     pub fn new(
         config: &'a TrainConfig,
         plan: &'a ParallelPlan,
-        model: Llama<B>,
+        weights: &Weights,
         groups: &Groups,
         batches: &Batches<'_>,
         device: &B::Device,
@@ -67,7 +68,8 @@ impl<'a, B: TrainBackend> PipelineEngine<'a, B> {
             Balance::Time => {
                 // The others' costs are placeholders of the right length for the broadcast.
                 let measured = if groups.is_first() {
-                    StageCosts::time(&model, &config.model, &batches.micro(0, 0, device))?
+                    let whole = weights.whole::<B>(&config.model, device)?;
+                    StageCosts::time(&whole, &config.model, &batches.micro(0, 0, device))?
                 } else {
                     StageCosts::params(&config.model)
                 };
@@ -76,19 +78,16 @@ impl<'a, B: TrainBackend> PipelineEngine<'a, B> {
                     .split(config.pp, config.virtual_stages)?
             }
         };
-        let mut stages: Vec<Option<Llama<B>>> = model.cut(&ranges).into_iter().map(Some).collect();
         let mine = executor.stages();
-        // The stages trained elsewhere are dropped here, before training.
-        let chunks = mine
-            .iter()
-            .map(|&s| {
-                plan.shard(
-                    stages[s].take().expect("each stage once"),
-                    groups.tp.as_ref(),
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        drop(stages);
+        // The stages trained elsewhere are never built.
+        let chunks = weights.parts(
+            &config.model,
+            plan,
+            &ranges,
+            &mine,
+            groups.tp.as_ref(),
+            device,
+        )?;
         // Under sequence parallelism each tensor-parallel rank sends its part of the sequence.
         let sequence_parts = match &groups.tp {
             Some(tp) if tp.sequence_parallel() => tp.size(),

@@ -1,0 +1,251 @@
+//! Where a run's starting weights come from, drawn from the seed or read from a Hugging Face
+//! checkpoint, handed out part by part: each rank builds only the parts its plan gives it (its
+//! pipeline stages, or ZeRO-3's units), each holding only its tensor-parallel slices, and reads
+//! only those slices from disk.
+
+use std::ops::Range;
+
+use burn::tensor::TensorData;
+use burn::tensor::backend::Backend;
+use burn_tensor_parallel::TensorParallel;
+
+use crate::config::LlamaConfig;
+use crate::hf::{self, HfCheckpoint};
+use crate::model::{Llama, seeded_matrix};
+use crate::parallel_plan::ParallelPlan;
+use crate::train::{TrainConfig, TrainError};
+
+/// What a rank holds of one parameter.
+#[derive(Debug, Clone)]
+pub struct Block<'a> {
+    /// The parameter's path in the whole model, as burn's visitors name it
+    /// (`layers.5.mlp.up_proj`).
+    pub path: &'a str,
+    /// The whole parameter's shape, in burn's layout.
+    pub whole: &'a [usize],
+    /// The elements along one dimension this rank holds; none when it holds them all.
+    pub split: Option<(usize, Range<usize>)>,
+}
+
+/// A block's values, f32: in burn's layout, or in its transpose's (Hugging Face stores
+/// matrices `[out, in]`).
+pub struct Loaded {
+    pub data: TensorData,
+    pub transposed: bool,
+}
+
+/// Gives the values of a parameter's block.
+pub trait ParamSource: Sync {
+    /// The values of `block`; none to keep what the model is built with (a norm's ones).
+    fn block(&self, block: &Block<'_>) -> Result<Option<Loaded>, String>;
+}
+
+/// `Llama::init`'s weights: each matrix drawn from the seed and its name, the norms' ones.
+pub struct Seeded<'a> {
+    pub config: &'a LlamaConfig,
+    pub seed: u64,
+}
+
+impl ParamSource for Seeded<'_> {
+    fn block(&self, block: &Block<'_>) -> Result<Option<Loaded>, String> {
+        let &[rows, columns] = block.whole else {
+            return Ok(None);
+        };
+        let whole = seeded_matrix(
+            self.config,
+            self.seed,
+            &hf::name(block.path),
+            [rows, columns],
+        );
+        let data = match &block.split {
+            None => whole,
+            Some((dim, range)) => narrow(whole, *dim, range.clone()),
+        };
+        Ok(Some(Loaded {
+            data,
+            transposed: false,
+        }))
+    }
+}
+
+/// The elements `range` along `dim` of an f32 matrix.
+fn narrow(matrix: TensorData, dim: usize, range: Range<usize>) -> TensorData {
+    let [rows, columns] = [matrix.shape[0], matrix.shape[1]];
+    let values = matrix.to_vec::<f32>().expect("a drawn matrix is f32");
+    let (kept, shape) = if dim == 0 {
+        let kept = values[range.start * columns..range.end * columns].to_vec();
+        (kept, [range.len(), columns])
+    } else {
+        let kept = values
+            .chunks_exact(columns)
+            .flat_map(|row| row[range.clone()].iter().copied())
+            .collect();
+        (kept, [rows, range.len()])
+    };
+    TensorData::new(kept, shape)
+}
+
+/// A run's starting weights.
+pub enum Weights<'a> {
+    /// Drawn from the seed, as `Llama::init`.
+    Seeded(Seeded<'a>),
+    /// Read from a Hugging Face checkpoint (checked against the config when opened).
+    Checkpoint(HfCheckpoint),
+}
+
+impl<'a> Weights<'a> {
+    /// `config`'s starting weights: its `--init-from` checkpoint, else drawn from its seed.
+    pub fn of(config: &'a TrainConfig) -> Result<Self, TrainError> {
+        let Some(dir) = &config.init_from else {
+            return Ok(Self::Seeded(Seeded {
+                config: &config.model,
+                seed: config.seed,
+            }));
+        };
+        if hf::load_config(dir).map_err(TrainError::Config)? != config.model {
+            return Err(TrainError::Config(format!(
+                "{} holds a model of another shape than the one asked for; drop --model or pick the matching preset",
+                dir.display()
+            )));
+        }
+        let checkpoint = HfCheckpoint::open(dir, &config.model).map_err(TrainError::Config)?;
+        Ok(Self::Checkpoint(checkpoint))
+    }
+
+    fn source(&self) -> &dyn ParamSource {
+        match self {
+            Self::Seeded(seeded) => seeded,
+            Self::Checkpoint(checkpoint) => checkpoint,
+        }
+    }
+
+    /// The parts `keep` of the model of `plan` cut at `ranges` (as `Llama::cut` cuts), each
+    /// holding this rank's `tp` slices; no other part and no other slice is built or read.
+    pub fn parts<B: Backend>(
+        &self,
+        model: &LlamaConfig,
+        plan: &ParallelPlan,
+        ranges: &[Range<usize>],
+        keep: &[usize],
+        tp: Option<&TensorParallel>,
+        device: &B::Device,
+    ) -> Result<Vec<Llama<B>>, TrainError> {
+        let mut parts: Vec<Option<Llama<B>>> = Llama::shell(model, device)
+            .cut(ranges)
+            .into_iter()
+            .map(Some)
+            .collect();
+        keep.iter()
+            .map(|&s| {
+                let part = parts[s].take().expect("each part is kept once");
+                plan.load(part, tp, self.source())
+            })
+            .collect()
+    }
+
+    /// The whole model, unsplit.
+    pub fn whole<B: Backend>(
+        &self,
+        model: &LlamaConfig,
+        device: &B::Device,
+    ) -> Result<Llama<B>, TrainError> {
+        let plan = ParallelPlan::new(&TrainConfig::new(model.clone(), 1))?;
+        let all = 0..model.num_hidden_layers;
+        let mut parts = self.parts(model, &plan, &[all], &[0], None, device)?;
+        Ok(parts.remove(0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, Flex};
+    use burn_comm::launch;
+    use burn_ddp::params::slots;
+
+    use super::*;
+
+    type AD = Autodiff<Flex>;
+
+    /// Every parameter's name and values, in visiting order.
+    fn values(part: &Llama<AD>) -> Vec<(String, TensorData)> {
+        slots::<AD, Llama<AD>>(part)
+            .into_iter()
+            .map(|slot| (slot.name, slot.value.into_data()))
+            .collect()
+    }
+
+    #[test]
+    fn every_rank_builds_and_reads_only_its_slices_of_the_same_model() {
+        let ranges = [0..1, 1..3, 3..4];
+        for tied in [false, true] {
+            let config = LlamaConfig::preset("tiny")
+                .unwrap()
+                .with_tie_word_embeddings(tied);
+            let whole = Llama::<AD>::init(&config, 5, &Default::default());
+            let dir =
+                std::env::temp_dir().join(format!("llama-weights-{}-{tied}", std::process::id()));
+            // Sharded, so parts are read from several files.
+            hf::save(&whole, &config, &dir, 1_000_000).unwrap();
+            for tp in [1, 2, 4] {
+                let results = launch(tp, |ctx| {
+                    let group = (tp > 1).then(|| TensorParallel::new(ctx.world().clone()));
+                    let group = group.as_ref();
+                    let mut train = TrainConfig::new(config.clone(), 1);
+                    train.tp = tp;
+                    let plan = ParallelPlan::new(&train)?;
+                    let device = Default::default();
+                    let expected = whole
+                        .clone()
+                        .cut(&ranges)
+                        .into_iter()
+                        .map(|part| plan.shard(part, group))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let seeded = Weights::Seeded(Seeded {
+                        config: &config,
+                        seed: 5,
+                    });
+                    let checkpoint =
+                        HfCheckpoint::open(&dir, &config).map_err(TrainError::Config)?;
+                    let read = Weights::Checkpoint(checkpoint);
+                    for weights in [&seeded, &read] {
+                        let parts =
+                            weights.parts(&config, &plan, &ranges, &[0, 1, 2], group, &device)?;
+                        for (part, want) in parts.iter().zip(&expected) {
+                            assert_eq!(part.part().layers, want.part().layers);
+                            assert_eq!(values(part), values(want), "tp {tp}, tied {tied}");
+                        }
+                    }
+                    // The last part alone reads exactly what it holds.
+                    let checkpoint =
+                        HfCheckpoint::open(&dir, &config).map_err(TrainError::Config)?;
+                    let shell = Llama::<AD>::shell(&config, &device).cut(&ranges).remove(2);
+                    let last = plan.load(shell, group, &checkpoint)?;
+                    let held: usize = slots::<AD, Llama<AD>>(&last)
+                        .iter()
+                        .map(|s| s.bytes())
+                        .sum();
+                    assert_eq!(checkpoint.bytes_read(), held as u64);
+                    Ok::<_, TrainError>(held)
+                });
+                // What the plan gives a rank of the last part: a 1/tp of most matrices, the
+                // shared key/value blocks' 2/tp at tp 4, the norms whole.
+                let mut train = TrainConfig::new(config.clone(), 1);
+                train.tp = tp;
+                let plan = ParallelPlan::new(&train).unwrap();
+                let last = whole.clone().cut(&ranges).remove(2);
+                let share: usize = slots::<AD, Llama<AD>>(&last)
+                    .iter()
+                    .map(|slot| {
+                        let rule = plan.rule(&slot.name).unwrap();
+                        let shape = rule.placement.shape_per_rank(&rule.shape, tp);
+                        shape.iter().product::<usize>() * 4
+                    })
+                    .sum();
+                for result in results {
+                    assert_eq!(result.unwrap(), share, "tp {tp}");
+                }
+            }
+            std::fs::remove_dir_all(dir).unwrap();
+        }
+    }
+}

@@ -97,27 +97,28 @@ where
 {
     /// Shards `units` (whole on every rank; rank 0's values are used) over `comm`, one flat
     /// buffer per unit; `optimizer` is the AdamW each rank applies to its shard. A parameter
-    /// found again in a later unit (same id) is sharded with the first unit only.
+    /// found again in a later unit (same id) is sharded with the first unit only. The units are
+    /// taken one at a time and each let go once this rank's shard of it is kept, so built
+    /// lazily they are never all whole at once.
     pub fn new(
-        units: Vec<S>,
+        units: impl IntoIterator<Item = S>,
         comm: Communicator,
         optimizer: &AdamWConfig,
         config: ZeroConfig,
     ) -> Result<Self, ZeroError> {
-        if units.is_empty() {
-            return Err(ZeroError::Config("the model has no units to shard".into()));
-        }
         config.check()?;
         let param_dtype = config.precision.as_ref().map(|p| p.param_dtype);
-        let (rank, mut names, mut shapes, mut values, mut members) =
-            (comm.rank(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut dtypes, mut sources) = (Vec::new(), Vec::new());
+        let (rank, world) = (comm.rank(), comm.size());
+        let (mut names, mut shapes, mut numels, mut dtypes) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut members, mut sources, mut shard, mut skeletons) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut seen: HashMap<ParamId, (usize, usize)> = HashMap::new();
-        for (u, unit) in units.iter().enumerate() {
-            let (mut member, mut source) = (Vec::new(), Vec::new());
-            for (slot, shape) in params::slots::<B, S>(unit)
+        for (u, unit) in units.into_iter().enumerate() {
+            let (mut member, mut source, mut values) = (Vec::new(), Vec::new(), Vec::new());
+            for (slot, shape) in params::slots::<B, S>(&unit)
                 .iter()
-                .zip(shape_list::<B, S>(unit))
+                .zip(shape_list::<B, S>(&unit))
             {
                 if !slot.require_grad {
                     return Err(ZeroError::Config(format!(
@@ -135,11 +136,13 @@ where
                     source.push(Source::Tied { p, owner });
                     continue;
                 }
-                seen.insert(slot.id, (values.len(), u));
-                source.push(Source::Own(values.len()));
-                member.push(values.len());
+                let p = names.len();
+                seen.insert(slot.id, (p, u));
+                source.push(Source::Own(p));
+                member.push(p);
                 names.push(slot.name.clone());
                 shapes.push(shape);
+                numels.push(slot.numel);
                 dtypes.push(param_dtype.unwrap_or(slot.dtype));
                 values.push(comm.broadcast(slot.value.clone(), 0)?);
             }
@@ -148,15 +151,23 @@ where
                     "unit {u} has no float parameters of its own; merge it into a neighbour"
                 )));
             }
+            // This unit alone, laid out as it is in the whole layout, gives this rank's part.
+            let first = member[0];
+            let alone = FlatLayout::new(
+                &numels[first..],
+                &dtypes[first..],
+                vec![(0..member.len()).collect()],
+                world,
+            )?;
+            shard.push(alone.shard_of(0, rank, &values));
             members.push(member);
             sources.push(source);
+            skeletons.push(empty(unit));
         }
-        let numels: Vec<usize> = values.iter().map(|v| v.dims()[0]).collect();
-        let layout = FlatLayout::new(&numels, &dtypes, members, comm.size())?;
-        let shard: Vec<_> = (0..layout.units.len())
-            .map(|u| layout.shard_of(u, rank, &values))
-            .collect();
-        drop(values);
+        if skeletons.is_empty() {
+            return Err(ZeroError::Config("the model has no units to shard".into()));
+        }
+        let layout = FlatLayout::new(&numels, &dtypes, members, world)?;
         // The master weights start from the parameters as given, before their rounding.
         let master =
             param_dtype.map(|_| params::concat(shard.iter().cloned().map(to_f32).collect()));
@@ -168,7 +179,7 @@ where
         let optimizer = PlacedAdamW::new(optimizer, config.offload, master)?;
         let scaler = config.loss_scaler();
         Ok(Self {
-            skeletons: units.into_iter().map(empty).collect(),
+            skeletons,
             sources,
             shapes,
             names,

@@ -130,17 +130,29 @@ impl<'a> Weights<'a> {
         tp: Option<&TensorParallel>,
         device: &B::Device,
     ) -> Result<Vec<Llama<B>>, TrainError> {
+        self.each_part(model, plan, ranges, keep, tp, device)
+            .collect()
+    }
+
+    /// [`parts`](Self::parts), each read only when it is asked for.
+    pub fn each_part<'s, B: Backend>(
+        &'s self,
+        model: &LlamaConfig,
+        plan: &'s ParallelPlan,
+        ranges: &[Range<usize>],
+        keep: &'s [usize],
+        tp: Option<&'s TensorParallel>,
+        device: &B::Device,
+    ) -> impl Iterator<Item = Result<Llama<B>, TrainError>> + 's {
         let mut parts: Vec<Option<Llama<B>>> = Llama::shell(model, device)
             .cut(ranges)
             .into_iter()
             .map(Some)
             .collect();
-        keep.iter()
-            .map(|&s| {
-                let part = parts[s].take().expect("each part is kept once");
-                plan.load(part, tp, self.source())
-            })
-            .collect()
+        keep.iter().map(move |&s| {
+            let part = parts[s].take().expect("each part is kept once");
+            plan.load(part, tp, self.source())
+        })
     }
 
     /// The whole model, unsplit.

@@ -33,13 +33,21 @@ impl<'a, B: TrainBackend> FullyShardedEngine<'a, B> {
         let tp = groups.tp.as_ref();
         let ranges = plan.units.as_ref().expect("ZeRO-3's plan has its units");
         let every: Vec<usize> = (0..ranges.len()).collect();
-        let units = weights.parts(&config.model, plan, ranges, &every, tp, device)?;
-        let mut fsdp = FullyShardedDataParallel::new(
+        // Built one unit at a time: a rank never holds every unit whole.
+        let mut failed = None;
+        let units = weights
+            .each_part(&config.model, plan, ranges, &every, tp, device)
+            .map_while(|unit| unit.map_err(|error| failed = Some(error)).ok());
+        let fsdp = FullyShardedDataParallel::new(
             units,
             dp.clone(),
             &config.optimizer(),
             config.zero_engine_config(),
-        )?;
+        );
+        if let Some(error) = failed {
+            return Err(error);
+        }
+        let mut fsdp = fsdp?;
         if let Some(tp) = tp {
             fsdp = fsdp.with_backward_group(tp.comm().clone());
         }

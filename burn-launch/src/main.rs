@@ -3,9 +3,10 @@
 //! MASTER_ADDR, MASTER_PORT), prefixes every line they print with their rank, and stops them
 //! all as soon as one fails.
 //!
-//! With `--mpi`, the ranks are started through `mpirun` instead (CPU ranks talk through MPI,
-//! which only processes that `mpirun` started can join): `--hostfile` names the machines, and
-//! Open MPI's own variables tell each process its rank.
+//! On a machine without a CUDA GPU (or with `--mpi`), the ranks are started through `mpirun`
+//! instead (CPU ranks talk through MPI, which only processes that `mpirun` started can join):
+//! `--hostfile` names the machines, and Open MPI's own variables tell each process its rank.
+//! `--torchrun-env` keeps torchrun's way there too, for programs that meet on their own.
 //!
 //! Each rank runs in its own process group, so stopping a rank stops whatever it started (a
 //! shell's children, say); Ctrl-C or SIGTERM to the launcher stops every rank the same way.
@@ -38,11 +39,15 @@ struct Args {
     #[arg(long, default_value_t = 29500)]
     master_port: u16,
     /// Start the ranks through mpirun (CPU ranks on burn-comm's MPI transport) instead of
-    /// with torchrun's variables (NCCL).
+    /// with torchrun's variables (NCCL): the default on a machine without a CUDA GPU.
     #[arg(long)]
     mpi: bool,
-    /// With --mpi: the machines and their slots, in Open MPI's hostfile format.
-    #[arg(long, requires = "mpi")]
+    /// Start the ranks with torchrun's variables even on a machine without a CUDA GPU.
+    #[arg(long, conflicts_with_all = ["mpi", "hostfile"])]
+    torchrun_env: bool,
+    /// The machines and their slots, in Open MPI's hostfile format (the ranks start through
+    /// mpirun).
+    #[arg(long)]
     hostfile: Option<String>,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
@@ -66,7 +71,13 @@ fn run(args: Args) -> Result<ExitCode, String> {
             args.node_rank, args.nnodes
         ));
     }
-    if args.mpi {
+    if args.mpi || args.hostfile.is_some() {
+        return run_mpi(&args);
+    }
+    if !args.torchrun_env && !has_cuda_gpu() {
+        eprintln!(
+            "burn-launch: no CUDA GPU here, so the ranks start through mpirun and meet through MPI (--torchrun-env starts them with torchrun's variables instead)"
+        );
         return run_mpi(&args);
     }
     let port = match args.master_port {
@@ -135,7 +146,7 @@ fn run(args: Args) -> Result<ExitCode, String> {
 fn run_mpi(args: &Args) -> Result<ExitCode, String> {
     if args.nnodes > 1 {
         return Err(
-            "with --mpi, one burn-launch starts the whole job: list the machines in --hostfile instead of --nnodes/--node-rank".into(),
+            "through mpirun (--mpi, or on a machine without a CUDA GPU), one burn-launch starts the whole job: list the machines in --hostfile instead of --nnodes/--node-rank".into(),
         );
     }
     let mut mpirun = burn_comm::mpirun(args.nproc_per_node);
@@ -149,6 +160,17 @@ fn run_mpi(args: &Args) -> Result<ExitCode, String> {
         true => ExitCode::SUCCESS,
         false => ExitCode::from(exit_code(status)),
     })
+}
+
+/// Whether this machine shows its processes a CUDA GPU: NVIDIA's driver lists one, and
+/// `CUDA_VISIBLE_DEVICES` does not hide them all.
+fn has_cuda_gpu() -> bool {
+    if let Ok(visible) = std::env::var("CUDA_VISIBLE_DEVICES")
+        && matches!(visible.trim(), "" | "-1")
+    {
+        return false;
+    }
+    std::fs::read_dir("/proc/driver/nvidia/gpus").is_ok_and(|mut gpus| gpus.next().is_some())
 }
 
 /// Waits for every child; when one fails, stops the others and returns its exit code.

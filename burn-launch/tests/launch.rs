@@ -23,6 +23,7 @@ fn sets_the_torchrun_environment_and_prefixes_output() {
     let script =
         "echo \"$RANK/$WORLD_SIZE $LOCAL_RANK/$LOCAL_WORLD_SIZE $MASTER_ADDR\"; echo oops >&2";
     let (code, stdout, stderr, _) = launch(&[
+        "--torchrun-env",
         "--nproc-per-node",
         "3",
         "--nnodes",
@@ -55,6 +56,7 @@ fn sets_the_torchrun_environment_and_prefixes_output() {
 fn one_failing_rank_stops_the_others_and_sets_the_exit_code() {
     let script = "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 60";
     let (code, _, stderr, took) = launch(&[
+        "--torchrun-env",
         "--nproc-per-node",
         "3",
         "--master-port",
@@ -80,7 +82,13 @@ fn bad_arguments_get_a_sentence() {
         stderr.contains("--nproc-per-node must be at least 1"),
         "{stderr}"
     );
-    let (code, _, stderr, _) = launch(&["--nproc-per-node", "1", "--", "/no/such/program"]);
+    let (code, _, stderr, _) = launch(&[
+        "--torchrun-env",
+        "--nproc-per-node",
+        "1",
+        "--",
+        "/no/such/program",
+    ]);
     assert_eq!(code, 2);
     assert!(stderr.contains("cannot start /no/such/program"), "{stderr}");
 }
@@ -88,6 +96,7 @@ fn bad_arguments_get_a_sentence() {
 #[test]
 fn processes_meet_through_rank_0s_store() {
     let (code, stdout, stderr, _) = launch(&[
+        "--torchrun-env",
         "--nproc-per-node",
         "4",
         "--master-port",
@@ -130,6 +139,7 @@ fn sigterm_to_the_launcher_stops_every_rank_and_what_it_started() {
     let marker = "sleep 61.25";
     let mut launcher = Command::new(env!("CARGO_BIN_EXE_burn-launch"))
         .args([
+            "--torchrun-env",
             "--nproc-per-node",
             "2",
             "--master-port",
@@ -170,6 +180,26 @@ fn sigterm_to_the_launcher_stops_every_rank_and_what_it_started() {
         0,
         "a rank's child outlived the launcher"
     );
+}
+
+#[test]
+fn without_a_cuda_gpu_the_ranks_start_through_mpirun() {
+    let script = "echo \"$OMPI_COMM_WORLD_RANK/$OMPI_COMM_WORLD_SIZE\"";
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-launch"))
+        .args(["--nproc-per-node", "2", "--", "sh", "-c", script])
+        // Hides every GPU, so the test means the same on a machine with one.
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .output()
+        .expect("burn-launch runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    let mut lines: Vec<&str> = stdout.lines().collect();
+    lines.sort();
+    assert_eq!(lines, ["0/2", "1/2"], "{stderr}");
+    assert!(stderr.contains("no CUDA GPU here"), "{stderr}");
 }
 
 #[test]

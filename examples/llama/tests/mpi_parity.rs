@@ -1,7 +1,9 @@
 //! `llama train` as one process per rank under `mpirun`, against the same run on one device:
-//! the losses of every step agree to rtol 1e-5, as in the threaded parity tests. Rank 0 alone
-//! prints and writes the metrics and the weights. The layouts run one after another: each job
-//! already has more processes than this machine has cores.
+//! the losses of every step agree to rtol 1e-5, as in the threaded parity tests (16-bit runs
+//! against the threads only). Rank 0 alone prints and writes the metrics and the weights. The
+//! layouts run one after another: each job already has more processes than this machine has
+//! cores. `burn-launch` without flags starts the same job through mpirun on a machine without a
+//! GPU.
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -96,9 +98,13 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
         "--micro-batches",
         "2",
     ];
-    let layouts: [(usize, &[&str], &[&str]); 11] = [
+    let layouts: [(usize, &[&str], &[&str]); 15] = [
         (2, &["--dp", "2"], &[]),
+        (2, &["--dp", "2", "--strategy", "parameter-server"], &[]),
+        (2, &["--tp", "2"], &[]),
         (2, &["--tp", "2", "--sp"], &[]),
+        (2, &["--tp", "2", "--tp-overlap", "2"], &[]),
+        (2, &["--dp", "2", "--zero", "3", "--dtype", "f16"], &[]),
         (2, &["--dp", "2", "--zero", "3"], &[]),
         (
             2,
@@ -142,8 +148,8 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
         );
         let expected = losses(&one_device);
         assert_eq!(actual.len(), expected.len(), "{name}: one line per step");
-        // bf16 rounds the weights each step: one device in f32 is no oracle for it.
-        if !layout.contains(&"bf16") {
+        // 16-bit weights are rounded each step: one device in f32 is no oracle for them.
+        if !layout.contains(&"bf16") && !layout.contains(&"f16") {
             for (step, (a, e)) in actual.iter().zip(&expected).enumerate() {
                 assert!(
                     (a - e).abs() <= 1e-5 * e.abs(),
@@ -192,4 +198,39 @@ fn a_job_of_the_wrong_size_or_an_unsupported_output_is_refused_with_a_sentence()
         text.contains("--schedule-svg draws every pipeline rank's timeline"),
         "{text}"
     );
+}
+
+#[test]
+fn burn_launch_starts_the_job_through_mpirun_on_a_machine_without_a_gpu() {
+    let dir = scratch("burn-launch");
+    let llama = Path::new(env!("CARGO_BIN_EXE_llama"));
+    // Built beside llama by the workspace's tests.
+    let launcher = llama.with_file_name("burn-launch");
+    assert!(
+        launcher.exists(),
+        "{} is missing: build it with `cargo build --release -p burn-launch`",
+        launcher.display()
+    );
+    let (one_device, launched) = (dir.join("single.jsonl"), dir.join("launched.jsonl"));
+    let out = train(0, &[], &one_device, &[]);
+    assert!(out.status.success(), "{}", transcript(&out));
+    let out = std::process::Command::new(&launcher)
+        .args(["--nproc-per-node", "2", "--"])
+        .arg(llama)
+        .args(RUN)
+        .args(["--dp", "2", "--metrics"])
+        .arg(&launched)
+        // No GPU is seen, whatever the machine has.
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .output()
+        .expect("burn-launch runs");
+    assert!(out.status.success(), "{}", transcript(&out));
+    let (actual, expected) = (losses(&launched), losses(&one_device));
+    assert_eq!(actual.len(), expected.len());
+    for (a, e) in actual.iter().zip(&expected) {
+        assert!(
+            (a - e).abs() <= 1e-5 * e.abs(),
+            "{a} against one device's {e}"
+        );
+    }
 }

@@ -37,6 +37,19 @@ fn orchestrate() {
         assert_ok(&out, &format!("collectives at {world} processes"));
         println!("collectives at {world} processes: ok");
     }
+    // Several machines come from a hostfile; here it lists this one's slots.
+    let hostfile = std::env::temp_dir().join(format!("burn-comm-hosts-{}", std::process::id()));
+    std::fs::write(&hostfile, "localhost slots=3\n").expect("a temporary file");
+    let out = burn_comm::mpirun(3)
+        .arg("--hostfile")
+        .arg(&hostfile)
+        .arg(std::env::current_exe().expect("the test's own path"))
+        .arg("collectives")
+        .output()
+        .expect("mpirun runs");
+    let _ = std::fs::remove_file(&hostfile);
+    assert_ok(&out, "collectives at 3 processes placed by a hostfile");
+    println!("collectives at 3 processes placed by a hostfile: ok");
     let faults: [(&str, &[&str]); 5] = [
         ("panic", &["rank 1 panicked: rank 1 gives up"]),
         (

@@ -4,15 +4,16 @@
 //! before its forward and again before its backward, let go after each, and its gradients are
 //! reduce-scattered; the next unit's gather runs while the current one computes.
 //!
-//! A parameter held by several units (the same `ParamId`: a head tied to the embedding) is
-//! sharded once, with the first unit holding it; a later unit reads its value from that unit's
-//! gathered buffer, and adds its gradient to the first unit's before that is reduced, so the
-//! weight gets the gradient of every use, as on one device.
+//! A parameter held twice (the same `ParamId`: a head tied to the embedding) is sharded once,
+//! with the first unit holding it; a later unit reads its value from that unit's buffer,
+//! gathered again for it, and adds its gradient to the first unit's before that is reduced, so
+//! the weight gets the gradient of every use, as on one device.
 //!
 //! burn's tape keeps every tensor a forward used until backward, gathered weights included. So
 //! a unit's forward runs untracked, keeping only its input, and its backward runs the forward
 //! again with the re-gathered weights (per-unit activation checkpointing, as FSDP is usually
-//! run): the price of holding one or two units whole instead of the model.
+//! run): the price of holding one or two units whole instead of the model (three while a unit
+//! that reads a tied weight runs: the unit holding that weight is gathered for it too).
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -55,7 +56,6 @@ pub struct FullyShardedDataParallel<B: AutodiffBackend, S: PipelineStage<B>> {
     sources: Vec<Vec<Source>>,
     /// Shape of every parameter, by index.
     shapes: Vec<Vec<usize>>,
-    names: Vec<String>,
     layout: FlatLayout,
     comm: Communicator,
     config: ZeroConfig,
@@ -159,7 +159,10 @@ where
                 vec![(0..member.len()).collect()],
                 world,
             )?;
-            shard.push(alone.shard_of(0, rank, &values));
+            // A copy of its own: a part inside one parameter would be a view keeping it whole.
+            let part = alone.shard_of(0, rank, &values);
+            let device = part.device();
+            shard.push(Tensor::from_data(part.into_data(), &device));
             members.push(member);
             sources.push(source);
             skeletons.push(empty(unit));
@@ -182,7 +185,6 @@ where
             skeletons,
             sources,
             shapes,
-            names,
             layout,
             comm,
             config,
@@ -278,6 +280,7 @@ where
             let target = (y * Tensor::from_inner(output_grad)).sum();
             grad = self.backward(u, module, leaf, target, &mut tied, &mut pending)?;
         }
+        debug_assert!(tied.is_empty(), "every tied gradient reached its unit");
         let mut sums = self.grads.take().unwrap_or_default();
         let first = sums.is_empty();
         for (u, work) in pending {
@@ -297,7 +300,8 @@ where
 
     /// Backward of `target` through unit `u`'s `module`; starts the reduce-scatter of its
     /// gradients and returns the gradient of its input. The gradients of weights tied to an
-    /// earlier unit wait in `tied` for that unit's, which they are added to.
+    /// earlier unit wait in `tied` for that unit's, which they are added to; a weight used twice
+    /// in this unit gets both gradients.
     fn backward(
         &self,
         u: usize,
@@ -313,11 +317,13 @@ where
         let mut grads = target.backward();
         let unit = &self.layout.units[u];
         let mut parts = Vec::with_capacity(unit.params.len());
+        // Where each of this unit's own parameters is in `parts`, for a second use of it here.
+        let mut position = HashMap::new();
         for (slot, &source) in params::slots::<B, S>(&module).iter().zip(&self.sources[u]) {
             let p = source.param();
             let grad = (slot.take)(&mut grads).ok_or_else(|| {
                 ZeroError::MissingGradients(vec![MissingGradient {
-                    name: self.names[p].clone(),
+                    name: slot.name.clone(),
                     ranks: vec![self.comm.rank()],
                 }])
             })?;
@@ -326,7 +332,14 @@ where
                 None => grad,
             };
             match source {
-                Source::Own(_) => parts.push(grad),
+                Source::Own(_) => {
+                    position.insert(p, parts.len());
+                    parts.push(grad);
+                }
+                Source::Tied { owner, .. } if owner == u => {
+                    let at = position[&p];
+                    parts[at] = parts[at].clone() + grad;
+                }
                 Source::Tied { .. } => {
                     tied.insert(p, grad);
                 }
@@ -417,13 +430,21 @@ where
         owner: &dyn Fn(usize) -> Result<Tensor<Inner<B>, 1>, ZeroError>,
         tracked: bool,
     ) -> Result<S, ZeroError> {
-        let mut own = self.layout.unflatten(u, full).into_iter();
+        let own = self.layout.unflatten(u, full);
         let mut owners: HashMap<usize, Vec<Tensor<Inner<B>, 1>>> = HashMap::new();
         let mut values = Vec::with_capacity(self.sources[u].len());
         let mut shapes = Vec::with_capacity(self.sources[u].len());
+        let mut next_own = 0;
         for &source in &self.sources[u] {
             let value = match source {
-                Source::Own(_) => own.next().expect("a value per parameter of its own"),
+                Source::Own(_) => {
+                    next_own += 1;
+                    own[next_own - 1].clone()
+                }
+                Source::Tied { p, owner: o } if o == u => {
+                    let at = self.layout.units[u].params.iter().position(|&q| q == p);
+                    own[at.expect("a weight used twice is in its unit")].clone()
+                }
                 Source::Tied { p, owner: o } => {
                     let values = match owners.entry(o) {
                         Entry::Occupied(held) => held.into_mut(),

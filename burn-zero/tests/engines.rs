@@ -255,16 +255,32 @@ fn layers(n: usize, early_loss: bool) -> Vec<Layer<AD>> {
         .collect()
 }
 
-/// The last unit of `chain` reads the first unit's weight again (the same parameter).
-fn tie_last_to_first(mut chain: Vec<Layer<AD>>) -> Vec<Layer<AD>> {
-    let first = chain[0].weight.clone();
-    chain.last_mut().unwrap().tied = Some(first);
+/// A way to tie a unit's `tied` field to a unit's weight.
+type Tie = fn(Vec<Layer<AD>>) -> Vec<Layer<AD>>;
+
+/// Unit `to` of `chain` reads unit `from`'s weight again (the same parameter).
+fn tie(mut chain: Vec<Layer<AD>>, from: usize, to: usize) -> Vec<Layer<AD>> {
+    chain[to].tied = Some(chain[from].weight.clone());
     chain
+}
+
+/// The last of 3 units reads the first's weight.
+fn tie_last_to_first(chain: Vec<Layer<AD>>) -> Vec<Layer<AD>> {
+    tie(chain, 0, 2)
+}
+
+/// The second of 3 units uses its own weight twice.
+fn tie_within_one_unit(chain: Vec<Layer<AD>>) -> Vec<Layer<AD>> {
+    tie(chain, 1, 1)
 }
 
 /// `chain`'s weights after 3 steps on one device, on every rank's batches at once, stepped by
 /// burn's AdamW. burn steps a parameter once per id, so a tied copy is put back after each.
-fn chain_on_one_device(mut chain: Vec<Layer<AD>>, world: usize, tied: bool) -> Vec<Vec<f32>> {
+fn chain_on_one_device(
+    mut chain: Vec<Layer<AD>>,
+    world: usize,
+    retie: Option<Tie>,
+) -> Vec<Vec<f32>> {
     let mut adam = adamw().init::<AD, Vec<Layer<AD>>>();
     for step in 0..3 {
         let x = Tensor::cat((0..world).map(|r| batch(r, step).unsqueeze()).collect(), 0);
@@ -278,24 +294,23 @@ fn chain_on_one_device(mut chain: Vec<Layer<AD>>, world: usize, tied: bool) -> V
         }
         let grads = GradientsParams::from_grads(loss.unwrap().backward(), &chain);
         chain = Optimizer::step(&mut adam, 0.01, chain, grads);
-        if tied {
-            chain = tie_last_to_first(chain);
+        if let Some(retie) = retie {
+            chain = retie(chain);
         }
     }
     chain.iter().map(|l| f32s(l.weight.val())).collect()
 }
 
-/// A rank's units' weights, and the last unit's tied copy if it has one.
-type ChainWeights = (Vec<Vec<f32>>, Option<Vec<f32>>);
+/// A rank's units' weights, and each unit's tied copy if it has one.
+type ChainWeights = (Vec<Vec<f32>>, Vec<Option<Vec<f32>>>);
 
 /// Every rank's weights after 3 steps of ZeRO-3.
-fn chain_fully_sharded(world: usize, tied: bool) -> Vec<ChainWeights> {
+fn chain_fully_sharded(world: usize, tie: Option<Tie>) -> Vec<ChainWeights> {
     let results = launch(world, |ctx| {
         let chain = layers(3, false);
-        let chain = if tied {
-            tie_last_to_first(chain)
-        } else {
-            chain
+        let chain = match tie {
+            Some(tie) => tie(chain),
+            None => chain,
         };
         let mut fsdp =
             FullyShardedDataParallel::new(chain, ctx.world().clone(), &adamw(), ZeroConfig::new())?;
@@ -307,8 +322,11 @@ fn chain_fully_sharded(world: usize, tied: bool) -> Vec<ChainWeights> {
             assert_eq!(fsdp.step(0.01)?, StepOutcome::Applied);
         }
         let full = fsdp.full()?;
-        let copy = full[2].tied.as_ref().map(|t| f32s(t.val()));
-        Ok::<_, ZeroError>((full.iter().map(|l| f32s(l.weight.val())).collect(), copy))
+        let copies = full.iter().map(|l| l.tied.as_ref().map(|t| f32s(t.val())));
+        Ok::<_, ZeroError>((
+            full.iter().map(|l| f32s(l.weight.val())).collect(),
+            copies.collect(),
+        ))
     });
     results.into_iter().map(|r| r.unwrap()).collect()
 }
@@ -324,10 +342,10 @@ fn assert_close_weights(got: &[Vec<f32>], want: &[Vec<f32>]) {
 #[test]
 fn fully_sharded_units_train_like_one_device_and_refuse_an_early_loss() {
     let world = 2;
-    let want = chain_on_one_device(layers(3, false), world, false);
-    for (got, copy) in chain_fully_sharded(world, false) {
+    let want = chain_on_one_device(layers(3, false), world, None);
+    for (got, copies) in chain_fully_sharded(world, None) {
         assert_close_weights(&got, &want);
-        assert!(copy.is_none());
+        assert!(copies.iter().all(Option::is_none));
     }
 
     let results = launch(world, |ctx| {
@@ -350,15 +368,18 @@ fn fully_sharded_units_train_like_one_device_and_refuse_an_early_loss() {
 }
 
 #[test]
-fn a_weight_tied_across_units_is_sharded_once_and_gets_the_gradient_of_both_uses() {
+fn a_weight_tied_across_units_or_used_twice_in_one_is_sharded_once_with_both_gradients() {
     let world = 2;
-    let want = chain_on_one_device(tie_last_to_first(layers(3, false)), world, true);
-    let untied = chain_on_one_device(layers(3, false), world, false);
-    assert!(moved(&want, &untied) > 1e-4, "the tie changes the training");
-    for (got, copy) in chain_fully_sharded(world, true) {
-        assert_close_weights(&got, &want);
-        // The last unit reads the first's weight, as stepped.
-        assert_eq!(copy.as_ref(), Some(&got[0]));
+    let untied = chain_on_one_device(layers(3, false), world, None);
+    let ties: [(Tie, usize, usize); 2] = [(tie_last_to_first, 0, 2), (tie_within_one_unit, 1, 1)];
+    for (tie, from, to) in ties {
+        let want = chain_on_one_device(tie(layers(3, false)), world, Some(tie));
+        assert!(moved(&want, &untied) > 1e-4, "the tie changes the training");
+        for (got, copies) in chain_fully_sharded(world, Some(tie)) {
+            assert_close_weights(&got, &want);
+            // The tied use reads the weight as stepped.
+            assert_eq!(copies[to].as_ref(), Some(&got[from]));
+        }
     }
     // The same id with another shape is not a tied weight.
     let results = launch(world, |ctx| {

@@ -1,8 +1,8 @@
 //! The parallel plan: how each parameter is split over the tensor-parallel group (by its path
 //! in the model), which blocks each pipeline stage holds, and ZeRO-3's units. It is data: made
 //! from the configuration, checked before anything runs, printed by `llama train
-//! --print-plan`, and applied by parameter path to cut the seeded whole model and to gather it
-//! back (torchtitan's plan over module names).
+//! --print-plan`, and applied by parameter path to load each rank's part (only its blocks), to
+//! cut a whole model and to gather it back (torchtitan's plan over module names).
 
 use std::fmt::Write;
 use std::ops::Range;
@@ -568,17 +568,24 @@ fn load<B: Backend, const D: usize>(
             return param;
         }
     };
+    let want = rule
+        .placement
+        .shape_per_rank(&rule.shape, tp.map_or(1, TensorParallel::size));
     let loaded = match source.block(&block) {
         Ok(Some(loaded)) => loaded,
-        Ok(None) => return param,
+        // Kept as built: only what the shell built whole (a norm's ones) can be.
+        Ok(None) if param.dims().as_slice() == want.as_slice() => return param,
+        Ok(None) => {
+            *failed = Some(TrainError::Config(format!(
+                "`{path}` was given no value, and the model was built without one"
+            )));
+            return param;
+        }
         Err(error) => {
             *failed = Some(TrainError::Config(error));
             return param;
         }
     };
-    let want = rule
-        .placement
-        .shape_per_rank(&rule.shape, tp.map_or(1, TensorParallel::size));
     param.map(|tensor| {
         let tracked = tensor.is_require_grad();
         let value = Tensor::<B, D>::from_data(loaded.data, &tensor.device());

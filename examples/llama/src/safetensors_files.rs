@@ -97,6 +97,12 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self, String> {
         let index = dir.join(INDEX);
         if !index.exists() {
+            if !dir.join(SINGLE).exists() {
+                return Err(format!(
+                    "{} holds no safetensors checkpoint: neither {SINGLE} nor {INDEX} with its shards",
+                    dir.display()
+                ));
+            }
             return Self::open_file(&dir.join(SINGLE));
         }
         if dir.join(SINGLE).exists() {

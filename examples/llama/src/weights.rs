@@ -108,7 +108,14 @@ impl<'a> Weights<'a> {
                 dir.display()
             )));
         }
-        let checkpoint = HfCheckpoint::open(dir, &config.model).map_err(TrainError::Config)?;
+        let checkpoint = HfCheckpoint::open(dir, &config.model).map_err(|error| {
+            let record = dir.join(format!("{}.mpk", hf::RECORD));
+            TrainError::Config(match record.exists() {
+                // Only safetensors can be read a slice at a time.
+                true => format!("{error}; --init-from reads the safetensors that `llama train --save` writes beside {}", record.display()),
+                false => error,
+            })
+        })?;
         Ok(Self::Checkpoint(checkpoint))
     }
 
@@ -220,8 +227,9 @@ mod tests {
                         HfCheckpoint::open(&dir, &config).map_err(TrainError::Config)?;
                     let read = Weights::Checkpoint(checkpoint);
                     for weights in [&seeded, &read] {
-                        let parts =
+                        let parts: Vec<_> =
                             weights.parts(&config, &plan, &ranges, &[0, 1, 2], group, &device)?;
+                        assert_eq!(parts.len(), expected.len());
                         for (part, want) in parts.iter().zip(&expected) {
                             assert_eq!(part.part().layers, want.part().layers);
                             assert_eq!(values(part), values(want), "tp {tp}, tied {tied}");

@@ -1,0 +1,25 @@
+//! # burn-checkpoint
+//!
+//! A checkpoint as PyTorch's distributed checkpoint and Megatron's `dist_checkpointing` keep
+//! one: every rank hands in the pieces of tensors it holds, each a box at a global offset in its
+//! tensor; a manifest records where every piece lies and its checksum; the whole is committed
+//! atomically, so a crash at any moment leaves the previous checkpoint loadable; and any box of
+//! any tensor can be read back, whatever layout wrote it (resharding).
+//!
+//! - [`region`]: boxes in a tensor, their overlaps, and a flat range cut into boxes (a ZeRO
+//!   shard of a flattened parameter).
+//! - [`manifest`]: what the manifest records.
+//! - [`save`]: the collective save and its commit protocol.
+//! - [`load`]: opening a checkpoint (the latest committed one, or a given step) and reading any
+//!   box of a tensor, checked.
+
+pub mod error;
+pub mod load;
+pub mod manifest;
+pub mod region;
+pub mod save;
+
+pub use error::CheckpointError;
+pub use load::Checkpoint;
+pub use region::Region;
+pub use save::{Shard, save};

@@ -1,0 +1,275 @@
+//! Checkpoints saved by ranks holding pieces as the layouts do (tensor-parallel blocks held
+//! alike by data-parallel replicas, replicated tensors, ZeRO's flat shards, a tensor on one
+//! rank only) read back whole and as any other layout's boxes, bit for bit; every distinct
+//! piece is written once. A crash leaves the last committed checkpoint; damage is refused
+//! naming the file; pieces that disagree, overlap or leave a gap are refused on every rank.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::TensorData;
+use burn_checkpoint::{Checkpoint, CheckpointError, Region, Shard, save};
+use burn_comm::launch;
+use serde_json::json;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-checkpoint-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// The values of a tensor `name` shaped `shape`: distinct per element and per tensor.
+fn values(name: &str, shape: &[usize]) -> Vec<f32> {
+    let n: usize = shape.iter().product();
+    let base = name.bytes().map(f32::from).sum::<f32>();
+    (0..n).map(|i| base + i as f32 * 0.25).collect()
+}
+
+/// The box `region` of a 1-D or 2-D tensor `name` shaped `shape`.
+fn cut(name: &str, shape: &[usize], region: &Region) -> TensorData {
+    let all = values(name, shape);
+    let columns = if shape.len() == 2 { shape[1] } else { 1 };
+    let (rows, cols) = match region.offsets.len() {
+        1 => (
+            (0..1),
+            region.offsets[0]..region.offsets[0] + region.extents[0],
+        ),
+        _ => (
+            region.offsets[0]..region.offsets[0] + region.extents[0],
+            region.offsets[1]..region.offsets[1] + region.extents[1],
+        ),
+    };
+    let kept: Vec<f32> = rows
+        .flat_map(|r| cols.clone().map(move |c| (r, c)))
+        .map(|(r, c)| all[r * columns + c])
+        .collect();
+    TensorData::new(kept, region.extents.clone())
+}
+
+fn piece(name: &str, shape: &[usize], region: Region) -> Shard {
+    Shard {
+        name: name.into(),
+        shape: shape.to_vec(),
+        data: cut(name, shape, &region),
+        region,
+    }
+}
+
+const W: [usize; 2] = [8, 6];
+const M: [usize; 2] = [4, 5];
+
+/// Rank `rank` of dp 2 x tp 2: `w` its tp block (held alike by both replicas), `b` whole on
+/// every rank, `m` its quarter as ZeRO flattens it, `steps` on rank 0 only.
+fn pieces_of(rank: usize) -> Vec<Shard> {
+    let tp = rank % 2;
+    let mut shards = vec![
+        piece("w", &W, Region::block(&W, 1, tp * 3..tp * 3 + 3)),
+        piece("b", &[5], Region::whole(&[5])),
+    ];
+    for region in Region::from_flat(&M, rank * 5..rank * 5 + 5) {
+        shards.push(piece("m", &M, region));
+    }
+    if rank == 0 {
+        shards.push(Shard::whole(
+            "steps",
+            TensorData::new(vec![7i64, 8, 9], [3]),
+        ));
+    }
+    shards
+}
+
+fn save_four(root: &Path, step: u64) -> Vec<PathBuf> {
+    let results = launch(4, |ctx| {
+        let meta = json!({ "layout": "dp 2 x tp 2", "step": step });
+        save(root, step, Some(ctx.world()), pieces_of(ctx.rank()), meta)
+    });
+    results.into_iter().map(|r| r.unwrap()).collect()
+}
+
+#[test]
+fn pieces_saved_in_one_layout_read_back_whole_and_as_another_layouts_boxes() {
+    let root = scratch("layouts");
+    let dirs = save_four(&root, 7);
+    assert!(dirs.iter().all(|d| d == &root.join("step-00000007")));
+    let checkpoint = Checkpoint::latest(&root).unwrap().expect("committed");
+    assert_eq!((checkpoint.step(), checkpoint.world()), (7, 4));
+    assert_eq!(checkpoint.metadata()["layout"], "dp 2 x tp 2");
+    assert_eq!(
+        checkpoint.names().collect::<Vec<_>>(),
+        ["b", "m", "steps", "w"]
+    );
+    for (name, shape) in [("w", &W[..]), ("b", &[5][..]), ("m", &M[..])] {
+        let whole = checkpoint.read_whole(name).unwrap();
+        assert_eq!(whole, cut(name, shape, &Region::whole(shape)), "{name}");
+    }
+    assert_eq!(
+        checkpoint.read_whole("steps").unwrap(),
+        TensorData::new(vec![7i64, 8, 9], [3])
+    );
+    // tp 3 blocks, and a box across the saved blocks' seam.
+    for region in [
+        Region::block(&W, 1, 2..4),
+        Region::block(&W, 0, 4..8),
+        Region::new(vec![1, 2], vec![5, 3]),
+    ] {
+        assert_eq!(
+            checkpoint.read("w", &region).unwrap(),
+            cut("w", &W, &region),
+            "{region:?}"
+        );
+    }
+    // Every distinct piece is written once, and the writing is spread over the ranks.
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(checkpoint.dir().join("manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        manifest["tensors"]["w"]["shards"].as_array().unwrap().len(),
+        2
+    );
+    assert_eq!(
+        manifest["tensors"]["b"]["shards"].as_array().unwrap().len(),
+        1
+    );
+    let files: Vec<u64> = std::fs::read_dir(checkpoint.dir())
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("data-"))
+        .map(|e| e.metadata().unwrap().len())
+        .collect();
+    let expected = 4 * (48 + 5 + 20) + 8 * 3;
+    assert_eq!(files.iter().sum::<u64>(), expected);
+    assert!(files.len() >= 3, "the bytes land on most ranks: {files:?}");
+    assert_eq!(
+        std::fs::read_to_string(root.join("latest")).unwrap(),
+        "step-00000007\n"
+    );
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+#[test]
+fn a_crash_leaves_the_last_committed_checkpoint_and_the_next_save_clears_it() {
+    let root = scratch("crash");
+    assert!(Checkpoint::latest(&root).unwrap().is_none());
+    let b = Shard::whole("b", TensorData::new(vec![1.0f32, 2.0], [2]));
+    save(&root, 1, None, vec![b.clone()], json!({})).unwrap();
+    // A save of step 2 that died while writing: its staging directory, half written.
+    let partial = root.join(".step-00000002.partial");
+    std::fs::create_dir_all(&partial).unwrap();
+    std::fs::write(partial.join("data-00000.bin"), b"half").unwrap();
+    let latest = Checkpoint::latest(&root).unwrap().unwrap();
+    assert_eq!(latest.step(), 1);
+    assert_eq!(latest.read_whole("b").unwrap(), b.data);
+    // The run resumes from step 1 and saves step 2 again, then step 2 once more.
+    let b2 = Shard::whole("b", TensorData::new(vec![3.0f32, 4.0], [2]));
+    save(&root, 2, None, vec![b.clone()], json!({})).unwrap();
+    save(&root, 2, None, vec![b2.clone()], json!({})).unwrap();
+    assert!(!partial.exists());
+    let latest = Checkpoint::latest(&root).unwrap().unwrap();
+    assert_eq!(latest.step(), 2);
+    assert_eq!(latest.read_whole("b").unwrap(), b2.data);
+    let names: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    let mut names = names;
+    names.sort();
+    assert_eq!(names, ["latest", "step-00000001", "step-00000002"]);
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+fn message(result: Result<impl std::fmt::Debug, CheckpointError>) -> String {
+    result.unwrap_err().to_string()
+}
+
+#[test]
+fn a_damaged_checkpoint_is_refused_naming_the_file() {
+    let root = scratch("damage");
+    let dir = save_four(&root, 3).remove(0);
+    let data = dir.join("data-00000.bin");
+    let bytes = std::fs::read(&data).unwrap();
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    // One flipped bit in a piece: its checksum fails when any box of it is read.
+    let mut flipped = bytes.clone();
+    flipped[0] ^= 1;
+    std::fs::write(&data, &flipped).unwrap();
+    let errors: Vec<String> = ["w", "b", "m", "steps"]
+        .iter()
+        .filter_map(|name| checkpoint.read_whole(name).err().map(|e| e.to_string()))
+        .collect();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].contains("data-00000.bin") && errors[0].contains("checksum"),
+        "{errors:?}"
+    );
+    // Cut short: refused when opened.
+    std::fs::write(&data, &bytes[..bytes.len() - 1]).unwrap();
+    let error = message(Checkpoint::open(&dir));
+    assert!(
+        error.contains("data-00000.bin") && error.contains("is said to end"),
+        "{error}"
+    );
+    std::fs::write(&data, &bytes).unwrap();
+    // A manifest that is not one, or edited to leave a gap.
+    let manifest = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    std::fs::write(&manifest, &text[..text.len() / 2]).unwrap();
+    let error = message(Checkpoint::open(&dir));
+    assert!(
+        error.contains("manifest.json") && error.contains("not a checkpoint's manifest"),
+        "{error}"
+    );
+    let mut edited: serde_json::Value = serde_json::from_str(&text).unwrap();
+    edited["tensors"]["w"]["shards"]
+        .as_array_mut()
+        .unwrap()
+        .pop();
+    std::fs::write(&manifest, edited.to_string()).unwrap();
+    let error = message(Checkpoint::open(&dir));
+    assert!(error.contains("cover 24 of its 48"), "{error}");
+    std::fs::write(&manifest, &text).unwrap();
+    // Asking for what it does not hold.
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    assert!(message(checkpoint.read_whole("v")).contains("holds no tensor `v`"));
+    let outside = Region::new(vec![6, 0], vec![4, 6]);
+    assert!(message(checkpoint.read("w", &outside)).contains("has no box at [6, 0]"));
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+#[test]
+fn pieces_that_disagree_overlap_or_leave_a_gap_are_refused_on_every_rank() {
+    let root = scratch("refused");
+    /// What each rank hands in.
+    type Pieces = fn(usize) -> Vec<Shard>;
+    let cases: [(&str, Pieces); 3] = [
+        ("is F32 [4, 4] on rank 0 but F32 [4, 5] on rank 1", |rank| {
+            let shape = [4, 4 + rank];
+            vec![piece("x", &shape, Region::whole(&shape))]
+        }),
+        ("overlap without being the same", |rank| {
+            vec![piece(
+                "x",
+                &[4],
+                Region::new(vec![rank * 2], vec![3 - rank]),
+            )]
+        }),
+        ("cover 8 of its 12 elements", |rank| {
+            vec![piece(
+                "x",
+                &[4, 3],
+                Region::block(&[4, 3], 1, rank..rank + 1),
+            )]
+        }),
+    ];
+    for (expected, pieces) in cases {
+        let results = launch(2, |ctx| {
+            save(&root, 1, Some(ctx.world()), pieces(ctx.rank()), json!({}))
+        });
+        for result in results {
+            let error = result.unwrap_err().to_string();
+            assert!(error.contains(expected), "{error}");
+        }
+        assert!(
+            Checkpoint::latest(&root).unwrap().is_none(),
+            "nothing is committed"
+        );
+    }
+}

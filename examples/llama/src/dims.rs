@@ -5,6 +5,7 @@ use burn_tensor_parallel::TensorParallel;
 
 use burn_zero::ZeroStage;
 
+use crate::engine::CHECKPOINTED_LAYOUTS;
 use crate::parallel_plan::check_split;
 use crate::pipeline::Balance;
 use crate::train::{Strategy, TrainConfig, TrainError};
@@ -74,6 +75,13 @@ impl ParallelDims {
             config.seq_len,
         )
         .map_err(TrainError::Config)?;
+        if config.checkpoint.is_some()
+            && (self.pp > 1
+                || config.zero != ZeroStage::Replicated
+                || config.strategy == Strategy::ParameterServer)
+        {
+            return Err(TrainError::Config(CHECKPOINTED_LAYOUTS.into()));
+        }
         if config.strategy == Strategy::ParameterServer && self.tp > 1 {
             return Err(TrainError::Config(
                 "the parameter-server baseline replicates whole models; use --strategy ddp with --tp".into(),

@@ -6,6 +6,7 @@
 //! replica, with the same losses.
 
 pub mod batches;
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod dims;

@@ -221,6 +221,16 @@ struct TrainArgs {
     /// Start from the weights in this directory; its config.json sets the shape.
     #[arg(long)]
     init_from: Option<PathBuf>,
+    /// Directory of the run's checkpoints (step-N/ each, and `latest`).
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// With --checkpoint-dir: checkpoint after every this many steps.
+    #[arg(long, requires = "checkpoint_dir")]
+    checkpoint_every: Option<usize>,
+    /// With --checkpoint-dir: resume from its newest checkpoint, if it has one (in this or
+    /// another layout).
+    #[arg(long, requires = "checkpoint_dir")]
+    resume: bool,
 }
 
 #[derive(clap::Args)]
@@ -253,12 +263,16 @@ fn check_outputs(args: &TrainArgs) -> Result<(), String> {
             path.display()
         )
     };
-    if let Some(dir) = &args.save {
-        std::fs::create_dir_all(dir).map_err(|e| refuse("--save", dir, e))?;
+    for (flag, dir) in [
+        ("--save", &args.save),
+        ("--checkpoint-dir", &args.checkpoint_dir),
+    ] {
+        let Some(dir) = dir else { continue };
+        std::fs::create_dir_all(dir).map_err(|e| refuse(flag, dir, e))?;
         let probe = dir.join(format!(".write-check-{}", std::process::id()));
         std::fs::File::create(&probe)
             .and_then(|_| std::fs::remove_file(&probe))
-            .map_err(|e| refuse("--save", dir, e))?;
+            .map_err(|e| refuse(flag, dir, e))?;
     }
     for (flag, path) in [
         ("--metrics", &args.metrics),
@@ -470,6 +484,17 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), St
     }
     config.nccl = args.nccl;
     config.init_from = args.init_from.clone();
+    config.checkpoint = match &args.checkpoint_dir {
+        None => None,
+        Some(_) if args.checkpoint_every.is_none() && !args.resume => {
+            return Err("--checkpoint-dir needs --checkpoint-every N (to take checkpoints), --resume (to start from the newest), or both".into());
+        }
+        Some(dir) => Some(llama::checkpoint::CheckpointConfig {
+            dir: dir.clone(),
+            every: args.checkpoint_every.unwrap_or(0),
+            resume: args.resume,
+        }),
+    };
     config.process = process;
     let layout = config.layout().map_err(|e| e.to_string())?;
     if args.print_plan {

@@ -89,6 +89,21 @@ pub struct Rule {
     pub placement: Placement,
 }
 
+impl Rule {
+    /// The dimension and elements of this parameter a rank of `tp` holds; none when it holds
+    /// it whole.
+    pub fn block_of(
+        &self,
+        tp: Option<&TensorParallel>,
+    ) -> Result<Option<(usize, Range<usize>)>, TrainError> {
+        let Some(tp) = tp else { return Ok(None) };
+        let Some((dim, blocks)) = self.placement.split(tp.size()) else {
+            return Ok(None);
+        };
+        Ok(Some((dim, tp.block_range(self.shape[dim], blocks)?)))
+    }
+}
+
 /// A run's parallel plan (see the module's documentation).
 #[derive(Debug, Clone)]
 pub struct ParallelPlan {
@@ -445,7 +460,7 @@ impl SplitOp<'_> {
 }
 
 /// `path` of a part whose blocks start at `first_layer`, in the whole model.
-fn whole_path(path: &str, first_layer: usize) -> String {
+pub(crate) fn whole_path(path: &str, first_layer: usize) -> String {
     match path
         .strip_prefix("layers.")
         .and_then(|rest| rest.split_once('.'))
@@ -550,21 +565,14 @@ fn load<B: Backend, const D: usize>(
     tp: Option<&TensorParallel>,
     failed: &mut Option<TrainError>,
 ) -> Param<Tensor<B, D>> {
-    let split = tp.and_then(|tp| {
-        let (dim, blocks) = rule.placement.split(tp.size())?;
-        Some(
-            tp.block_range(rule.shape[dim], blocks)
-                .map(|range| (dim, range)),
-        )
-    });
-    let block = match split.transpose() {
+    let block = match rule.block_of(tp) {
         Ok(split) => Block {
             path,
             whole: &rule.shape,
             split,
         },
         Err(error) => {
-            *failed = Some(error.into());
+            *failed = Some(error);
             return param;
         }
     };

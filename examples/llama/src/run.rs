@@ -7,6 +7,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn_comm::Communicator;
 
 use crate::batches::Batches;
+use crate::checkpoint;
 use crate::data::Dataset;
 use crate::dims::{Groups, ParallelDims};
 use crate::engine::{Engine, Finished, TrainBackend, choose};
@@ -44,8 +45,53 @@ pub fn train_rank<B: TrainBackend>(
     let (replicas, replica) = groups.dp.as_ref().map_or((1, 0), |c| (c.size(), c.rank()));
     let batches = Batches::new(config, data, replicas, replica, layout)?;
     let mut engine = choose::<B>(config, &plan, weights, &groups, &batches, device)?;
-    train_loop(config, engine.as_mut(), &batches, device, on_step)?;
+    let mut start = 0;
+    if let Some(checkpoint) = weights.resumed() {
+        engine.restore(checkpoint, device)?;
+        start = checkpoint.step() as usize;
+    }
+    let saver = Saver {
+        config,
+        world: groups.world.as_ref(),
+    };
+    train_loop(
+        config,
+        engine.as_mut(),
+        &batches,
+        device,
+        on_step,
+        start,
+        &saver,
+    )?;
     engine.finish()
+}
+
+/// Takes a run's checkpoints.
+struct Saver<'a> {
+    config: &'a TrainConfig,
+    /// Every rank of the run; none when one rank trains alone.
+    world: Option<&'a Communicator>,
+}
+
+impl Saver<'_> {
+    /// Checkpoints after `step` steps when the run asks for it then (a collective).
+    fn after<B: AutodiffBackend>(
+        &self,
+        engine: &dyn Engine<B>,
+        step: usize,
+    ) -> Result<(), TrainError> {
+        let Some(checkpoints) = &self.config.checkpoint else {
+            return Ok(());
+        };
+        if checkpoints.every == 0 || !step.is_multiple_of(checkpoints.every) {
+            return Ok(());
+        }
+        let (pieces, adam_steps) = engine.checkpoint_pieces()?;
+        let metadata = checkpoint::metadata(self.config, adam_steps);
+        burn_checkpoint::save(&checkpoints.dir, step as u64, self.world, pieces, metadata)
+            .map_err(|e| TrainError::Config(format!("checkpoint after step {step}: {e}")))?;
+        Ok(())
+    }
 }
 
 /// The one training loop: every step's learning rate, forward and backward, optimizer step,
@@ -56,11 +102,13 @@ fn train_loop<B: AutodiffBackend>(
     batches: &Batches<'_>,
     device: &B::Device,
     on_step: &mut dyn FnMut(&StepMetrics),
+    start: usize,
+    saver: &Saver<'_>,
 ) -> Result<(), TrainError> {
     let schedule = config.schedule();
     let tokens = config.batch_size * config.seq_len;
     let started = Instant::now();
-    for step in 0..config.steps {
+    for step in start..config.steps {
         let lr = schedule.lr(step);
         engine.prepare(step, batches, device)?;
         let begun = Instant::now();
@@ -79,6 +127,7 @@ fn train_loop<B: AutodiffBackend>(
         let mut metrics = StepMetrics::measure(step, loss, lr, tokens, (begun, started));
         stepped.fill(&mut metrics);
         on_step(&metrics);
+        saver.after(engine, step + 1)?;
     }
     Ok(())
 }
@@ -138,6 +187,11 @@ mod tests {
                 &batches,
                 &Default::default(),
                 &mut |m| seen.push(m.loss),
+                0,
+                &Saver {
+                    config: &config,
+                    world: None,
+                },
             )
             .unwrap_err()
             .to_string();

@@ -97,6 +97,8 @@ pub struct TrainConfig {
     pub max_grad_norm: Option<f64>,
     /// Start from these weights (a directory written by `save`) instead of the seed.
     pub init_from: Option<std::path::PathBuf>,
+    /// Checkpoint every so many steps, and resume from the newest checkpoint.
+    pub checkpoint: Option<crate::checkpoint::CheckpointConfig>,
     /// Move the ranks' data with NCCL, in GPU memory (builds with the `cuda` feature, CUDA
     /// tensors only); else through host memory (the local transport).
     pub nccl: bool,
@@ -134,6 +136,7 @@ impl TrainConfig {
             zero_config: ZeroConfig::new(),
             max_grad_norm: None,
             init_from: None,
+            checkpoint: None,
             nccl: false,
             process: None,
         }

@@ -9,6 +9,7 @@ use burn::tensor::TensorData;
 use burn::tensor::backend::Backend;
 use burn_tensor_parallel::TensorParallel;
 
+use crate::checkpoint::{Resumed, check_resumable};
 use crate::config::LlamaConfig;
 use crate::hf::{self, HfCheckpoint};
 use crate::model::{Llama, seeded_matrix};
@@ -91,11 +92,22 @@ pub enum Weights<'a> {
     Seeded(Seeded<'a>),
     /// Read from a Hugging Face checkpoint (checked against the config when opened).
     Checkpoint(HfCheckpoint),
+    /// Read from a training checkpoint, to resume from it.
+    Resumed(Resumed),
 }
 
 impl<'a> Weights<'a> {
-    /// `config`'s starting weights: its `--init-from` checkpoint, else drawn from its seed.
+    /// `config`'s starting weights: the newest training checkpoint when it resumes and there is
+    /// one, else its `--init-from` checkpoint, else drawn from its seed.
     pub fn of(config: &'a TrainConfig) -> Result<Self, TrainError> {
+        if let Some(checkpoints) = config.checkpoint.as_ref().filter(|c| c.resume) {
+            let latest = burn_checkpoint::Checkpoint::latest(&checkpoints.dir)
+                .map_err(|e| TrainError::Config(e.to_string()))?;
+            if let Some(latest) = latest {
+                check_resumable(config, &latest)?;
+                return Ok(Self::Resumed(Resumed(latest)));
+            }
+        }
         let Some(dir) = &config.init_from else {
             return Ok(Self::Seeded(Seeded {
                 config: &config.model,
@@ -123,6 +135,15 @@ impl<'a> Weights<'a> {
         match self {
             Self::Seeded(seeded) => seeded,
             Self::Checkpoint(checkpoint) => checkpoint,
+            Self::Resumed(resumed) => resumed,
+        }
+    }
+
+    /// The training checkpoint these weights resume from, if they do.
+    pub fn resumed(&self) -> Option<&burn_checkpoint::Checkpoint> {
+        match self {
+            Self::Resumed(Resumed(checkpoint)) => Some(checkpoint),
+            _ => None,
         }
     }
 

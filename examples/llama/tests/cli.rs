@@ -371,8 +371,27 @@ fn print_plan_shows_each_parameters_placement_and_trains_nothing() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 37] = [
+    let cases: [(&[&str], &str); 40] = [
         (&["train", "--dp", "0"], "--dp must be at least 1"),
+        (
+            &["train", "--checkpoint-dir", "/tmp/llama-ckpt-cli"],
+            "--checkpoint-dir needs --checkpoint-every N",
+        ),
+        (
+            &["train", "--checkpoint-dir", "/proc/ckpt", "--resume"],
+            "--checkpoint-dir /proc/ckpt: ",
+        ),
+        (
+            &[
+                "train",
+                "--pp",
+                "2",
+                "--checkpoint-dir",
+                "/tmp/llama-ckpt-cli",
+                "--resume",
+            ],
+            "not under ZeRO, a pipeline",
+        ),
         (
             &["train", "--batch-size", "0"],
             "--batch-size must be at least 1",
@@ -558,4 +577,54 @@ fn bad_input_gets_a_sentence() {
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
+}
+
+#[test]
+fn a_run_stopped_after_a_checkpoint_resumes_where_it_stopped() {
+    let dir = scratch("resume");
+    let checkpoints = dir.join("checkpoints");
+    let run = |metrics: &str, extra: &[&str]| {
+        let metrics = dir.join(metrics);
+        let args = [
+            &[
+                "train",
+                "--steps",
+                "4",
+                "--batch-size",
+                "4",
+                "--seq-len",
+                "16",
+                "--checkpoint-dir",
+                checkpoints.to_str().unwrap(),
+                "--metrics",
+                metrics.to_str().unwrap(),
+            ][..],
+            extra,
+        ]
+        .concat();
+        let out = llama(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::read_to_string(metrics)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .map(|l| (l["step"].as_u64().unwrap(), l["loss"].as_f64().unwrap()))
+            .collect::<Vec<_>>()
+    };
+    let whole = run("whole.jsonl", &["--checkpoint-every", "2"]);
+    assert_eq!(whole.len(), 4);
+    assert!(checkpoints.join("step-00000004").exists());
+    assert_eq!(
+        std::fs::read_to_string(checkpoints.join("latest")).unwrap(),
+        "step-00000004\n"
+    );
+    // As if it had died before step 4's checkpoint.
+    std::fs::remove_dir_all(checkpoints.join("step-00000004")).unwrap();
+    let resumed = run("resumed.jsonl", &["--resume"]);
+    assert_eq!(resumed, whole[2..], "steps 3 and 4 again, the same bits");
+    std::fs::remove_dir_all(dir).unwrap();
 }

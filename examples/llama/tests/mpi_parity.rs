@@ -234,3 +234,39 @@ fn burn_launch_starts_the_job_through_mpirun_on_a_machine_without_a_gpu() {
         );
     }
 }
+
+#[test]
+fn processes_checkpoint_and_resume_as_threads_do() {
+    let dir = scratch("checkpoint");
+    let checkpoints = dir.join("checkpoints");
+    let checkpointing = ["--checkpoint-dir", checkpoints.to_str().unwrap()];
+    let layout = ["--dp", "2", "--tp", "2"];
+    let whole = dir.join("whole.jsonl");
+    let args = [&checkpointing[..], &["--checkpoint-every", "2"]].concat();
+    let out = train(4, &layout, &whole, &args);
+    assert!(out.status.success(), "{}", transcript(&out));
+    // As if the job had died before step 4's checkpoint; resumed as threads of one process
+    // in another layout, then as processes again in the first.
+    std::fs::remove_dir_all(checkpoints.join("step-00000004")).unwrap();
+    let threads = dir.join("threads.jsonl");
+    let resume = [&checkpointing[..], &["--resume"]].concat();
+    let out = train(0, &["--tp", "2"], &threads, &resume);
+    assert!(out.status.success(), "{}", transcript(&out));
+    let processes = dir.join("processes.jsonl");
+    let out = train(4, &layout, &processes, &resume);
+    assert!(out.status.success(), "{}", transcript(&out));
+    let whole = losses(&whole);
+    assert_eq!(
+        losses(&processes),
+        whole[2..],
+        "the same layout: the same bits"
+    );
+    let threads = losses(&threads);
+    assert_eq!(threads.len(), 2, "steps 3 and 4");
+    for (a, e) in threads.iter().zip(&whole[2..]) {
+        assert!(
+            (a - e).abs() <= 1e-5 * e.abs(),
+            "tp 2 from dp 2 x tp 2: {a} against {e}"
+        );
+    }
+}

@@ -4,11 +4,13 @@
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsParams};
+use burn_checkpoint::{Checkpoint, Shard};
 use burn_comm::{Communicator, ReduceOp};
 use burn_ddp::DistributedDataParallel;
 
 use super::{Engine, Finished, Stepped, TrainBackend};
 use crate::batches::Batches;
+use crate::checkpoint;
 use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError, scalar};
@@ -81,5 +83,17 @@ impl<B: TrainBackend> Engine<B> for DdpEngine<'_, B> {
 
     fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
         Finished::gathered(self.plan, self.ddp.into_module().valid())
+    }
+
+    fn checkpoint_pieces(&self) -> Result<(Vec<Shard>, usize), TrainError> {
+        checkpoint::adamw_pieces(self.plan, self.ddp.module(), &self.optimizer)
+    }
+
+    fn restore(&mut self, from: &Checkpoint, device: &B::Device) -> Result<(), TrainError> {
+        let fresh = self.config.optimizer().init::<B, Llama<B>>();
+        let optimizer = std::mem::replace(&mut self.optimizer, fresh);
+        self.optimizer =
+            checkpoint::load_adamw(self.plan, self.ddp.module(), optimizer, from, device)?;
+        Ok(())
     }
 }

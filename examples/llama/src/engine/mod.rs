@@ -11,6 +11,7 @@ mod single;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
+use burn_checkpoint::{Checkpoint, Shard};
 use burn_comm::{Communicator, ReduceOp};
 use burn_ddp::BackwardHooks;
 use burn_pipeline::Span;
@@ -56,7 +57,26 @@ pub(crate) trait Engine<B: AutodiffBackend> {
 
     /// The trained model, whole, on every rank (a collective where it is split or sharded).
     fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError>;
+
+    /// This rank's pieces of the training state for a checkpoint (see `checkpoint.rs`), and
+    /// the optimizer's step count.
+    fn checkpoint_pieces(&self) -> Result<(Vec<Shard>, usize), TrainError> {
+        Err(not_checkpointed())
+    }
+
+    /// Restores the optimizer's state from `checkpoint` (the parameters were built from it).
+    fn restore(&mut self, _checkpoint: &Checkpoint, _device: &B::Device) -> Result<(), TrainError> {
+        Err(not_checkpointed())
+    }
 }
+
+/// Why an engine without checkpoints refuses one (`ParallelDims::validate` refuses first).
+fn not_checkpointed() -> TrainError {
+    TrainError::Config(CHECKPOINTED_LAYOUTS.into())
+}
+
+/// The layouts that checkpoint, as a refusal says it.
+pub(crate) const CHECKPOINTED_LAYOUTS: &str = "checkpoints are taken on one device and under DDP (with any --tp and --sp) so far, not under ZeRO, a pipeline or the parameter server; drop --checkpoint-dir or use such a layout";
 
 /// What an optimizer step reports.
 #[derive(Debug, Clone, Copy, Default)]

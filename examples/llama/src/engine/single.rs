@@ -5,10 +5,12 @@
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsAccumulator, GradientsParams, Optimizer};
+use burn_checkpoint::{Checkpoint, Shard};
 use burn_comm::{Communicator, ReduceOp};
 
 use super::{Engine, Finished, Stepped, TrainBackend};
 use crate::batches::Batches;
+use crate::checkpoint;
 use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError, scalar};
@@ -82,5 +84,24 @@ impl<B: TrainBackend> Engine<B> for SingleEngine<'_, B> {
     fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
         let trained = self.model.expect("the model is back after each step");
         Finished::gathered(self.plan, trained.valid())
+    }
+
+    fn checkpoint_pieces(&self) -> Result<(Vec<Shard>, usize), TrainError> {
+        let model = self
+            .model
+            .as_ref()
+            .expect("the model is back after each step");
+        checkpoint::adamw_pieces(self.plan, model, &self.optimizer)
+    }
+
+    fn restore(&mut self, from: &Checkpoint, device: &B::Device) -> Result<(), TrainError> {
+        let model = self
+            .model
+            .as_ref()
+            .expect("the model is back after each step");
+        let fresh = self.config.optimizer().init::<B, Llama<B>>();
+        let optimizer = std::mem::replace(&mut self.optimizer, fresh);
+        self.optimizer = checkpoint::load_adamw(self.plan, model, optimizer, from, device)?;
+        Ok(())
     }
 }

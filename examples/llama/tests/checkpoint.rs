@@ -1,0 +1,130 @@
+//! Training checkpoints: a run that checkpoints after step 3 of 6 and is stopped there, then
+//! resumed, gives the uninterrupted run's losses and final weights bit for bit in the same
+//! layout (one device, DDP at dp 2, dp 2 x tp 2 with sequence parallelism); resumed in another
+//! layout, each rank reads the blocks it holds there, and the run continues within the
+//! threaded parity tests' tolerances of that layout's uninterrupted run. A checkpoint of
+//! another run is refused, as is a layout that does not checkpoint yet.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use llama::checkpoint::CheckpointConfig;
+use llama::train::{Strategy, TrainConfig};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("llama-ckpt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// `tiny` for 6 steps on `dp` x `tp` ranks (DDP when dp > 1).
+fn layout(dp: usize, tp: usize, sp: bool) -> TrainConfig {
+    let mut config = config(
+        if dp == 1 {
+            Strategy::Single
+        } else {
+            Strategy::Ddp
+        },
+        dp,
+    );
+    config.steps = 6;
+    config.warmup_steps = 2;
+    config.tp = tp;
+    config.sequence_parallel = sp;
+    config
+}
+
+fn with_checkpoints(config: &TrainConfig, dir: &Path, every: usize, resume: bool) -> TrainConfig {
+    let mut config = config.clone();
+    config.checkpoint = Some(CheckpointConfig {
+        dir: dir.to_path_buf(),
+        every,
+        resume,
+    });
+    config
+}
+
+/// `config` checkpointing every 3 steps, then stopped after step 3: step 6's checkpoint is
+/// removed, as if the run had died before it.
+fn interrupted(config: &TrainConfig, dir: &Path) -> Run {
+    let run = run(&with_checkpoints(config, dir, 3, false));
+    std::fs::remove_dir_all(dir.join("step-00000006")).unwrap();
+    run
+}
+
+/// `run` from step `from` on: what a resumed run reports.
+fn tail(run: &Run, from: usize) -> Run {
+    Run {
+        losses: run.losses[from..].to_vec(),
+        weights: run.weights.clone(),
+        model_state_bytes: None,
+        steps: run.steps[from..].to_vec(),
+    }
+}
+
+#[test]
+fn a_resumed_run_continues_the_uninterrupted_one_bit_for_bit_in_its_layout() {
+    for (dp, tp, sp) in [(1, 1, false), (2, 1, false), (2, 2, true)] {
+        let what = format!("dp {dp} x tp {tp}{}", if sp { " + sp" } else { "" });
+        let config = layout(dp, tp, sp);
+        let whole = run(&config);
+        let dir = scratch(&format!("same-{dp}-{tp}"));
+        let first = interrupted(&config, &dir);
+        assert_eq!(
+            first.losses, whole.losses,
+            "{what}: checkpointing changes nothing"
+        );
+        let second = run(&with_checkpoints(&config, &dir, 0, true));
+        assert_eq!(second.steps[0].step, 4, "{what}: resumed after step 3");
+        assert_same_bits(&tail(&whole, 3), &second, &what);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+#[test]
+fn a_checkpoint_resumes_in_another_layout() {
+    let layouts = [
+        ((1, 1, false), (2, 2, true)),
+        ((1, 2, false), (1, 1, false)),
+        ((2, 1, false), (1, 2, true)),
+        ((2, 2, true), (2, 1, false)),
+    ];
+    for ((dp, tp, sp), (to_dp, to_tp, to_sp)) in layouts {
+        let what = format!("dp {dp} x tp {tp} -> dp {to_dp} x tp {to_tp}");
+        let target = layout(to_dp, to_tp, to_sp);
+        let oracle = run(&target);
+        let dir = scratch(&format!("reshard-{dp}-{tp}-{to_dp}-{to_tp}"));
+        interrupted(&layout(dp, tp, sp), &dir);
+        let resumed = run(&with_checkpoints(&target, &dir, 0, true));
+        assert_close(&tail(&oracle, 3), &resumed, &what);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+#[test]
+fn a_checkpoint_of_another_run_or_a_layout_without_checkpoints_is_refused() {
+    let config = layout(1, 1, false);
+    let dir = scratch("refused");
+    interrupted(&config, &dir);
+    let data = llama::data::MarkovSource::new(16, 3, config.seq_len, 4096, 1);
+    let train = |config: &TrainConfig| {
+        llama::train::train::<B>(config, &data, &Default::default(), &mut |_| {})
+            .err()
+            .map(|e| e.to_string())
+    };
+    let mut other = with_checkpoints(&config, &dir, 0, true);
+    other.seed += 1;
+    let error = train(&other).expect("refused");
+    assert!(error.contains("another --seed"), "{error}");
+    let mut zero = with_checkpoints(&layout(2, 1, false), &dir, 3, false);
+    zero.zero = burn_zero::ZeroStage::OptimizerState;
+    let error = train(&zero).expect("refused");
+    assert!(error.contains("not under ZeRO"), "{error}");
+    // An empty directory: the run starts from the seed.
+    let fresh = scratch("fresh");
+    let from_nothing = run(&with_checkpoints(&config, &fresh, 0, true));
+    assert_eq!(from_nothing.losses, run(&config).losses);
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -28,6 +28,8 @@ pub struct ParamSlot<B: AutodiffBackend> {
     pub id: ParamId,
     /// Frozen parameters (`require_grad` off) are kept equal but get no gradient.
     pub require_grad: bool,
+    /// Its shape.
+    pub shape: Vec<usize>,
     /// Number of elements.
     pub numel: usize,
     /// Element type.
@@ -135,6 +137,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Collector<B> {
             name: self.path.join("."),
             id,
             require_grad: tensor.is_require_grad(),
+            shape: shape.to_vec(),
             numel,
             dtype: inner.dtype(),
             device: inner.device(),

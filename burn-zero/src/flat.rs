@@ -184,6 +184,24 @@ impl FlatLayout {
         burn_ddp::params::concat(parts)
     }
 
+    /// The parameters `rank`'s part of `unit` holds elements of: for each, the parameter, the
+    /// range of its elements (row-major), and where they start in the part.
+    pub fn pieces(&self, unit: usize, rank: usize) -> Vec<(usize, Range<usize>, usize)> {
+        let u = &self.units[unit];
+        let range = self.shard_range(unit, rank);
+        u.params
+            .iter()
+            .zip(&u.offsets)
+            .filter_map(|(&p, &offset)| {
+                let (start, end) = (
+                    offset.max(range.start),
+                    (offset + self.numels[p]).min(range.end),
+                );
+                (start < end).then(|| (p, start - offset..end - offset, start - range.start))
+            })
+            .collect()
+    }
+
     /// Rank `rank`'s whole shard cut into its parts, one per unit.
     pub fn split_shard<B: Backend>(&self, shard: Tensor<B, 1>) -> Vec<Tensor<B, 1>> {
         let lengths: Vec<usize> = (0..self.units.len()).map(|u| self.shard_len(u)).collect();

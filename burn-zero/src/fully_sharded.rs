@@ -20,7 +20,7 @@ use std::collections::hash_map::Entry;
 
 use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Shape, Tensor};
+use burn::tensor::{ElementConversion, Shape, Tensor, TensorData};
 use burn_comm::{Communicator, Work};
 use burn_ddp::MissingGradient;
 use burn_ddp::params;
@@ -33,6 +33,7 @@ use crate::memory::ModelStateBytes;
 use crate::optimizer::{PlacedAdamW, bytes, to_f32};
 use crate::precision::{LossScaler, StepOutcome, cast};
 use crate::sharded::{ZeroConfig, unscale};
+use crate::state::{self, LossScaleState, ParamRange, ShardState};
 use burn::optim::AdamWConfig;
 use burn_ddp::reducer::Reduction;
 
@@ -56,6 +57,8 @@ pub struct FullyShardedDataParallel<B: AutodiffBackend, S: PipelineStage<B>> {
     sources: Vec<Vec<Source>>,
     /// Shape of every parameter, by index.
     shapes: Vec<Vec<usize>>,
+    /// Name of every parameter (in its unit), by index.
+    names: Vec<String>,
     layout: FlatLayout,
     comm: Communicator,
     config: ZeroConfig,
@@ -116,10 +119,8 @@ where
         let mut seen: HashMap<ParamId, (usize, usize)> = HashMap::new();
         for (u, unit) in units.into_iter().enumerate() {
             let (mut member, mut source, mut values) = (Vec::new(), Vec::new(), Vec::new());
-            for (slot, shape) in params::slots::<B, S>(&unit)
-                .iter()
-                .zip(shape_list::<B, S>(&unit))
-            {
+            for slot in params::slots::<B, S>(&unit) {
+                let shape = slot.shape.clone();
                 if !slot.require_grad {
                     return Err(ZeroError::Config(format!(
                         "`{}` is frozen; ZeRO-3 shards trainable parameters only, so keep frozen ones out of its units",
@@ -185,6 +186,7 @@ where
             skeletons,
             sources,
             shapes,
+            names,
             layout,
             comm,
             config,
@@ -392,6 +394,61 @@ where
         Ok(StepOutcome::Applied)
     }
 
+    /// This rank's ranges of the parameters (named within their units), in its shard's
+    /// order: what [`shard_state`](Self::shard_state) gives and
+    /// [`restore_state`](Self::restore_state) takes.
+    pub fn shard_ranges(&self) -> Vec<ParamRange> {
+        state::ranges(&self.layout, &self.names, &self.shapes, self.comm.rank())
+    }
+
+    /// The unit holding each of [`shard_ranges`](Self::shard_ranges), in order.
+    pub fn shard_range_units(&self) -> Vec<usize> {
+        let rank = self.comm.rank();
+        (0..self.layout.units.len())
+            .flat_map(|u| self.layout.pieces(u, rank).into_iter().map(move |_| u))
+            .collect()
+    }
+
+    /// This rank's part of the training state, for a checkpoint.
+    pub fn shard_state(&self) -> ShardState {
+        let device = self.shard[0].device();
+        let rank = self.comm.rank();
+        let weights = self
+            .optimizer
+            .master(&device)
+            .unwrap_or_else(|| params::concat(self.shard.iter().cloned().map(to_f32).collect()));
+        let (moments, steps) = state::moments_of(&self.layout, rank, &self.optimizer, &device);
+        ShardState {
+            ranges: self.shard_ranges(),
+            weights: state::cut(&self.layout, rank, weights),
+            moments,
+            steps,
+            loss_scale: self.scaler.as_ref().map(LossScaler::state),
+        }
+    }
+
+    /// Continues from a checkpoint's state: the moments and step count (in
+    /// [`shard_ranges`](Self::shard_ranges)' order) and the loss scaler. The weights come with
+    /// the units this engine was built from.
+    pub fn restore_state(
+        &mut self,
+        moments: Option<&[Vec<TensorData>; 2]>,
+        steps: usize,
+        loss_scale: Option<LossScaleState>,
+    ) -> Result<(), ZeroError> {
+        let device = self.shard[0].device();
+        let rank = self.comm.rank();
+        state::restore_moments(
+            &self.layout,
+            rank,
+            &mut self.optimizer,
+            moments,
+            steps,
+            &device,
+        )?;
+        state::restore_scaler(self.scaler.as_mut(), loss_scale)
+    }
+
     /// Every unit gathered whole, its parameters trainable: for evaluation and export.
     pub fn full(&self) -> Result<Vec<S>, ZeroError> {
         self.gather_all(self.shard.clone())
@@ -531,19 +588,6 @@ fn order_error(u: usize, last: usize) -> ZeroError {
         last + 1,
         if u == last { "activations" } else { "a loss" }
     )))
-}
-
-/// The shapes of `module`'s float parameters, in visiting order.
-fn shape_list<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<Vec<usize>> {
-    struct Shapes(Vec<Vec<usize>>);
-    impl<B: AutodiffBackend> burn::module::ModuleVisitor<B> for Shapes {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push(param.val().dims().to_vec());
-        }
-    }
-    let mut shapes = Shapes(Vec::new());
-    module.visit(&mut shapes);
-    shapes.0
 }
 
 /// `module` with every float parameter replaced by an empty tensor (same id): its structure

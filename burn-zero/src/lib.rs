@@ -26,6 +26,7 @@ mod optimizer;
 mod precision;
 mod redundancy;
 mod sharded;
+mod state;
 
 pub use error::ZeroError;
 pub use flat::{FlatLayout, FlatUnit};
@@ -35,3 +36,4 @@ pub use optimizer::ShardedAdamW;
 pub use precision::{LossScaleConfig, MixedPrecision, StepOutcome};
 pub use redundancy::{ZeroAdamW, ZeroAdamWRecord};
 pub use sharded::{ShardedDataParallel, ZeroConfig, ZeroStepStats};
+pub use state::{LossScaleState, ParamRange, ShardState};

@@ -4,7 +4,7 @@
 //! ([`burn_kernels::FusedAdamW`]).
 
 use burn::backend::Flex;
-use burn::optim::{AdamWConfig, AdamWState};
+use burn::optim::{AdamWConfig, AdamWState, AdaptiveMomentumState};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 use burn_kernels::FusedAdamW;
@@ -172,6 +172,44 @@ impl<B: Backend> PlacedAdamW<B> {
             Self::Host(adamw) => adamw
                 .master()
                 .map(|m| Tensor::from_data(m.to_data(), device)),
+        }
+    }
+
+    /// The moments and step count, once a step has made them, on `device`.
+    pub fn state(&self, device: &B::Device) -> Option<AdamWState<B, 1>> {
+        match self {
+            Self::Device(adamw) => adamw.state().cloned(),
+            Self::Host(adamw) => adamw.state().map(|state| {
+                let m = &state.momentum;
+                let moved = |t: &Tensor<Flex, 1>| Tensor::from_data(t.to_data(), device);
+                AdamWState {
+                    momentum: AdaptiveMomentumState::new(
+                        m.time,
+                        moved(&m.moment_1),
+                        moved(&m.moment_2),
+                    ),
+                }
+            }),
+        }
+    }
+
+    /// Replaces the moments and step count (a checkpoint's).
+    pub fn set_state(&mut self, state: Option<AdamWState<B, 1>>) {
+        match self {
+            Self::Device(adamw) => *adamw = adamw.clone().with_state(state),
+            Self::Host(adamw) => {
+                let state = state.map(|state| {
+                    let m = state.momentum;
+                    AdamWState {
+                        momentum: AdaptiveMomentumState::new(
+                            m.time,
+                            to_host(m.moment_1),
+                            to_host(m.moment_2),
+                        ),
+                    }
+                });
+                **adamw = adamw.clone().with_state(state);
+            }
         }
     }
 

@@ -133,6 +133,20 @@ impl LossScaler {
         self.scale
     }
 
+    /// The running state, for a checkpoint.
+    pub fn state(&self) -> crate::state::LossScaleState {
+        crate::state::LossScaleState {
+            scale: self.scale,
+            good_steps: self.good_steps,
+        }
+    }
+
+    /// Continues from a checkpoint's state.
+    pub fn restore(&mut self, state: crate::state::LossScaleState) {
+        self.scale = state.scale;
+        self.good_steps = state.good_steps;
+    }
+
     /// Records a step: grows the scale after enough good ones, shrinks it after a bad one.
     pub fn update(&mut self, overflowed: bool) -> StepOutcome {
         if overflowed {

@@ -11,7 +11,7 @@ use burn::config::Config;
 use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_comm::Communicator;
 use burn_ddp::BackwardHooks;
 use burn_ddp::params::{self, ParamSlot};
@@ -23,6 +23,7 @@ use crate::flat::FlatLayout;
 use crate::memory::{ModelStateBytes, ZeroStage};
 use crate::optimizer::{PlacedAdamW, bytes, to_f32};
 use crate::precision::{LossScaler, MixedPrecision, StepOutcome, cast, overflowed};
+use crate::state::{self, LossScaleState, ParamRange, ShardState};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 /// One reduced gradient per unit: the whole buffer or this rank's part.
@@ -217,6 +218,61 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
     pub fn with_overflow_group(mut self, group: Communicator) -> Self {
         self.overflow_group = Some(group);
         self
+    }
+
+    /// This rank's ranges of the parameters, in its shard's order: what
+    /// [`shard_state`](Self::shard_state) gives and [`restore_state`](Self::restore_state)
+    /// takes.
+    pub fn shard_ranges(&self) -> Vec<ParamRange> {
+        let shapes: Vec<Vec<usize>> = params::trainable::<B, M>(self.module())
+            .into_iter()
+            .map(|slot| slot.shape)
+            .collect();
+        state::ranges(&self.layout, &self.names, &shapes, self.comm.rank())
+    }
+
+    /// This rank's part of the training state, for a checkpoint.
+    pub fn shard_state(&self) -> ShardState {
+        let slots = params::trainable::<B, M>(self.module());
+        let device = slots[0].device.clone();
+        let rank = self.comm.rank();
+        let weights = self.optimizer.master(&device).unwrap_or_else(|| {
+            let values: Vec<_> = slots.iter().map(|s| to_f32(s.value.clone())).collect();
+            let parts = (0..self.layout.units.len())
+                .map(|u| self.layout.shard_of(u, rank, &values))
+                .collect();
+            params::concat(parts)
+        });
+        let (moments, steps) = state::moments_of(&self.layout, rank, &self.optimizer, &device);
+        ShardState {
+            ranges: self.shard_ranges(),
+            weights: state::cut(&self.layout, rank, weights),
+            moments,
+            steps,
+            loss_scale: self.scaler.as_ref().map(LossScaler::state),
+        }
+    }
+
+    /// Continues from a checkpoint's state: the moments and step count (in
+    /// [`shard_ranges`](Self::shard_ranges)' order) and the loss scaler. The weights come with
+    /// the module this engine was built from.
+    pub fn restore_state(
+        &mut self,
+        moments: Option<&[Vec<TensorData>; 2]>,
+        steps: usize,
+        loss_scale: Option<LossScaleState>,
+    ) -> Result<(), ZeroError> {
+        let device = params::trainable::<B, M>(self.module())[0].device.clone();
+        let rank = self.comm.rank();
+        state::restore_moments(
+            &self.layout,
+            rank,
+            &mut self.optimizer,
+            moments,
+            steps,
+            &device,
+        )?;
+        state::restore_scaler(self.scaler.as_mut(), loss_scale)
     }
 
     /// The local replica, for the forward pass.

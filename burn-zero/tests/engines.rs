@@ -16,8 +16,8 @@ use burn_comm::launch;
 use burn_ddp::{DdpConfig, DistributedDataParallel};
 use burn_pipeline::{PipelineStage, StageOutput};
 use burn_zero::{
-    FullyShardedDataParallel, LossScaleConfig, MixedPrecision, ShardedDataParallel, StepOutcome,
-    ZeroConfig, ZeroError, ZeroStage,
+    FullyShardedDataParallel, LossScaleConfig, MixedPrecision, ShardState, ShardedDataParallel,
+    StepOutcome, ZeroConfig, ZeroError, ZeroStage,
 };
 
 type AD = Autodiff<Flex>;
@@ -666,5 +666,138 @@ fn zero_adamw_matches_burn_s_adamw_with_a_shard_of_the_state() {
                 "rank {rank} of {world} holds its share"
             );
         }
+    }
+}
+
+/// Each parameter's whole fp32 weights, assembled from every rank's state (`unit_of` names the
+/// unit of each range, for engines whose names repeat across units).
+fn assemble(states: &[ShardState], unit_of: &[Vec<usize>]) -> Vec<((usize, String), Vec<f32>)> {
+    let mut whole: Vec<((usize, String), Vec<f32>)> = Vec::new();
+    for (state, units) in states.iter().zip(unit_of) {
+        for ((range, weights), &unit) in state.ranges.iter().zip(&state.weights).zip(units) {
+            let key = (unit, range.name.clone());
+            let at = match whole.iter().position(|(k, _)| *k == key) {
+                Some(at) => at,
+                None => {
+                    whole.push((key, vec![f32::NAN; range.shape.iter().product()]));
+                    whole.len() - 1
+                }
+            };
+            let values = weights.to_vec::<f32>().unwrap();
+            whole[at].1[range.range.clone()].copy_from_slice(&values);
+        }
+    }
+    whole.sort_by(|a, b| a.0.cmp(&b.0));
+    assert!(
+        whole.iter().all(|(_, v)| v.iter().all(|x| !x.is_nan())),
+        "every element is in some rank's state"
+    );
+    whole
+}
+
+fn matrix(values: &[f32]) -> Param<Tensor<AD, 2>> {
+    Param::from_tensor(Tensor::from_data(
+        TensorData::new(values.to_vec(), [5, 5]),
+        &Default::default(),
+    ))
+}
+
+#[test]
+fn a_shard_state_restored_into_a_new_engine_continues_the_run_bit_for_bit() {
+    let world = 2;
+    let bf16 = || ZeroConfig::new().with_precision(Some(MixedPrecision::bf16()));
+    for (stage, config) in [
+        (ZeroStage::OptimizerState, ZeroConfig::new()),
+        (ZeroStage::Gradients, bf16()),
+    ] {
+        let engine = |net: Net<AD>, comm| {
+            ShardedDataParallel::new(net, comm, stage, &adamw(), config.clone())
+        };
+        let train =
+            |zero: &mut ShardedDataParallel<AD, Net<AD>>, rank, steps: std::ops::Range<usize>| {
+                for step in steps {
+                    let dtype = zero.module().first.val().dtype();
+                    let loss = zero.module().loss(batch(rank, step).cast(dtype), true);
+                    zero.backward(loss)?;
+                    assert_eq!(zero.step(0.01)?, StepOutcome::Applied);
+                }
+                Ok::<_, ZeroError>(())
+            };
+        let whole = launch(world, |ctx| {
+            let mut zero = engine(Net::new(), ctx.world().clone())?;
+            train(&mut zero, ctx.rank(), 0..3)?;
+            Ok::<_, ZeroError>(weights(zero.module()))
+        });
+        let states: Vec<ShardState> = launch(world, |ctx| {
+            let mut zero = engine(Net::new(), ctx.world().clone())?;
+            train(&mut zero, ctx.rank(), 0..2)?;
+            let state = zero.shard_state();
+            assert_eq!(state.steps, 2);
+            Ok::<_, ZeroError>(state)
+        })
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+        let params = assemble(&states, &vec![vec![0; 3]; world]);
+        let resumed = launch(world, |ctx| {
+            let value = |name: &str| &params.iter().find(|((_, n), _)| n == name).unwrap().1;
+            let net = Net {
+                first: matrix(value("first")),
+                second: matrix(value("second")),
+                extra: matrix(value("extra")),
+            };
+            let mut zero = engine(net, ctx.world().clone())?;
+            let state = &states[ctx.rank()];
+            assert_eq!(zero.shard_ranges(), state.ranges);
+            zero.restore_state(state.moments.as_ref(), state.steps, state.loss_scale)?;
+            train(&mut zero, ctx.rank(), 2..3)?;
+            Ok::<_, ZeroError>(weights(zero.module()))
+        });
+        for (a, b) in whole.into_iter().zip(resumed) {
+            assert_eq!(a.unwrap(), b.unwrap(), "{stage:?}");
+        }
+    }
+    // ZeRO-3: every unit's weights named within it.
+    let whole = chain_fully_sharded(world, None);
+    let states: Vec<(ShardState, Vec<usize>)> = launch(world, |ctx| {
+        let mut fsdp = FullyShardedDataParallel::new(
+            layers(3, false),
+            ctx.world().clone(),
+            &adamw(),
+            ZeroConfig::new(),
+        )?;
+        for step in 0..2 {
+            fsdp.forward_backward(&batch(ctx.rank(), step).unsqueeze(), 1.0)?;
+            assert_eq!(fsdp.step(0.01)?, StepOutcome::Applied);
+        }
+        Ok::<_, ZeroError>((fsdp.shard_state(), fsdp.shard_range_units()))
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect();
+    let units: Vec<Vec<usize>> = states.iter().map(|(_, u)| u.clone()).collect();
+    let states: Vec<ShardState> = states.into_iter().map(|(s, _)| s).collect();
+    let params = assemble(&states, &units);
+    let resumed = launch(world, |ctx| {
+        let mut chain = layers(3, false);
+        for (u, layer) in chain.iter_mut().enumerate() {
+            let value = &params.iter().find(|((unit, _), _)| *unit == u).unwrap().1;
+            layer.weight = matrix(value);
+        }
+        let mut fsdp =
+            FullyShardedDataParallel::new(chain, ctx.world().clone(), &adamw(), ZeroConfig::new())?;
+        let state = &states[ctx.rank()];
+        fsdp.restore_state(state.moments.as_ref(), state.steps, state.loss_scale)?;
+        fsdp.forward_backward(&batch(ctx.rank(), 2).unsqueeze(), 1.0)?;
+        assert_eq!(fsdp.step(0.01)?, StepOutcome::Applied);
+        let full = fsdp.full()?;
+        Ok::<_, ZeroError>(
+            full.iter()
+                .map(|l| f32s(l.weight.val()))
+                .collect::<Vec<_>>(),
+        )
+    });
+    for ((want, _), got) in whole.into_iter().zip(resumed) {
+        assert_eq!(want, got.unwrap(), "ZeRO-3");
     }
 }

@@ -1,0 +1,200 @@
+//! A ZeRO engine's training state as a checkpoint keeps it: per parameter, the elements this
+//! rank's shard holds (a flat range of the parameter, row-major), their fp32 weights and AdamW
+//! moments; the optimizer's step count and the loss scaler. A resumed engine is built from a
+//! model holding the saved weights, then given the moments and the rest back.
+
+use std::ops::Range;
+
+use burn::optim::{AdamWState, AdaptiveMomentumState};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::ZeroError;
+use crate::flat::FlatLayout;
+use crate::optimizer::PlacedAdamW;
+use crate::precision::LossScaler;
+
+/// The elements `range` (row-major) of the parameter `name` shaped `shape`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamRange {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub range: Range<usize>,
+}
+
+/// A rank's part of a ZeRO engine's state.
+#[derive(Debug, Clone)]
+pub struct ShardState {
+    /// This rank's ranges, in its shard's order.
+    pub ranges: Vec<ParamRange>,
+    /// Their fp32 weights: the master weights under mixed precision.
+    pub weights: Vec<TensorData>,
+    /// Their first and second AdamW moments, fp32, once a step has made them.
+    pub moments: Option<[Vec<TensorData>; 2]>,
+    /// Optimizer steps taken.
+    pub steps: usize,
+    /// The loss scaler's state (f16).
+    pub loss_scale: Option<LossScaleState>,
+}
+
+/// Dynamic loss scaling's running state.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LossScaleState {
+    /// The scale the next backward multiplies by.
+    pub scale: f64,
+    /// Applied steps since the scale last changed.
+    pub good_steps: usize,
+}
+
+/// `rank`'s ranges of the parameters of `layout` (named `names`, shaped `shapes`), in its
+/// shard's order.
+pub(crate) fn ranges(
+    layout: &FlatLayout,
+    names: &[String],
+    shapes: &[Vec<usize>],
+    rank: usize,
+) -> Vec<ParamRange> {
+    (0..layout.units.len())
+        .flat_map(|u| layout.pieces(u, rank))
+        .map(|(p, range, _)| ParamRange {
+            name: names[p].clone(),
+            shape: shapes[p].clone(),
+            range,
+        })
+        .collect()
+}
+
+/// `shard` (`rank`'s whole shard, its parts of every unit one after the other) cut into its
+/// ranges' values, in order.
+pub(crate) fn cut<B: Backend>(
+    layout: &FlatLayout,
+    rank: usize,
+    shard: Tensor<B, 1>,
+) -> Vec<TensorData> {
+    let parts = layout.split_shard(shard);
+    parts
+        .into_iter()
+        .enumerate()
+        .flat_map(|(u, part)| {
+            layout
+                .pieces(u, rank)
+                .into_iter()
+                .map(move |(_, range, at)| part.clone().narrow(0, at, range.len()).into_data())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The whole shard of `rank` from its ranges' `values` (in order), zeros in the padding.
+pub(crate) fn join<B: Backend>(
+    layout: &FlatLayout,
+    rank: usize,
+    values: &[TensorData],
+    device: &B::Device,
+) -> Result<Tensor<B, 1>, ZeroError> {
+    let mut values = values.iter();
+    let mut shard = Vec::with_capacity(layout.total_shard_len());
+    for u in 0..layout.units.len() {
+        let mut part = vec![0f32; layout.shard_len(u)];
+        for (p, range, at) in layout.pieces(u, rank) {
+            let value = values.next().ok_or_else(|| {
+                ZeroError::Config(format!(
+                    "fewer values than this rank's ranges, none for parameter {p}"
+                ))
+            })?;
+            let value = value
+                .clone()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .map_err(|e| ZeroError::Config(format!("parameter {p}'s values: {e:?}")))?;
+            if value.len() != range.len() {
+                return Err(ZeroError::Config(format!(
+                    "{} values for parameter {p}'s {} elements {range:?}",
+                    value.len(),
+                    range.len()
+                )));
+            }
+            part[at..at + range.len()].copy_from_slice(&value);
+        }
+        shard.extend(part);
+    }
+    if values.next().is_some() {
+        return Err(ZeroError::Config(
+            "more values than this rank's ranges".into(),
+        ));
+    }
+    let n = shard.len();
+    Ok(Tensor::from_data(TensorData::new(shard, [n]), device))
+}
+
+/// The moments and step count of `optimizer` as a state's, cut into ranges.
+pub(crate) fn moments_of<B: Backend>(
+    layout: &FlatLayout,
+    rank: usize,
+    optimizer: &PlacedAdamW<B>,
+    device: &B::Device,
+) -> (Option<[Vec<TensorData>; 2]>, usize) {
+    match optimizer.state(device) {
+        Some(state) => {
+            let momentum = state.momentum;
+            let moments = [
+                cut(layout, rank, momentum.moment_1),
+                cut(layout, rank, momentum.moment_2),
+            ];
+            (Some(moments), momentum.time)
+        }
+        None => (None, 0),
+    }
+}
+
+/// `scaler` continuing from a state's.
+pub(crate) fn restore_scaler(
+    scaler: Option<&mut LossScaler>,
+    state: Option<LossScaleState>,
+) -> Result<(), ZeroError> {
+    match (scaler, state) {
+        (Some(scaler), Some(state)) => scaler.restore(state),
+        (None, None) => {}
+        (Some(_), None) => {
+            return Err(ZeroError::Config(
+                "this engine scales the loss (f16), but the state was saved without loss scaling; resume with the dtype it was saved in".into(),
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(ZeroError::Config(
+                "the state was saved with f16 loss scaling, which this engine does not do; resume with the dtype it was saved in".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `optimizer` with the moments and step count of a state (in `rank`'s ranges' order).
+pub(crate) fn restore_moments<B: Backend>(
+    layout: &FlatLayout,
+    rank: usize,
+    optimizer: &mut PlacedAdamW<B>,
+    moments: Option<&[Vec<TensorData>; 2]>,
+    steps: usize,
+    device: &B::Device,
+) -> Result<(), ZeroError> {
+    let state = match moments {
+        None if steps == 0 => None,
+        None => {
+            return Err(ZeroError::Config(format!(
+                "the state says {steps} steps were taken but holds no moments"
+            )));
+        }
+        Some([first, second]) => {
+            let momentum = AdaptiveMomentumState::new(
+                steps,
+                join(layout, rank, first, device)?,
+                join(layout, rank, second, device)?,
+            );
+            Some(AdamWState { momentum })
+        }
+    };
+    optimizer.set_state(state);
+    Ok(())
+}

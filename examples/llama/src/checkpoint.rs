@@ -14,6 +14,8 @@ use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_checkpoint::{Checkpoint, Region, Shard};
+use burn_tensor_parallel::TensorParallel;
+use burn_zero::{LossScaleState, ParamRange, ShardState};
 use serde_json::{Value, json};
 
 use crate::hf_config::hf_config;
@@ -54,15 +56,36 @@ fn region(block: &Block<'_>) -> Region {
     }
 }
 
+/// A rank's part of the training state, as an engine hands it in.
+pub(crate) struct TrainingState {
+    /// Its pieces: parameters (fp32) and AdamW moments.
+    pub pieces: Vec<Shard>,
+    /// Optimizer steps taken.
+    pub adam_steps: usize,
+    /// The loss scaler's state (f16).
+    pub loss_scale: Option<LossScaleState>,
+}
+
 /// What the manifest keeps of the run beside the tensors.
-pub(crate) fn metadata(config: &TrainConfig, adam_steps: usize) -> Value {
+pub(crate) fn metadata(config: &TrainConfig, state: &TrainingState) -> Value {
     json!({
         "model": hf_config(&config.model),
         "seed": config.seed,
         "batch_size": config.batch_size,
         "seq_len": config.seq_len,
-        "adamw_steps": adam_steps,
+        "adamw_steps": state.adam_steps,
+        "loss_scale": state.loss_scale,
         "layout": crate::dims::ParallelDims::of(config).describe(),
+    })
+}
+
+/// The loss scaler's state a checkpoint was taken with (f16).
+pub(crate) fn loss_scale(checkpoint: &Checkpoint) -> Result<Option<LossScaleState>, TrainError> {
+    serde_json::from_value(checkpoint.metadata()["loss_scale"].clone()).map_err(|e| {
+        TrainError::Config(format!(
+            "{}: its loss scale: {e}",
+            checkpoint.dir().display()
+        ))
     })
 }
 
@@ -73,7 +96,12 @@ pub(crate) fn check_resumable(
     checkpoint: &Checkpoint,
 ) -> Result<(), TrainError> {
     let stored = checkpoint.metadata();
-    let mine = metadata(config, 0);
+    let nothing = TrainingState {
+        pieces: Vec::new(),
+        adam_steps: 0,
+        loss_scale: None,
+    };
+    let mine = metadata(config, &nothing);
     for (key, what) in [
         ("model", "model shape"),
         ("seed", "--seed"),
@@ -125,7 +153,7 @@ impl ParamSource for Resumed {
 struct Walk<'a, F> {
     plan: &'a ParallelPlan,
     first_layer: usize,
-    tp: Option<&'a burn_tensor_parallel::TensorParallel>,
+    tp: Option<&'a TensorParallel>,
     path: Vec<String>,
     each: F,
     failed: Option<TrainError>,
@@ -149,22 +177,131 @@ impl<'a, F> Walk<'a, F> {
 
     /// The parameter at the current path: its whole path, shape and this rank's box.
     fn block(&self) -> Result<(String, Vec<usize>, Region), TrainError> {
-        let local = self.path.join(".");
-        let rule = self.plan.rule(&local).ok_or_else(|| {
-            TrainError::Config(format!(
-                "the parallel plan has no rule for the parameter `{local}`"
-            ))
-        })?;
-        let path = whole_path(&local, self.first_layer);
-        let split = rule.block_of(self.tp)?;
-        let block = Block {
-            path: &path,
-            whole: &rule.shape,
-            split,
-        };
-        let region = region(&block);
-        Ok((path, rule.shape.clone(), region))
+        held_block(self.plan, &self.path.join("."), self.first_layer, self.tp)
     }
+}
+
+/// The parameter at `local` in a part whose blocks start at `first_layer`, held over `tp`: its
+/// path in the whole model, its whole shape, and this rank's box of it.
+fn held_block(
+    plan: &ParallelPlan,
+    local: &str,
+    first_layer: usize,
+    tp: Option<&TensorParallel>,
+) -> Result<(String, Vec<usize>, Region), TrainError> {
+    let rule = plan.rule(local).ok_or_else(|| {
+        TrainError::Config(format!(
+            "the parallel plan has no rule for the parameter `{local}`"
+        ))
+    })?;
+    let path = whole_path(local, first_layer);
+    let split = rule.block_of(tp)?;
+    let block = Block {
+        path: &path,
+        whole: &rule.shape,
+        split,
+    };
+    let region = region(&block);
+    Ok((path, rule.shape.clone(), region))
+}
+
+/// The boxes of the whole parameter that elements `range` (row-major) of this rank's block of
+/// it cover, in order; and the parameter's path and whole shape.
+fn range_boxes(
+    plan: &ParallelPlan,
+    range: &ParamRange,
+    first_layer: usize,
+    tp: Option<&TensorParallel>,
+) -> Result<(String, Vec<usize>, Vec<Region>), TrainError> {
+    let (path, whole, held) = held_block(plan, &range.name, first_layer, tp)?;
+    let boxes = Region::from_flat(&held.extents, range.range.clone())
+        .into_iter()
+        .map(|mut b| {
+            for (offset, base) in b.offsets.iter_mut().zip(&held.offsets) {
+                *offset += base;
+            }
+            b
+        })
+        .collect();
+    Ok((path, whole, boxes))
+}
+
+/// A ZeRO engine's shard state as checkpoint pieces: each range cut into boxes of its whole
+/// parameter. `first_layers[i]` is where the part holding range `i` starts (ZeRO-3's units).
+pub(crate) fn zero_pieces(
+    plan: &ParallelPlan,
+    state: ShardState,
+    first_layers: &[usize],
+    tp: Option<&TensorParallel>,
+) -> Result<TrainingState, TrainError> {
+    let mut pieces = Vec::new();
+    let zeros = |d: &TensorData| TensorData::new(vec![0f32; d.num_elements()], d.shape.clone());
+    for (i, (range, weights)) in state.ranges.iter().zip(&state.weights).enumerate() {
+        let (path, whole, boxes) = range_boxes(plan, range, first_layers[i], tp)?;
+        let moments = match &state.moments {
+            Some([first, second]) => [first[i].clone(), second[i].clone()],
+            // No step has been applied yet (f16 skipped them all): AdamW starts from zeros.
+            None => [zeros(weights), zeros(weights)],
+        };
+        let values = [
+            (param_name(&path), weights),
+            (moment_name(1, &path), &moments[0]),
+            (moment_name(2, &path), &moments[1]),
+        ];
+        for (name, data) in values {
+            let flat = data
+                .clone()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .expect("f32 values");
+            let mut at = 0;
+            for b in &boxes {
+                let n = b.volume();
+                pieces.push(Shard {
+                    name: name.clone(),
+                    shape: whole.clone(),
+                    region: b.clone(),
+                    data: TensorData::new(flat[at..at + n].to_vec(), b.extents.clone()),
+                });
+                at += n;
+            }
+        }
+    }
+    Ok(TrainingState {
+        pieces,
+        adam_steps: state.steps,
+        loss_scale: state.loss_scale,
+    })
+}
+
+/// A ZeRO engine's moments for `ranges` (see [`zero_pieces`]) read from `checkpoint`, none
+/// when it was taken before any step.
+pub(crate) fn zero_moments(
+    plan: &ParallelPlan,
+    ranges: &[ParamRange],
+    first_layers: &[usize],
+    tp: Option<&TensorParallel>,
+    checkpoint: &Checkpoint,
+) -> Result<Option<[Vec<TensorData>; 2]>, TrainError> {
+    if adam_steps(checkpoint)? == 0 {
+        return Ok(None);
+    }
+    let mut moments = [Vec::new(), Vec::new()];
+    for (i, range) in ranges.iter().enumerate() {
+        let (path, _, boxes) = range_boxes(plan, range, first_layers[i], tp)?;
+        for (which, out) in [1, 2].into_iter().zip(moments.iter_mut()) {
+            let mut flat = Vec::with_capacity(range.range.len());
+            for b in &boxes {
+                let data = checkpoint
+                    .read(&moment_name(which, &path), b)
+                    .map_err(|e| TrainError::Config(e.to_string()))?;
+                flat.extend(data.convert::<f32>().to_vec::<f32>().expect("f32 values"));
+            }
+            let n = flat.len();
+            out.push(TensorData::new(flat, [n]));
+        }
+    }
+    Ok(Some(moments))
 }
 
 /// This rank's pieces of a model trained with burn's AdamW: each parameter's block and its
@@ -173,7 +310,7 @@ pub(crate) fn adamw_pieces<B: AutodiffBackend>(
     plan: &ParallelPlan,
     model: &Llama<B>,
     optimizer: &OptimizerAdaptor<AdamW, Llama<B>, B>,
-) -> Result<(Vec<Shard>, usize), TrainError> {
+) -> Result<TrainingState, TrainError> {
     let records = optimizer.to_record();
     let mut pieces = Vec::new();
     let mut steps = Vec::new();
@@ -257,7 +394,11 @@ pub(crate) fn adamw_pieces<B: AutodiffBackend>(
     steps.sort_unstable();
     steps.dedup();
     match steps.as_slice() {
-        [time] => Ok((pieces, *time)),
+        [time] => Ok(TrainingState {
+            pieces,
+            adam_steps: *time,
+            loss_scale: None,
+        }),
         _ => Err(TrainError::Config(format!(
             "the parameters were stepped different numbers of times ({steps:?}); a checkpoint holds one step count"
         ))),

@@ -76,9 +76,7 @@ impl ParallelDims {
         )
         .map_err(TrainError::Config)?;
         if config.checkpoint.is_some()
-            && (self.pp > 1
-                || config.zero != ZeroStage::Replicated
-                || config.strategy == Strategy::ParameterServer)
+            && (self.pp > 1 || config.strategy == Strategy::ParameterServer || config.nccl)
         {
             return Err(TrainError::Config(CHECKPOINTED_LAYOUTS.into()));
         }

@@ -86,10 +86,16 @@ impl Saver<'_> {
         if checkpoints.every == 0 || !step.is_multiple_of(checkpoints.every) {
             return Ok(());
         }
-        let (pieces, adam_steps) = engine.checkpoint_pieces()?;
-        let metadata = checkpoint::metadata(self.config, adam_steps);
-        burn_checkpoint::save(&checkpoints.dir, step as u64, self.world, pieces, metadata)
-            .map_err(|e| TrainError::Config(format!("checkpoint after step {step}: {e}")))?;
+        let state = engine.checkpoint_pieces()?;
+        let metadata = checkpoint::metadata(self.config, &state);
+        burn_checkpoint::save(
+            &checkpoints.dir,
+            step as u64,
+            self.world,
+            state.pieces,
+            metadata,
+        )
+        .map_err(|e| TrainError::Config(format!("checkpoint after step {step}: {e}")))?;
         Ok(())
     }
 }

@@ -1,14 +1,16 @@
 //! Training checkpoints: a run that checkpoints after step 3 of 6 and is stopped there, then
 //! resumed, gives the uninterrupted run's losses and final weights bit for bit in the same
-//! layout (one device, DDP at dp 2, dp 2 x tp 2 with sequence parallelism); resumed in another
-//! layout, each rank reads the blocks it holds there, and the run continues within the
-//! threaded parity tests' tolerances of that layout's uninterrupted run. A checkpoint of
-//! another run is refused, as is a layout that does not checkpoint yet.
+//! layout (one device, DDP at dp 2, dp 2 x tp 2 with sequence parallelism, ZeRO-1, ZeRO-2 in
+//! bf16, ZeRO-3 in f16 with its loss scale, ZeRO-3 at dp 2 x tp 2); resumed in another layout,
+//! each rank reads the blocks it holds there, and the run continues within the threaded
+//! parity tests' tolerances of that layout's uninterrupted run. A checkpoint of another run is
+//! refused, as is a layout that does not checkpoint yet.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 
+use burn_zero::{MixedPrecision, ZeroStage};
 use common::*;
 use llama::checkpoint::CheckpointConfig;
 use llama::train::{Strategy, TrainConfig};
@@ -33,6 +35,18 @@ fn layout(dp: usize, tp: usize, sp: bool) -> TrainConfig {
     config.warmup_steps = 2;
     config.tp = tp;
     config.sequence_parallel = sp;
+    config
+}
+
+/// `layout(dp, tp, false)` under ZeRO `stage`, in `precision`.
+fn zero_layout(
+    dp: usize,
+    tp: usize,
+    stage: ZeroStage,
+    precision: Option<MixedPrecision>,
+) -> TrainConfig {
+    let mut config = zero(&layout(dp, tp, false), dp, stage);
+    config.zero_config = config.zero_config.with_precision(precision);
     config
 }
 
@@ -66,11 +80,27 @@ fn tail(run: &Run, from: usize) -> Run {
 
 #[test]
 fn a_resumed_run_continues_the_uninterrupted_one_bit_for_bit_in_its_layout() {
-    for (dp, tp, sp) in [(1, 1, false), (2, 1, false), (2, 2, true)] {
-        let what = format!("dp {dp} x tp {tp}{}", if sp { " + sp" } else { "" });
-        let config = layout(dp, tp, sp);
+    let layouts = [
+        ("one device", layout(1, 1, false)),
+        ("dp 2", layout(2, 1, false)),
+        ("dp 2 x tp 2 + sp", layout(2, 2, true)),
+        ("zero 1", zero_layout(2, 1, ZeroStage::OptimizerState, None)),
+        (
+            "zero 2 bf16",
+            zero_layout(2, 1, ZeroStage::Gradients, Some(MixedPrecision::bf16())),
+        ),
+        (
+            "zero 3 f16",
+            zero_layout(2, 1, ZeroStage::Parameters, Some(MixedPrecision::f16())),
+        ),
+        (
+            "zero 3 x tp 2",
+            zero_layout(2, 2, ZeroStage::Parameters, None),
+        ),
+    ];
+    for (i, (what, config)) in layouts.into_iter().enumerate() {
         let whole = run(&config);
-        let dir = scratch(&format!("same-{dp}-{tp}"));
+        let dir = scratch(&format!("same-{i}"));
         let first = interrupted(&config, &dir);
         assert_eq!(
             first.losses, whole.losses,
@@ -78,7 +108,7 @@ fn a_resumed_run_continues_the_uninterrupted_one_bit_for_bit_in_its_layout() {
         );
         let second = run(&with_checkpoints(&config, &dir, 0, true));
         assert_eq!(second.steps[0].step, 4, "{what}: resumed after step 3");
-        assert_same_bits(&tail(&whole, 3), &second, &what);
+        assert_same_bits(&tail(&whole, 3), &second, what);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
@@ -86,19 +116,40 @@ fn a_resumed_run_continues_the_uninterrupted_one_bit_for_bit_in_its_layout() {
 #[test]
 fn a_checkpoint_resumes_in_another_layout() {
     let layouts = [
-        ((1, 1, false), (2, 2, true)),
-        ((1, 2, false), (1, 1, false)),
-        ((2, 1, false), (1, 2, true)),
-        ((2, 2, true), (2, 1, false)),
+        (
+            "single -> dp 2 x tp 2 + sp",
+            layout(1, 1, false),
+            layout(2, 2, true),
+        ),
+        ("tp 4 -> single", layout(1, 4, false), layout(1, 1, false)),
+        ("dp 2 -> tp 2 + sp", layout(2, 1, false), layout(1, 2, true)),
+        (
+            "dp 2 x tp 2 + sp -> dp 2",
+            layout(2, 2, true),
+            layout(2, 1, false),
+        ),
+        (
+            "dp 2 zero 3 -> single",
+            zero_layout(2, 1, ZeroStage::Parameters, None),
+            layout(1, 1, false),
+        ),
+        (
+            "dp 4 zero 2 -> dp 2 zero 1",
+            zero_layout(4, 1, ZeroStage::Gradients, None),
+            zero_layout(2, 1, ZeroStage::OptimizerState, None),
+        ),
+        (
+            "single -> dp 2 x tp 2 zero 3",
+            layout(1, 1, false),
+            zero_layout(2, 2, ZeroStage::Parameters, None),
+        ),
     ];
-    for ((dp, tp, sp), (to_dp, to_tp, to_sp)) in layouts {
-        let what = format!("dp {dp} x tp {tp} -> dp {to_dp} x tp {to_tp}");
-        let target = layout(to_dp, to_tp, to_sp);
+    for (i, (what, from, target)) in layouts.into_iter().enumerate() {
         let oracle = run(&target);
-        let dir = scratch(&format!("reshard-{dp}-{tp}-{to_dp}-{to_tp}"));
-        interrupted(&layout(dp, tp, sp), &dir);
+        let dir = scratch(&format!("reshard-{i}"));
+        interrupted(&from, &dir);
         let resumed = run(&with_checkpoints(&target, &dir, 0, true));
-        assert_close(&tail(&oracle, 3), &resumed, &what);
+        assert_close(&tail(&oracle, 3), &resumed, what);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
@@ -118,10 +169,10 @@ fn a_checkpoint_of_another_run_or_a_layout_without_checkpoints_is_refused() {
     other.seed += 1;
     let error = train(&other).expect("refused");
     assert!(error.contains("another --seed"), "{error}");
-    let mut zero = with_checkpoints(&layout(2, 1, false), &dir, 3, false);
-    zero.zero = burn_zero::ZeroStage::OptimizerState;
-    let error = train(&zero).expect("refused");
-    assert!(error.contains("not under ZeRO"), "{error}");
+    let mut pipeline = with_checkpoints(&config, &dir, 3, false);
+    pipeline.pp = 2;
+    let error = train(&pipeline).expect("refused");
+    assert!(error.contains("not under a pipeline"), "{error}");
     // An empty directory: the run starts from the seed.
     let fresh = scratch("fresh");
     let from_nothing = run(&with_checkpoints(&config, &fresh, 0, true));

@@ -390,7 +390,7 @@ fn bad_input_gets_a_sentence() {
                 "/tmp/llama-ckpt-cli",
                 "--resume",
             ],
-            "not under ZeRO, a pipeline",
+            "not under a pipeline",
         ),
         (
             &["train", "--batch-size", "0"],

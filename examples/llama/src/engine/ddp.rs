@@ -4,13 +4,13 @@
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsParams};
-use burn_checkpoint::{Checkpoint, Shard};
+use burn_checkpoint::Checkpoint;
 use burn_comm::{Communicator, ReduceOp};
 use burn_ddp::DistributedDataParallel;
 
 use super::{Engine, Finished, Stepped, TrainBackend};
 use crate::batches::Batches;
-use crate::checkpoint;
+use crate::checkpoint::{self, TrainingState};
 use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError, scalar};
@@ -85,7 +85,7 @@ impl<B: TrainBackend> Engine<B> for DdpEngine<'_, B> {
         Finished::gathered(self.plan, self.ddp.into_module().valid())
     }
 
-    fn checkpoint_pieces(&self) -> Result<(Vec<Shard>, usize), TrainError> {
+    fn checkpoint_pieces(&self) -> Result<TrainingState, TrainError> {
         checkpoint::adamw_pieces(self.plan, self.ddp.module(), &self.optimizer)
     }
 

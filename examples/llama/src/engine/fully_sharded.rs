@@ -4,11 +4,13 @@
 
 use crate::dims::Groups;
 use burn::module::AutodiffModule;
+use burn_checkpoint::Checkpoint;
 use burn_comm::{Communicator, ReduceOp};
 use burn_zero::FullyShardedDataParallel;
 
 use super::{Engine, Finished, Stepped, TrainBackend, ZeroStep};
 use crate::batches::Batches;
+use crate::checkpoint::{self, TrainingState};
 use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError};
@@ -16,6 +18,8 @@ use crate::weights::Weights;
 
 pub(crate) struct FullyShardedEngine<'a, B: TrainBackend> {
     plan: &'a ParallelPlan,
+    /// The tensor-parallel group each unit is cut over, if any.
+    tp: Option<burn_tensor_parallel::TensorParallel>,
     fsdp: FullyShardedDataParallel<B, Llama<B>>,
     dp: Communicator,
 }
@@ -55,7 +59,28 @@ impl<'a, B: TrainBackend> FullyShardedEngine<'a, B> {
         if let Some(world) = &groups.world {
             fsdp = fsdp.with_overflow_group(world.clone());
         }
-        Ok(Self { plan, fsdp, dp })
+        Ok(Self {
+            plan,
+            tp: groups.tp.clone(),
+            fsdp,
+            dp,
+        })
+    }
+}
+
+impl<B: TrainBackend> FullyShardedEngine<'_, B> {
+    /// Where the unit holding each of this rank's ranges starts, in the whole model.
+    fn first_layers(&self) -> Vec<usize> {
+        let units = self
+            .plan
+            .units
+            .as_ref()
+            .expect("ZeRO-3's plan has its units");
+        self.fsdp
+            .shard_range_units()
+            .into_iter()
+            .map(|u| units[u].start)
+            .collect()
     }
 }
 
@@ -87,6 +112,27 @@ impl<B: TrainBackend> Engine<B> for FullyShardedEngine<'_, B> {
             }),
             grad_norm: self.fsdp.grad_norm(),
         })
+    }
+
+    fn checkpoint_pieces(&self) -> Result<TrainingState, TrainError> {
+        let first_layers = self.first_layers();
+        checkpoint::zero_pieces(
+            self.plan,
+            self.fsdp.shard_state(),
+            &first_layers,
+            self.tp.as_ref(),
+        )
+    }
+
+    fn restore(&mut self, from: &Checkpoint, _: &B::Device) -> Result<(), TrainError> {
+        let ranges = self.fsdp.shard_ranges();
+        let first_layers = self.first_layers();
+        let moments =
+            checkpoint::zero_moments(self.plan, &ranges, &first_layers, self.tp.as_ref(), from)?;
+        let (steps, loss_scale) = (checkpoint::adam_steps(from)?, checkpoint::loss_scale(from)?);
+        self.fsdp
+            .restore_state(moments.as_ref(), steps, loss_scale)?;
+        Ok(())
     }
 
     fn loss_groups(&self) -> Vec<(Communicator, ReduceOp)> {

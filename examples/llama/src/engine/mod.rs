@@ -11,7 +11,7 @@ mod single;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
-use burn_checkpoint::{Checkpoint, Shard};
+use burn_checkpoint::Checkpoint;
 use burn_comm::{Communicator, ReduceOp};
 use burn_ddp::BackwardHooks;
 use burn_pipeline::Span;
@@ -19,6 +19,7 @@ use burn_tensor_parallel::TpBackend;
 use burn_zero::{ShardedDataParallel, StepOutcome, ZeroStage};
 
 use crate::batches::Batches;
+use crate::checkpoint::TrainingState;
 use crate::dims::Groups;
 use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
@@ -60,7 +61,7 @@ pub(crate) trait Engine<B: AutodiffBackend> {
 
     /// This rank's pieces of the training state for a checkpoint (see `checkpoint.rs`), and
     /// the optimizer's step count.
-    fn checkpoint_pieces(&self) -> Result<(Vec<Shard>, usize), TrainError> {
+    fn checkpoint_pieces(&self) -> Result<TrainingState, TrainError> {
         Err(not_checkpointed())
     }
 
@@ -76,7 +77,7 @@ fn not_checkpointed() -> TrainError {
 }
 
 /// The layouts that checkpoint, as a refusal says it.
-pub(crate) const CHECKPOINTED_LAYOUTS: &str = "checkpoints are taken on one device and under DDP (with any --tp and --sp) so far, not under ZeRO, a pipeline or the parameter server; drop --checkpoint-dir or use such a layout";
+pub(crate) const CHECKPOINTED_LAYOUTS: &str = "checkpoints are taken on one device, under DDP and under ZeRO 1-3 (with any --tp and --sp, on the local and MPI transports) so far, not under a pipeline, the parameter server or --nccl; drop --checkpoint-dir or use such a layout";
 
 /// What an optimizer step reports.
 #[derive(Debug, Clone, Copy, Default)]

@@ -3,11 +3,13 @@
 //! the rest of the parameters.
 
 use burn::module::AutodiffModule;
+use burn_checkpoint::Checkpoint;
 use burn_comm::{Communicator, ReduceOp};
 use burn_zero::ShardedDataParallel;
 
 use super::{Engine, Finished, Stepped, TrainBackend, ZeroStep};
 use crate::batches::Batches;
+use crate::checkpoint::{self, TrainingState};
 use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError, scalar};
@@ -74,6 +76,25 @@ impl<B: TrainBackend> Engine<B> for ShardedEngine<'_, B> {
             // The norm of the step just taken.
             grad_norm: self.zero.grad_norm(),
         })
+    }
+
+    fn checkpoint_pieces(&self) -> Result<TrainingState, TrainError> {
+        let state = self.zero.shard_state();
+        let whole_model = vec![0; state.ranges.len()];
+        let tp = self.zero.module().part().tp.as_ref();
+        checkpoint::zero_pieces(self.plan, state, &whole_model, tp)
+    }
+
+    fn restore(&mut self, from: &Checkpoint, _: &B::Device) -> Result<(), TrainError> {
+        let ranges = self.zero.shard_ranges();
+        let whole_model = vec![0; ranges.len()];
+        let tp = self.zero.module().part().tp.clone();
+        let moments =
+            checkpoint::zero_moments(self.plan, &ranges, &whole_model, tp.as_ref(), from)?;
+        let (steps, loss_scale) = (checkpoint::adam_steps(from)?, checkpoint::loss_scale(from)?);
+        self.zero
+            .restore_state(moments.as_ref(), steps, loss_scale)?;
+        Ok(())
     }
 
     fn loss_groups(&self) -> Vec<(Communicator, ReduceOp)> {

@@ -5,12 +5,12 @@
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsAccumulator, GradientsParams, Optimizer};
-use burn_checkpoint::{Checkpoint, Shard};
+use burn_checkpoint::Checkpoint;
 use burn_comm::{Communicator, ReduceOp};
 
 use super::{Engine, Finished, Stepped, TrainBackend};
 use crate::batches::Batches;
-use crate::checkpoint;
+use crate::checkpoint::{self, TrainingState};
 use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError, scalar};
@@ -86,7 +86,7 @@ impl<B: TrainBackend> Engine<B> for SingleEngine<'_, B> {
         Finished::gathered(self.plan, trained.valid())
     }
 
-    fn checkpoint_pieces(&self) -> Result<(Vec<Shard>, usize), TrainError> {
+    fn checkpoint_pieces(&self) -> Result<TrainingState, TrainError> {
         let model = self
             .model
             .as_ref()

@@ -11,6 +11,7 @@ use burn::tensor::{DType, TensorData};
 use crate::error::CheckpointError;
 use crate::manifest::{FORMAT, MANIFEST, Manifest, TensorEntry, dtype_of};
 use crate::region::{Region, copy_part};
+use crate::save::LATEST;
 
 /// A committed checkpoint, opened.
 #[derive(Debug, Clone)]
@@ -20,22 +21,36 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// The newest committed checkpoint under `root` (by step), or none when there is none yet.
-    /// A checkpoint directory only ever appears whole (see `save`), so the newest is the one to
-    /// resume from even where `latest`, written just after, was not yet moved.
+    /// The checkpoint `root`'s `latest` names, or none when there is none yet. Where `latest`
+    /// is missing or names a checkpoint that is not there (a crash between a commit and its
+    /// move), the newest committed one by step: a `step-N` directory only ever appears whole,
+    /// and a `.step-N.replaced` one is whole too when its replacement was not yet put in place.
     pub fn latest(root: &Path) -> Result<Option<Self>, CheckpointError> {
+        let named = std::fs::read_to_string(root.join(LATEST)).ok();
+        let named = named.map(|n| root.join(n.trim()));
+        if let Some(dir) = named.filter(|d| d.join(MANIFEST).exists()) {
+            return Self::open(&dir).map(Some);
+        }
         let entries = match std::fs::read_dir(root) {
             Ok(entries) => entries,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(CheckpointError::io(root)(e)),
         };
-        let newest = entries
-            .filter_map(|entry| entry.ok())
-            .filter_map(|entry| {
-                let name = entry.file_name().into_string().ok()?;
-                let step: u64 = name.strip_prefix("step-")?.parse().ok()?;
-                Some((step, entry.path()))
+        let names: Vec<String> = entries
+            .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+            .collect();
+        let newest = names
+            .iter()
+            .filter_map(|name| {
+                let committed = name.strip_prefix("step-");
+                let aside = name
+                    .strip_prefix(".step-")
+                    .and_then(|n| n.strip_suffix(".replaced"))
+                    .filter(|n| !names.contains(&format!("step-{n}")));
+                let step: u64 = committed.or(aside)?.parse().ok()?;
+                Some((step, root.join(name)))
             })
+            .filter(|(_, dir)| dir.join(MANIFEST).exists())
             .max_by_key(|(step, _)| *step);
         newest.map(|(_, dir)| Self::open(&dir)).transpose()
     }
@@ -56,20 +71,32 @@ impl Checkpoint {
                 manifest.format
             )));
         }
+        let named = dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let step = format!("step-{:08}", manifest.step);
+        if named != step && named != format!(".{step}.replaced") {
+            return Err(corrupt(format!(
+                "records step {}, not that of its directory",
+                manifest.step
+            )));
+        }
         for (name, tensor) in &manifest.tensors {
             check_entry(name, tensor).map_err(corrupt)?;
             for shard in &tensor.shards {
                 let file = dir.join(&shard.file);
-                if shard.file.contains(['/', '\\']) {
+                if !is_data_file(&shard.file) {
                     return Err(corrupt(format!(
-                        "`{name}` lies in {}, outside the checkpoint",
+                        "`{name}` lies in {:?}, which is not one of its data files",
                         shard.file
                     )));
                 }
                 let len = std::fs::metadata(&file)
                     .map_err(CheckpointError::io(&file))?
                     .len();
-                if shard.offset + shard.bytes > len {
+                if shard
+                    .offset
+                    .checked_add(shard.bytes)
+                    .is_none_or(|end| end > len)
+                {
                     return Err(CheckpointError::Corrupt {
                         path: file,
                         reason: format!(
@@ -174,16 +201,31 @@ impl Checkpoint {
     }
 }
 
+/// Whether `name` is a data file's name as `save` writes them: `data-RRRRR.bin`.
+fn is_data_file(name: &str) -> bool {
+    name.strip_prefix("data-")
+        .and_then(|n| n.strip_suffix(".bin"))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// A tensor's entry tiles it: a known dtype, pieces inside it whose sizes fit their boxes, not
 /// overlapping, covering it.
 fn check_entry(name: &str, tensor: &TensorEntry) -> Result<(), String> {
     let dtype: DType = dtype_of(&tensor.dtype)
         .ok_or_else(|| format!("`{name}` has the unknown dtype {:?}", tensor.dtype))?;
-    let mut covered = 0;
+    let volume = |extents: &[usize]| extents.iter().try_fold(1usize, |n, &e| n.checked_mul(e));
+    let mut covered = 0usize;
     for (i, shard) in tensor.shards.iter().enumerate() {
-        if !shard.region.is_within(&tensor.shape)
-            || shard.bytes != (shard.region.volume() * dtype.size()) as u64
-        {
+        let region = &shard.region;
+        let inside = region.offsets.len() == region.extents.len()
+            && region.offsets.len() == tensor.shape.len()
+            && (0..tensor.shape.len()).all(|d| {
+                region.offsets[d]
+                    .checked_add(region.extents[d])
+                    .is_some_and(|end| end <= tensor.shape[d])
+            });
+        let bytes = volume(&region.extents).and_then(|v| v.checked_mul(dtype.size()));
+        if !inside || bytes != Some(shard.bytes as usize) {
             return Err(format!("a piece of `{name}` does not fit it"));
         }
         if tensor.shards[i + 1..]
@@ -194,7 +236,7 @@ fn check_entry(name: &str, tensor: &TensorEntry) -> Result<(), String> {
         }
         covered += shard.region.volume();
     }
-    let whole: usize = tensor.shape.iter().product();
+    let whole = volume(&tensor.shape).ok_or_else(|| format!("`{name}`'s shape overflows"))?;
     if covered != whole {
         return Err(format!(
             "the pieces of `{name}` cover {covered} of its {whole} elements"

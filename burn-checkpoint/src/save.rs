@@ -3,7 +3,9 @@
 //! into a staging directory, flush them, and rank 0 then writes the manifest, renames the
 //! staging directory to the step's name (the commit: a directory appears whole or not at all)
 //! and points `latest` at it. A crash at any moment leaves every earlier checkpoint as it was;
-//! a staging directory left behind is never read and is cleared by the next save.
+//! staging directories left behind are never read and are cleared by the next save. A
+//! checkpoint of the same step is replaced by moving it aside first (`.step-N.replaced`), which
+//! the loader still takes should a crash come before the new one is in place.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -16,7 +18,7 @@ use burn_comm::Communicator;
 use serde::{Deserialize, Serialize};
 
 use crate::error::CheckpointError;
-use crate::manifest::{FORMAT, MANIFEST, Manifest, ShardEntry, TensorEntry, dtype_name};
+use crate::manifest::{FORMAT, MANIFEST, Manifest, ShardEntry, TensorEntry, dtype_name, dtype_of};
 use crate::region::Region;
 
 /// The file in a checkpoints' directory naming the newest committed checkpoint.
@@ -63,18 +65,27 @@ struct Piece {
 /// `step`'s checkpoint under `root`, with `metadata`, and returns its directory. A collective:
 /// every rank calls it with the same `root`, `step` and `metadata`; pieces several ranks hold
 /// alike are written once. Fails, on every rank, when the pieces do not tile their tensors or
-/// disagree on a tensor's shape or dtype.
+/// disagree on a tensor's shape or dtype. A rank that could not make its pieces hands in why
+/// (`Err`), so that every rank fails with it rather than wait for it.
+/// A rank that could not make its pieces hands in why (`Err`), so that every rank fails with
+/// it rather than wait for it.
 pub fn save(
     root: &Path,
     step: u64,
     comm: Option<&Communicator>,
-    shards: Vec<Shard>,
+    shards: Result<Vec<Shard>, String>,
     metadata: serde_json::Value,
 ) -> Result<PathBuf, CheckpointError> {
     let (rank, world) = comm.map_or((0, 1), |c| (c.rank(), c.size()));
-    let mine = describe(&shards);
-    // Every rank learns every rank's pieces, or that one refused its own.
-    let all: Vec<Result<Vec<Piece>, String>> = share(comm, &mine.map_err(|e| e.to_string()))?;
+    let (shards, mine) = match shards {
+        Ok(shards) => {
+            let mine = describe(&shards).map_err(|e| e.to_string());
+            (shards, mine)
+        }
+        Err(why) => (Vec::new(), Err(why)),
+    };
+    // Every rank learns every rank's pieces, or why one has none.
+    let all: Vec<Result<Vec<Piece>, String>> = share(comm, &mine)?;
     let mut pieces = Vec::with_capacity(world);
     for (r, result) in all.into_iter().enumerate() {
         pieces.push(result.map_err(|e| CheckpointError::Mismatch(format!("rank {r}: {e}")))?);
@@ -231,23 +242,32 @@ fn assign_writers(pieces: &[Vec<Piece>]) -> BTreeMap<Piece, usize> {
     let mut writers = BTreeMap::new();
     // Largest first, so the spread comes out even.
     let mut order: Vec<(&Piece, Vec<usize>)> = holders.into_iter().collect();
-    order.sort_by_key(|(piece, _)| std::cmp::Reverse(piece.region.volume()));
+    let bytes = |piece: &Piece| {
+        let size = dtype_of(&piece.dtype).map_or(1, |d| d.size());
+        piece.region.volume() * size
+    };
+    order.sort_by_key(|(piece, _)| std::cmp::Reverse(bytes(piece)));
     for (piece, ranks) in order {
         let writer = *ranks
             .iter()
             .min_by_key(|&&r| (load[r], r))
             .expect("a holder");
-        load[writer] += piece.region.volume();
+        load[writer] += bytes(piece);
         writers.insert(piece.clone(), writer);
     }
     writers
 }
 
-/// Clears a staging directory a crashed save left, and makes it anew.
+/// Clears the staging directories crashed saves left (of any step), and makes this one.
 fn prepare_staging(root: &Path, staging: &Path) -> Result<(), CheckpointError> {
     fs::create_dir_all(root).map_err(CheckpointError::io(root))?;
-    if staging.exists() {
-        fs::remove_dir_all(staging).map_err(CheckpointError::io(staging))?;
+    let entries = fs::read_dir(root).map_err(CheckpointError::io(root))?;
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".step-") && name.ends_with(".partial") {
+            let stale = entry.path();
+            fs::remove_dir_all(&stale).map_err(CheckpointError::io(&stale))?;
+        }
     }
     fs::create_dir(staging).map_err(CheckpointError::io(staging))
 }
@@ -316,20 +336,22 @@ fn commit(
     sync_dir(staging)?;
     let name = step_dir_name(step);
     let target = root.join(&name);
+    let aside = root.join(format!(".{name}.replaced"));
     if target.exists() {
-        let old = root.join(format!(".{name}.replaced"));
-        if old.exists() {
-            fs::remove_dir_all(&old).map_err(CheckpointError::io(&old))?;
+        // The step's checkpoint is whole, so an older copy set aside is not needed.
+        if aside.exists() {
+            fs::remove_dir_all(&aside).map_err(CheckpointError::io(&aside))?;
         }
-        fs::rename(&target, &old).map_err(CheckpointError::io(&target))?;
-        fs::rename(staging, &target).map_err(CheckpointError::io(&target))?;
-        fs::remove_dir_all(&old).map_err(CheckpointError::io(&old))?;
-    } else {
-        fs::rename(staging, &target).map_err(CheckpointError::io(&target))?;
+        fs::rename(&target, &aside).map_err(CheckpointError::io(&target))?;
+        sync_dir(root)?;
     }
+    fs::rename(staging, &target).map_err(CheckpointError::io(&target))?;
     sync_dir(root)?;
     write_durably(&root.join(LATEST), format!("{name}\n").as_bytes())?;
-    sync_dir(root)
+    sync_dir(root)?;
+    // Committed: a copy set aside may go, and failing to remove it loses nothing.
+    let _ = fs::remove_dir_all(&aside);
+    Ok(())
 }
 
 /// Writes `path` through a temporary file renamed over it, flushed first.

@@ -80,7 +80,13 @@ fn pieces_of(rank: usize) -> Vec<Shard> {
 fn save_four(root: &Path, step: u64) -> Vec<PathBuf> {
     let results = launch(4, |ctx| {
         let meta = json!({ "layout": "dp 2 x tp 2", "step": step });
-        save(root, step, Some(ctx.world()), pieces_of(ctx.rank()), meta)
+        save(
+            root,
+            step,
+            Some(ctx.world()),
+            Ok(pieces_of(ctx.rank())),
+            meta,
+        )
     });
     results.into_iter().map(|r| r.unwrap()).collect()
 }
@@ -150,7 +156,7 @@ fn a_crash_leaves_the_last_committed_checkpoint_and_the_next_save_clears_it() {
     let root = scratch("crash");
     assert!(Checkpoint::latest(&root).unwrap().is_none());
     let b = Shard::whole("b", TensorData::new(vec![1.0f32, 2.0], [2]));
-    save(&root, 1, None, vec![b.clone()], json!({})).unwrap();
+    save(&root, 1, None, Ok(vec![b.clone()]), json!({})).unwrap();
     // A save of step 2 that died while writing: its staging directory, half written.
     let partial = root.join(".step-00000002.partial");
     std::fs::create_dir_all(&partial).unwrap();
@@ -160,12 +166,28 @@ fn a_crash_leaves_the_last_committed_checkpoint_and_the_next_save_clears_it() {
     assert_eq!(latest.read_whole("b").unwrap(), b.data);
     // The run resumes from step 1 and saves step 2 again, then step 2 once more.
     let b2 = Shard::whole("b", TensorData::new(vec![3.0f32, 4.0], [2]));
-    save(&root, 2, None, vec![b.clone()], json!({})).unwrap();
-    save(&root, 2, None, vec![b2.clone()], json!({})).unwrap();
+    save(&root, 2, None, Ok(vec![b.clone()]), json!({})).unwrap();
+    save(&root, 2, None, Ok(vec![b2.clone()]), json!({})).unwrap();
     assert!(!partial.exists());
     let latest = Checkpoint::latest(&root).unwrap().unwrap();
     assert_eq!(latest.step(), 2);
     assert_eq!(latest.read_whole("b").unwrap(), b2.data);
+    // A crash while step 2 was being replaced: the old copy set aside, the new one not yet in
+    // place. The old copy is what loads.
+    std::fs::rename(
+        root.join("step-00000002"),
+        root.join(".step-00000002.replaced"),
+    )
+    .unwrap();
+    let latest = Checkpoint::latest(&root).unwrap().unwrap();
+    assert_eq!(
+        (latest.step(), latest.read_whole("b").unwrap()),
+        (2, b2.data.clone())
+    );
+    // Saving step 2 again puts it in place and clears the copy and a stale staging directory
+    // of another step; `latest` is trusted over a newer directory it does not name.
+    std::fs::create_dir_all(root.join(".step-00000007.partial")).unwrap();
+    save(&root, 2, None, Ok(vec![b2.clone()]), json!({})).unwrap();
     let names: Vec<String> = std::fs::read_dir(&root)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -173,6 +195,8 @@ fn a_crash_leaves_the_last_committed_checkpoint_and_the_next_save_clears_it() {
     let mut names = names;
     names.sort();
     assert_eq!(names, ["latest", "step-00000001", "step-00000002"]);
+    std::fs::write(root.join("latest"), "step-00000001\n").unwrap();
+    assert_eq!(Checkpoint::latest(&root).unwrap().unwrap().step(), 1);
     std::fs::remove_dir_all(root).unwrap();
 }
 
@@ -259,9 +283,27 @@ fn pieces_that_disagree_overlap_or_leave_a_gap_are_refused_on_every_rank() {
             )]
         }),
     ];
+    // A rank that could not make its pieces: every rank fails with its reason.
+    let results = launch(2, |ctx| {
+        let pieces = match ctx.rank() {
+            1 => Err("out of host memory".to_string()),
+            _ => Ok(vec![piece("x", &[4], Region::whole(&[4]))]),
+        };
+        save(&root, 1, Some(ctx.world()), pieces, json!({}))
+    });
+    for result in results {
+        let error = result.unwrap_err().to_string();
+        assert!(error.contains("rank 1: out of host memory"), "{error}");
+    }
     for (expected, pieces) in cases {
         let results = launch(2, |ctx| {
-            save(&root, 1, Some(ctx.world()), pieces(ctx.rank()), json!({}))
+            save(
+                &root,
+                1,
+                Some(ctx.world()),
+                Ok(pieces(ctx.rank())),
+                json!({}),
+            )
         });
         for result in results {
             let error = result.unwrap_err().to_string();

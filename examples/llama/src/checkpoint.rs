@@ -73,6 +73,10 @@ pub(crate) fn metadata(config: &TrainConfig, state: &TrainingState) -> Value {
         "seed": config.seed,
         "batch_size": config.batch_size,
         "seq_len": config.seq_len,
+        "steps": config.steps,
+        "lr": config.lr,
+        "warmup_steps": config.warmup_steps,
+        "max_grad_norm": config.max_grad_norm,
         "adamw_steps": state.adam_steps,
         "loss_scale": state.loss_scale,
         "layout": crate::dims::ParallelDims::of(config).describe(),
@@ -107,6 +111,10 @@ pub(crate) fn check_resumable(
         ("seed", "--seed"),
         ("batch_size", "--batch-size"),
         ("seq_len", "--seq-len"),
+        ("steps", "--steps (the learning-rate schedule spans them)"),
+        ("lr", "--lr"),
+        ("warmup_steps", "--warmup"),
+        ("max_grad_norm", "--clip-grad-norm"),
     ] {
         if stored[key] != mine[key] {
             return Err(TrainError::Config(format!(
@@ -116,6 +124,14 @@ pub(crate) fn check_resumable(
                 mine[key]
             )));
         }
+    }
+    if checkpoint.step() as usize >= config.steps {
+        return Err(TrainError::Config(format!(
+            "{} is after step {}, and the run has {} steps: nothing is left to train",
+            checkpoint.dir().display(),
+            checkpoint.step(),
+            config.steps
+        )));
     }
     Ok(())
 }
@@ -366,13 +382,20 @@ pub(crate) fn adamw_pieces<B: AutodiffBackend>(
             }
             let done = self.walk.block().and_then(|(path, shape, region)| {
                 let value = param.val().inner().into_data().convert::<f32>();
-                let state = self.records.get(&param.id).map(|record| {
+                let momentum = self.records.get(&param.id).map(|record| {
                     let state: AdamWState<B::InnerBackend, D> = record.clone().into_state();
-                    let momentum = state.momentum;
+                    state.momentum
+                });
+                if momentum.as_ref().is_some_and(|m| m.max_moment_2.is_some()) {
+                    return Err(TrainError::Config(format!(
+                        "`{path}` has AMSGrad's maximum moment, which checkpoints do not keep"
+                    )));
+                }
+                let state = momentum.map(|m| {
                     (
-                        momentum.time,
-                        momentum.moment_1.into_data().convert::<f32>(),
-                        momentum.moment_2.into_data().convert::<f32>(),
+                        m.time,
+                        m.moment_1.into_data().convert::<f32>(),
+                        m.moment_2.into_data().convert::<f32>(),
                     )
                 });
                 (self.walk.each)(path, shape, region, value, state)

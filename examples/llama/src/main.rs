@@ -1,6 +1,5 @@
 //! `llama train` and `llama eval`: the command line of the example.
 
-use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -486,6 +485,9 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), St
     config.init_from = args.init_from.clone();
     config.checkpoint = match &args.checkpoint_dir {
         None => None,
+        Some(_) if args.checkpoint_every == Some(0) => {
+            return Err("--checkpoint-every 0 would never checkpoint; give a number of steps, or drop it to only --resume".into());
+        }
         Some(_) if args.checkpoint_every.is_none() && !args.resume => {
             return Err("--checkpoint-dir needs --checkpoint-every N (to take checkpoints), --resume (to start from the newest), or both".into());
         }
@@ -610,7 +612,15 @@ fn train_on<B: TrainBackend>(
 ) -> Result<(), String> {
     let mut metrics = match &args.metrics {
         Some(path) => {
-            Some(BufWriter::new(File::create(path).map_err(|e| {
+            // A resumed run adds its steps to the lines of the steps before it.
+            let resuming = config.checkpoint.as_ref().is_some_and(|c| c.resume);
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .append(resuming)
+                .truncate(!resuming)
+                .open(path);
+            Some(BufWriter::new(file.map_err(|e| {
                 format!("cannot create {}: {e}", path.display())
             })?))
         }

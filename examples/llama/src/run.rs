@@ -86,16 +86,15 @@ impl Saver<'_> {
         if checkpoints.every == 0 || !step.is_multiple_of(checkpoints.every) {
             return Ok(());
         }
-        let state = engine.checkpoint_pieces()?;
-        let metadata = checkpoint::metadata(self.config, &state);
-        burn_checkpoint::save(
-            &checkpoints.dir,
-            step as u64,
-            self.world,
-            state.pieces,
-            metadata,
-        )
-        .map_err(|e| TrainError::Config(format!("checkpoint after step {step}: {e}")))?;
+        // A rank that cannot hand in its pieces still joins the save, so every rank fails alike.
+        let state = engine.checkpoint_pieces();
+        let metadata = match &state {
+            Ok(state) => checkpoint::metadata(self.config, state),
+            Err(_) => serde_json::Value::Null,
+        };
+        let pieces = state.map(|s| s.pieces).map_err(|e| e.to_string());
+        burn_checkpoint::save(&checkpoints.dir, step as u64, self.world, pieces, metadata)
+            .map_err(|e| TrainError::Config(format!("checkpoint after step {step}: {e}")))?;
         Ok(())
     }
 }

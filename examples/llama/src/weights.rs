@@ -100,12 +100,23 @@ impl<'a> Weights<'a> {
     /// `config`'s starting weights: the newest training checkpoint when it resumes and there is
     /// one, else its `--init-from` checkpoint, else drawn from its seed.
     pub fn of(config: &'a TrainConfig) -> Result<Self, TrainError> {
-        if let Some(checkpoints) = config.checkpoint.as_ref().filter(|c| c.resume) {
+        if let Some(checkpoints) = &config.checkpoint {
             let latest = burn_checkpoint::Checkpoint::latest(&checkpoints.dir)
                 .map_err(|e| TrainError::Config(e.to_string()))?;
-            if let Some(latest) = latest {
-                check_resumable(config, &latest)?;
-                return Ok(Self::Resumed(Resumed(latest)));
+            match latest {
+                Some(latest) if checkpoints.resume => {
+                    check_resumable(config, &latest)?;
+                    return Ok(Self::Resumed(Resumed(latest)));
+                }
+                // Another run's checkpoints would be mixed with this one's.
+                Some(latest) => {
+                    return Err(TrainError::Config(format!(
+                        "{} already holds checkpoints (the newest after step {}); pass --resume to continue that run, or choose an empty --checkpoint-dir",
+                        checkpoints.dir.display(),
+                        latest.step()
+                    )));
+                }
+                None => {}
             }
         }
         let Some(dir) = &config.init_from else {

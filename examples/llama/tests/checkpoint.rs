@@ -169,6 +169,22 @@ fn a_checkpoint_of_another_run_or_a_layout_without_checkpoints_is_refused() {
     other.seed += 1;
     let error = train(&other).expect("refused");
     assert!(error.contains("another --seed"), "{error}");
+    let mut faster = with_checkpoints(&config, &dir, 0, true);
+    faster.lr *= 2.0;
+    let error = train(&faster).expect("refused");
+    assert!(error.contains("another --lr"), "{error}");
+    // Checkpoints of another run are not mixed with this one's.
+    let error = train(&with_checkpoints(&config, &dir, 3, false)).expect("refused");
+    assert!(
+        error.contains("already holds checkpoints (the newest after step 3)"),
+        "{error}"
+    );
+    // A run checkpointed at its last step has nothing left to resume.
+    let done = scratch("done");
+    run(&with_checkpoints(&config, &done, 3, false));
+    let error = train(&with_checkpoints(&config, &done, 0, true)).expect("refused");
+    assert!(error.contains("nothing is left to train"), "{error}");
+    std::fs::remove_dir_all(done).unwrap();
     let mut pipeline = with_checkpoints(&config, &dir, 3, false);
     pipeline.pp = 2;
     let error = train(&pipeline).expect("refused");
@@ -178,4 +194,5 @@ fn a_checkpoint_of_another_run_or_a_layout_without_checkpoints_is_refused() {
     let from_nothing = run(&with_checkpoints(&config, &fresh, 0, true));
     assert_eq!(from_nothing.losses, run(&config).losses);
     std::fs::remove_dir_all(dir).unwrap();
+    let _ = std::fs::remove_dir_all(fresh);
 }

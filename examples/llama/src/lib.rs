@@ -13,6 +13,7 @@ pub mod dims;
 pub mod engine;
 pub mod hf;
 pub mod hf_config;
+pub mod interrupt;
 pub mod launch;
 pub mod model;
 pub mod parallel_plan;

@@ -483,6 +483,10 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), St
     }
     config.nccl = args.nccl;
     config.init_from = args.init_from.clone();
+    if args.checkpoint_dir.is_some() {
+        // A run that checkpoints stops at a step's end on SIGTERM or Ctrl-C, checkpointed.
+        llama::interrupt::install();
+    }
     config.checkpoint = match &args.checkpoint_dir {
         None => None,
         Some(_) if args.checkpoint_every == Some(0) => {

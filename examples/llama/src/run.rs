@@ -4,13 +4,14 @@
 use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
-use burn_comm::Communicator;
+use burn_comm::{Communicator, ReduceOp};
 
 use crate::batches::Batches;
 use crate::checkpoint;
 use crate::data::Dataset;
 use crate::dims::{Groups, ParallelDims};
 use crate::engine::{Engine, Finished, TrainBackend, choose};
+use crate::interrupt;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::{StepMetrics, Strategy, TrainConfig, TrainError, reduce_scalar};
 use crate::weights::Weights;
@@ -74,18 +75,46 @@ struct Saver<'a> {
 }
 
 impl Saver<'_> {
-    /// Checkpoints after `step` steps when the run asks for it then (a collective).
+    /// Checkpoints after `step` steps when the run asks for it then, or when a signal asked
+    /// any rank to stop (a collective); returns whether to stop.
     fn after<B: AutodiffBackend>(
         &self,
         engine: &dyn Engine<B>,
         step: usize,
-    ) -> Result<(), TrainError> {
+        device: &B::Device,
+    ) -> Result<bool, TrainError> {
         let Some(checkpoints) = &self.config.checkpoint else {
-            return Ok(());
+            return Ok(false);
         };
-        if checkpoints.every == 0 || !step.is_multiple_of(checkpoints.every) {
-            return Ok(());
+        // The ranks may see a signal at different steps: they stop at the first any saw.
+        let asked = f64::from(u8::from(interrupt::requested()));
+        let stop = match self.world {
+            Some(world) => reduce_scalar::<B::InnerBackend>(world, asked, ReduceOp::Max, device)?,
+            None => asked,
+        } > 0.0;
+        let due = checkpoints.every > 0 && step.is_multiple_of(checkpoints.every);
+        if due || stop {
+            self.save(engine, step, &checkpoints.dir)?;
         }
+        Ok(stop)
+    }
+
+    /// Where the run checkpoints.
+    fn dir(&self) -> &std::path::Path {
+        &self
+            .config
+            .checkpoint
+            .as_ref()
+            .expect("a run that checkpoints")
+            .dir
+    }
+
+    fn save<B: AutodiffBackend>(
+        &self,
+        engine: &dyn Engine<B>,
+        step: usize,
+        dir: &std::path::Path,
+    ) -> Result<(), TrainError> {
         // A rank that cannot hand in its pieces still joins the save, so every rank fails alike.
         let state = engine.checkpoint_pieces();
         let metadata = match &state {
@@ -93,7 +122,7 @@ impl Saver<'_> {
             Err(_) => serde_json::Value::Null,
         };
         let pieces = state.map(|s| s.pieces).map_err(|e| e.to_string());
-        burn_checkpoint::save(&checkpoints.dir, step as u64, self.world, pieces, metadata)
+        burn_checkpoint::save(dir, step as u64, self.world, pieces, metadata)
             .map_err(|e| TrainError::Config(format!("checkpoint after step {step}: {e}")))?;
         Ok(())
     }
@@ -132,7 +161,12 @@ fn train_loop<B: AutodiffBackend>(
         let mut metrics = StepMetrics::measure(step, loss, lr, tokens, (begun, started));
         stepped.fill(&mut metrics);
         on_step(&metrics);
-        saver.after(engine, step + 1)?;
+        if saver.after(engine, step + 1, device)? {
+            return Err(TrainError::Interrupted {
+                step: step + 1,
+                dir: saver.dir().to_path_buf(),
+            });
+        }
     }
     Ok(())
 }
@@ -140,7 +174,6 @@ fn train_loop<B: AutodiffBackend>(
 #[cfg(test)]
 mod tests {
     use burn::backend::{Autodiff, Flex};
-    use burn_comm::ReduceOp;
 
     use super::*;
     use crate::config::LlamaConfig;

@@ -294,6 +294,15 @@ pub enum TrainError {
     /// ZeRO failed.
     #[error(transparent)]
     Zero(#[from] ZeroError),
+    /// SIGTERM or SIGINT stopped the run after `step`, whose checkpoint is in `dir`.
+    #[error(
+        "stopped by a signal after step {step}, checkpointed in {}; run the same command with --resume to continue",
+        dir.display()
+    )]
+    Interrupted {
+        step: usize,
+        dir: std::path::PathBuf,
+    },
 }
 
 impl TrainError {

@@ -628,3 +628,147 @@ fn a_run_stopped_after_a_checkpoint_resumes_where_it_stopped() {
     assert_eq!(resumed, whole[2..], "steps 3 and 4 again, the same bits");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Every line of a metrics file: its step and loss.
+#[cfg(unix)]
+fn steps_and_losses(path: &std::path::Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .map(|l| (l["step"].as_u64().unwrap(), l["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+/// `llama train` for 24 steps of `tiny`, checkpointing into `checkpoints` with `extra`.
+#[cfg(unix)]
+fn long_run(checkpoints: &std::path::Path, metrics: &std::path::Path, extra: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_llama"));
+    command
+        .args([
+            "train",
+            "--steps",
+            "24",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "16",
+        ])
+        .arg("--checkpoint-dir")
+        .arg(checkpoints)
+        .arg("--metrics")
+        .arg(metrics)
+        .args(extra);
+    command
+}
+
+/// Waits until `path` exists.
+#[cfg(unix)]
+fn wait_for(path: &std::path::Path) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !path.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn a_sigterm_checkpoints_the_step_and_a_sigkill_at_any_moment_loses_nothing_checkpointed() {
+    let dir = scratch("signals");
+    let whole = dir.join("whole.jsonl");
+    let out = long_run(&dir.join("unused"), &whole, &["--checkpoint-every", "100"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let whole = steps_and_losses(&whole);
+    assert_eq!(whole.len(), 24);
+
+    // SIGTERM (preemption) once training is under way: the run ends after its step with a
+    // checkpoint and says how to go on; the resumed run ends as the whole one did.
+    let checkpoints = dir.join("term");
+    let metrics = dir.join("term.jsonl");
+    let mut child = long_run(&checkpoints, &metrics, &["--checkpoint-every", "100"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    while steps_and_losses(&metrics).len() < 2 {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    assert!(killed.unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("stopped by a signal after step") && stderr.contains("--resume"),
+        "{stderr}"
+    );
+    let before = steps_and_losses(&metrics);
+    assert!(
+        before.len() < 24,
+        "the signal came too late to test anything"
+    );
+    let out = long_run(
+        &checkpoints,
+        &metrics,
+        &["--checkpoint-every", "100", "--resume"],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        steps_and_losses(&metrics),
+        whole,
+        "stopped and resumed, the whole run's bits"
+    );
+
+    // SIGKILL at a moment drawn from the clock, checkpointing every step: whatever it
+    // interrupted, a save included, the run resumes from the last committed step.
+    let checkpoints = dir.join("kill");
+    let metrics = dir.join("kill.jsonl");
+    let mut child = long_run(&checkpoints, &metrics, &["--checkpoint-every", "1"])
+        .spawn()
+        .unwrap();
+    wait_for(&checkpoints.join("latest"));
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_micros(u64::from(
+        nanos.subsec_nanos() % 40_000,
+    )));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let resumed = dir.join("resumed.jsonl");
+    let out = long_run(
+        &checkpoints,
+        &resumed,
+        &["--checkpoint-every", "1", "--resume"],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let resumed = steps_and_losses(&resumed);
+    let from = whole.len() - resumed.len();
+    assert_eq!(resumed, whole[from..], "resumed after step {from}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

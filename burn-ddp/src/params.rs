@@ -2,7 +2,7 @@
 //! gradients out of burn's containers and put averaged ones back. Public for the strategies
 //! built on data parallelism (burn-zero shards the same list).
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Int, Tensor, TensorData};
@@ -55,12 +55,40 @@ impl<B: AutodiffBackend> ParamSlot<B> {
 
 /// The float parameters of `module`, in visiting order.
 pub fn slots<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamSlot<B>> {
-    let mut collector = Collector {
-        path: Vec::new(),
-        slots: Vec::new(),
-    };
-    module.visit(&mut collector);
+    let mut collector = Collector { slots: Vec::new() };
+    visit_params(module, &mut collector);
     collector.slots
+}
+
+/// Sees each float parameter of a module with its path, as burn's visitors name the modules
+/// on the way to it (`layers.3.mlp.up_proj`).
+pub trait ParamVisitor<B: Backend> {
+    fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>);
+}
+
+/// Shows `visitor` every float parameter of `module`, in visiting order, with its path.
+pub fn visit_params<B: Backend, M: Module<B>, V: ParamVisitor<B>>(module: &M, visitor: &mut V) {
+    struct Paths<'v, V> {
+        path: Vec<String>,
+        visitor: &'v mut V,
+    }
+    impl<B: Backend, V: ParamVisitor<B>> ModuleVisitor<B> for Paths<'_, V> {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.visitor.visit(&self.path.join("."), param);
+        }
+    }
+    module.visit(&mut Paths {
+        path: Vec::new(),
+        visitor,
+    });
 }
 
 /// The float parameters of `module` that are trained, in visiting order.
@@ -114,27 +142,18 @@ pub fn dtype_runs<B: AutodiffBackend>(slots: &[&ParamSlot<B>]) -> Vec<std::ops::
 }
 
 struct Collector<B: AutodiffBackend> {
-    path: Vec<String>,
     slots: Vec<ParamSlot<B>>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for Collector<B> {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+impl<B: AutodiffBackend> ParamVisitor<B> for Collector<B> {
+    fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
         let tensor = param.val();
         let shape = tensor.dims();
         let numel = shape.iter().product();
         let id: ParamId = param.id;
         let inner = tensor.clone().inner();
         self.slots.push(ParamSlot {
-            name: self.path.join("."),
+            name: path.to_string(),
             id,
             require_grad: tensor.is_require_grad(),
             shape: shape.to_vec(),

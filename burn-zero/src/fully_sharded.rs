@@ -417,14 +417,14 @@ where
             .optimizer
             .master(&device)
             .unwrap_or_else(|| params::concat(self.shard.iter().cloned().map(to_f32).collect()));
-        let (moments, steps) = state::moments_of(&self.layout, rank, &self.optimizer, &device);
-        ShardState {
-            ranges: self.shard_ranges(),
-            weights: state::cut(&self.layout, rank, weights),
-            moments,
-            steps,
-            loss_scale: self.scaler.as_ref().map(LossScaler::state),
-        }
+        state::shard_state(
+            &self.layout,
+            rank,
+            self.shard_ranges(),
+            weights,
+            &self.optimizer,
+            self.scaler.as_ref(),
+        )
     }
 
     /// Continues from a checkpoint's state: the moments and step count (in
@@ -438,15 +438,11 @@ where
     ) -> Result<(), ZeroError> {
         let device = self.shard[0].device();
         let rank = self.comm.rank();
-        state::restore_moments(
-            &self.layout,
-            rank,
-            &mut self.optimizer,
-            moments,
-            steps,
-            &device,
-        )?;
-        state::restore_scaler(self.scaler.as_mut(), loss_scale)
+        let (layout, optimizer) = (&self.layout, &mut self.optimizer);
+        let scaler = self.scaler.as_mut();
+        state::restore(
+            layout, rank, optimizer, scaler, moments, steps, loss_scale, &device,
+        )
     }
 
     /// Every unit gathered whole, its parameters trainable: for evaluation and export.

@@ -243,14 +243,14 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
                 .collect();
             params::concat(parts)
         });
-        let (moments, steps) = state::moments_of(&self.layout, rank, &self.optimizer, &device);
-        ShardState {
-            ranges: self.shard_ranges(),
-            weights: state::cut(&self.layout, rank, weights),
-            moments,
-            steps,
-            loss_scale: self.scaler.as_ref().map(LossScaler::state),
-        }
+        state::shard_state(
+            &self.layout,
+            rank,
+            self.shard_ranges(),
+            weights,
+            &self.optimizer,
+            self.scaler.as_ref(),
+        )
     }
 
     /// Continues from a checkpoint's state: the moments and step count (in
@@ -264,15 +264,11 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
     ) -> Result<(), ZeroError> {
         let device = params::trainable::<B, M>(self.module())[0].device.clone();
         let rank = self.comm.rank();
-        state::restore_moments(
-            &self.layout,
-            rank,
-            &mut self.optimizer,
-            moments,
-            steps,
-            &device,
-        )?;
-        state::restore_scaler(self.scaler.as_mut(), loss_scale)
+        let (layout, optimizer) = (&self.layout, &mut self.optimizer);
+        let scaler = self.scaler.as_mut();
+        state::restore(
+            layout, rank, optimizer, scaler, moments, steps, loss_scale, &device,
+        )
     }
 
     /// The local replica, for the forward pass.

@@ -128,8 +128,45 @@ pub(crate) fn join<B: Backend>(
     Ok(Tensor::from_data(TensorData::new(shard, [n]), device))
 }
 
+/// `rank`'s state: `ranges` (see [`ranges`]), its fp32 `weights` shard, and the optimizer's
+/// and the loss scaler's state.
+pub(crate) fn shard_state<B: Backend>(
+    layout: &FlatLayout,
+    rank: usize,
+    ranges: Vec<ParamRange>,
+    weights: Tensor<B, 1>,
+    optimizer: &PlacedAdamW<B>,
+    scaler: Option<&LossScaler>,
+) -> ShardState {
+    let device = weights.device();
+    let (moments, steps) = moments_of(layout, rank, optimizer, &device);
+    ShardState {
+        ranges,
+        weights: cut(layout, rank, weights),
+        moments,
+        steps,
+        loss_scale: scaler.map(LossScaler::state),
+    }
+}
+
+/// Puts a state's moments, step count (in `rank`'s ranges' order) and loss scale back.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn restore<B: Backend>(
+    layout: &FlatLayout,
+    rank: usize,
+    optimizer: &mut PlacedAdamW<B>,
+    scaler: Option<&mut LossScaler>,
+    moments: Option<&[Vec<TensorData>; 2]>,
+    steps: usize,
+    loss_scale: Option<LossScaleState>,
+    device: &B::Device,
+) -> Result<(), ZeroError> {
+    restore_moments(layout, rank, optimizer, moments, steps, device)?;
+    restore_scaler(scaler, loss_scale)
+}
+
 /// The moments and step count of `optimizer` as a state's, cut into ranges.
-pub(crate) fn moments_of<B: Backend>(
+fn moments_of<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
     optimizer: &PlacedAdamW<B>,
@@ -149,7 +186,7 @@ pub(crate) fn moments_of<B: Backend>(
 }
 
 /// `scaler` continuing from a state's.
-pub(crate) fn restore_scaler(
+fn restore_scaler(
     scaler: Option<&mut LossScaler>,
     state: Option<LossScaleState>,
 ) -> Result<(), ZeroError> {
@@ -171,7 +208,7 @@ pub(crate) fn restore_scaler(
 }
 
 /// `optimizer` with the moments and step count of a state (in `rank`'s ranges' order).
-pub(crate) fn restore_moments<B: Backend>(
+fn restore_moments<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
     optimizer: &mut PlacedAdamW<B>,

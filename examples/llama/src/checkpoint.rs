@@ -7,13 +7,14 @@
 
 use std::path::PathBuf;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Param;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::record::AdaptorRecord;
 use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_checkpoint::{Checkpoint, Region, Shard};
+use burn_ddp::params::{ParamVisitor, visit_params};
 use burn_tensor_parallel::TensorParallel;
 use burn_zero::{LossScaleState, ParamRange, ShardState};
 use serde_json::{Value, json};
@@ -165,35 +166,26 @@ impl ParamSource for Resumed {
     }
 }
 
-/// Walks a model's parameters with their blocks: the whole model's path, and this rank's box.
-struct Walk<'a, F> {
+/// Where a model's parameters sit in the whole: its part's first block and its tensor-parallel
+/// group.
+struct Held<'a> {
     plan: &'a ParallelPlan,
     first_layer: usize,
     tp: Option<&'a TensorParallel>,
-    path: Vec<String>,
-    each: F,
-    failed: Option<TrainError>,
 }
 
-impl<'a, F> Walk<'a, F> {
-    fn new<B: burn::tensor::backend::Backend>(
-        plan: &'a ParallelPlan,
-        model: &'a Llama<B>,
-        each: F,
-    ) -> Self {
+impl<'a> Held<'a> {
+    fn of<B: burn::tensor::backend::Backend>(plan: &'a ParallelPlan, model: &'a Llama<B>) -> Self {
         Self {
             plan,
             first_layer: model.part().layers.start,
             tp: model.part().tp.as_ref(),
-            path: Vec::new(),
-            each,
-            failed: None,
         }
     }
 
-    /// The parameter at the current path: its whole path, shape and this rank's box.
-    fn block(&self) -> Result<(String, Vec<usize>, Region), TrainError> {
-        held_block(self.plan, &self.path.join("."), self.first_layer, self.tp)
+    /// The parameter at `local` in the model: its whole path, shape and this rank's box.
+    fn block(&self, local: &str) -> Result<(String, Vec<usize>, Region), TrainError> {
+        held_block(self.plan, local, self.first_layer, self.tp)
     }
 }
 
@@ -327,98 +319,75 @@ pub(crate) fn adamw_pieces<B: AutodiffBackend>(
     model: &Llama<B>,
     optimizer: &OptimizerAdaptor<AdamW, Llama<B>, B>,
 ) -> Result<TrainingState, TrainError> {
-    let records = optimizer.to_record();
-    let mut pieces = Vec::new();
-    let mut steps = Vec::new();
-    let each = |path: String,
-                shape: Vec<usize>,
-                region: Region,
-                value: TensorData,
-                state: Option<(usize, TensorData, TensorData)>| {
-        let piece = |name: String, data: TensorData| Shard {
-            name,
-            shape: shape.clone(),
-            region: region.clone(),
-            data,
-        };
-        pieces.push(piece(param_name(&path), value));
-        match state {
-            Some((time, m1, m2)) => {
-                steps.push(time);
-                pieces.push(piece(moment_name(1, &path), m1));
-                pieces.push(piece(moment_name(2, &path), m2));
-                Ok(())
-            }
-            None => Err(TrainError::Config(format!(
-                "`{path}` has no optimizer state yet: checkpoints are taken after a step"
-            ))),
-        }
-    };
-    struct Collect<'r, B: AutodiffBackend, W> {
-        walk: W,
-        records: &'r Records<B>,
+    struct Collect<'a, B: AutodiffBackend> {
+        held: Held<'a>,
+        records: Records<B>,
+        pieces: Vec<Shard>,
+        steps: Vec<usize>,
+        failed: Option<TrainError>,
     }
-    impl<B: AutodiffBackend, F> ModuleVisitor<B> for Collect<'_, B, Walk<'_, F>>
-    where
-        F: FnMut(
-            String,
-            Vec<usize>,
-            Region,
-            TensorData,
-            Option<(usize, TensorData, TensorData)>,
-        ) -> Result<(), TrainError>,
-    {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.walk.path.push(name.to_string());
-        }
-
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.walk.path.pop();
-        }
-
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if self.walk.failed.is_some() {
-                return;
+    impl<B: AutodiffBackend> Collect<'_, B> {
+        fn add<const D: usize>(
+            &mut self,
+            local: &str,
+            param: &Param<Tensor<B, D>>,
+        ) -> Result<(), TrainError> {
+            let (path, shape, region) = self.held.block(local)?;
+            let record = self.records.get(&param.id).ok_or_else(|| {
+                TrainError::Config(format!(
+                    "`{path}` has no optimizer state yet: checkpoints are taken after a step"
+                ))
+            })?;
+            let state: AdamWState<B::InnerBackend, D> = record.clone().into_state();
+            let momentum = state.momentum;
+            if momentum.max_moment_2.is_some() {
+                return Err(TrainError::Config(format!(
+                    "`{path}` has AMSGrad's maximum moment, which checkpoints do not keep"
+                )));
             }
-            let done = self.walk.block().and_then(|(path, shape, region)| {
-                let value = param.val().inner().into_data().convert::<f32>();
-                let momentum = self.records.get(&param.id).map(|record| {
-                    let state: AdamWState<B::InnerBackend, D> = record.clone().into_state();
-                    state.momentum
+            self.steps.push(momentum.time);
+            let values = [
+                (param_name(&path), param.val().inner().into_data()),
+                (moment_name(1, &path), momentum.moment_1.into_data()),
+                (moment_name(2, &path), momentum.moment_2.into_data()),
+            ];
+            for (name, data) in values {
+                self.pieces.push(Shard {
+                    name,
+                    shape: shape.clone(),
+                    region: region.clone(),
+                    data: data.convert::<f32>(),
                 });
-                if momentum.as_ref().is_some_and(|m| m.max_moment_2.is_some()) {
-                    return Err(TrainError::Config(format!(
-                        "`{path}` has AMSGrad's maximum moment, which checkpoints do not keep"
-                    )));
-                }
-                let state = momentum.map(|m| {
-                    (
-                        m.time,
-                        m.moment_1.into_data().convert::<f32>(),
-                        m.moment_2.into_data().convert::<f32>(),
-                    )
-                });
-                (self.walk.each)(path, shape, region, value, state)
-            });
-            if let Err(error) = done {
-                self.walk.failed = Some(error);
+            }
+            Ok(())
+        }
+    }
+    impl<B: AutodiffBackend> ParamVisitor<B> for Collect<'_, B> {
+        fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+            if self.failed.is_none()
+                && let Err(error) = self.add(path, param)
+            {
+                self.failed = Some(error);
             }
         }
     }
     let mut collect = Collect {
-        walk: Walk::new(plan, model, each),
-        records: &records,
+        held: Held::of(plan, model),
+        records: optimizer.to_record(),
+        pieces: Vec::new(),
+        steps: Vec::new(),
+        failed: None,
     };
-    model.visit(&mut collect);
-    if let Some(error) = collect.walk.failed {
+    visit_params(model, &mut collect);
+    if let Some(error) = collect.failed {
         return Err(error);
     }
-    drop(collect);
+    let mut steps = collect.steps;
     steps.sort_unstable();
     steps.dedup();
     match steps.as_slice() {
         [time] => Ok(TrainingState {
-            pieces,
+            pieces: collect.pieces,
             adam_steps: *time,
             loss_scale: None,
         }),
@@ -437,55 +406,59 @@ pub(crate) fn load_adamw<B: AutodiffBackend>(
     checkpoint: &Checkpoint,
     device: &B::Device,
 ) -> Result<OptimizerAdaptor<AdamW, Llama<B>, B>, TrainError> {
-    let time = adam_steps(checkpoint)?;
     struct Read<'a, B: AutodiffBackend> {
-        walk: Walk<'a, ()>,
+        held: Held<'a>,
         checkpoint: &'a Checkpoint,
         time: usize,
         device: &'a B::Device,
         records: Records<B>,
+        failed: Option<TrainError>,
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Read<'_, B> {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.walk.path.push(name.to_string());
+    impl<B: AutodiffBackend> Read<'_, B> {
+        fn moment<const D: usize>(
+            &self,
+            which: u8,
+            path: &str,
+            region: &Region,
+        ) -> Result<Tensor<B::InnerBackend, D>, TrainError> {
+            let data = self
+                .checkpoint
+                .read(&moment_name(which, path), region)
+                .map_err(|e| TrainError::Config(e.to_string()))?;
+            Ok(Tensor::from_data(data.convert::<f32>(), self.device))
         }
-
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.walk.path.pop();
-        }
-
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if self.walk.failed.is_some() {
+    }
+    impl<B: AutodiffBackend> ParamVisitor<B> for Read<'_, B> {
+        fn visit<const D: usize>(&mut self, local: &str, param: &Param<Tensor<B, D>>) {
+            if self.failed.is_some() {
                 return;
             }
-            let read = self.walk.block().and_then(|(path, _, region)| {
-                let moment = |which| -> Result<Tensor<B::InnerBackend, D>, TrainError> {
-                    let data = self
-                        .checkpoint
-                        .read(&moment_name(which, &path), &region)
-                        .map_err(|e| TrainError::Config(e.to_string()))?;
-                    Ok(Tensor::from_data(data.convert::<f32>(), self.device))
-                };
-                let momentum = AdaptiveMomentumState::new(self.time, moment(1)?, moment(2)?);
+            let read = self.held.block(local).and_then(|(path, _, region)| {
+                let (first, second) = (
+                    self.moment(1, &path, &region)?,
+                    self.moment(2, &path, &region)?,
+                );
+                let momentum = AdaptiveMomentumState::new(self.time, first, second);
                 Ok(AdaptorRecord::from_state::<D>(AdamWState { momentum }))
             });
             match read {
                 Ok(record) => {
                     self.records.insert(param.id, record);
                 }
-                Err(error) => self.walk.failed = Some(error),
+                Err(error) => self.failed = Some(error),
             }
         }
     }
     let mut read = Read {
-        walk: Walk::new(plan, model, ()),
+        held: Held::of(plan, model),
         checkpoint,
-        time,
+        time: adam_steps(checkpoint)?,
         device,
         records: Records::<B>::default(),
+        failed: None,
     };
-    model.visit(&mut read);
-    if let Some(error) = read.walk.failed {
+    visit_params(model, &mut read);
+    if let Some(error) = read.failed {
         return Err(error);
     }
     Ok(optimizer.load_record(read.records))

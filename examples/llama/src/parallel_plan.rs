@@ -616,38 +616,21 @@ fn load<B: Backend, const D: usize>(
 #[cfg(test)]
 mod tests {
     use burn::backend::Flex;
-    use burn::module::ModuleVisitor;
+    use burn_ddp::params::{ParamVisitor, visit_params};
 
     use super::*;
 
     /// Every parameter path and shape of a model.
-    struct Paths {
-        path: Vec<String>,
-        found: Vec<(String, Vec<usize>)>,
-    }
-
-    impl<B: Backend> ModuleVisitor<B> for Paths {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.found
-                .push((self.path.join("."), param.dims().to_vec()));
-        }
-    }
-
     fn paths(model: &Llama<Flex>) -> Vec<(String, Vec<usize>)> {
-        let mut visitor = Paths {
-            path: Vec::new(),
-            found: Vec::new(),
-        };
-        model.visit(&mut visitor);
-        visitor.found
+        struct Paths(Vec<(String, Vec<usize>)>);
+        impl<B: Backend> ParamVisitor<B> for Paths {
+            fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+                self.0.push((path.to_string(), param.dims().to_vec()));
+            }
+        }
+        let mut paths = Paths(Vec::new());
+        visit_params(model, &mut paths);
+        paths.0
     }
 
     #[test]

@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use burn::module::Param;
+use burn::module::{AutodiffModule, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::record::AdaptorRecord;
 use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Optimizer};
@@ -25,8 +25,8 @@ use crate::parallel_plan::{ParallelPlan, whole_path};
 use crate::train::{TrainConfig, TrainError};
 use crate::weights::{Block, Loaded, ParamSource};
 
-/// burn's AdamW's state of a model: each parameter's, by id.
-type Records<B> = <OptimizerAdaptor<AdamW, Llama<B>, B> as Optimizer<Llama<B>, B>>::Record;
+/// burn's AdamW's state of a module: each parameter's, by id.
+type Records<B, M> = <OptimizerAdaptor<AdamW, M, B> as Optimizer<M, B>>::Record;
 
 /// Where and how often a run checkpoints, and whether it resumes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -166,26 +166,62 @@ impl ParamSource for Resumed {
     }
 }
 
-/// Where a model's parameters sit in the whole: its part's first block and its tensor-parallel
-/// group.
-struct Held<'a> {
+/// Where a rank's parameters sit in the whole model: the first block of each part it holds and
+/// their tensor-parallel group. One part's paths are as its visitor names them; several parts'
+/// (a pipeline rank's chunks, ZeRO-3's units) start with the part's index (`1.layers.0...`).
+pub(crate) struct Held<'a> {
     plan: &'a ParallelPlan,
-    first_layer: usize,
+    first_layers: Vec<usize>,
     tp: Option<&'a TensorParallel>,
+    indexed: bool,
 }
 
 impl<'a> Held<'a> {
-    fn of<B: burn::tensor::backend::Backend>(plan: &'a ParallelPlan, model: &'a Llama<B>) -> Self {
+    /// The parameters of `model`, one part.
+    pub(crate) fn of<B: burn::tensor::backend::Backend>(
+        plan: &'a ParallelPlan,
+        model: &'a Llama<B>,
+    ) -> Self {
         Self {
             plan,
-            first_layer: model.part().layers.start,
+            first_layers: vec![model.part().layers.start],
             tp: model.part().tp.as_ref(),
+            indexed: false,
         }
     }
 
-    /// The parameter at `local` in the model: its whole path, shape and this rank's box.
-    fn block(&self, local: &str) -> Result<(String, Vec<usize>, Region), TrainError> {
-        held_block(self.plan, local, self.first_layer, self.tp)
+    /// The parameters of parts starting at `first_layers`, paths led by the part's index.
+    pub(crate) fn parts(
+        plan: &'a ParallelPlan,
+        first_layers: Vec<usize>,
+        tp: Option<&'a TensorParallel>,
+    ) -> Self {
+        Self {
+            plan,
+            first_layers,
+            tp,
+            indexed: true,
+        }
+    }
+
+    /// The parameter at `path`: its path in the whole model, its whole shape and this rank's box.
+    fn block(&self, path: &str) -> Result<(String, Vec<usize>, Region), TrainError> {
+        let (part, local) = match self.indexed {
+            false => (0, path),
+            true => {
+                let (index, local) = path.split_once('.').unwrap_or(("", path));
+                let part: usize = index.parse().map_err(|_| {
+                    TrainError::Config(format!("`{path}` does not start with its part's index"))
+                })?;
+                (part, local)
+            }
+        };
+        let first = self.first_layers.get(part).ok_or_else(|| {
+            TrainError::Config(format!(
+                "`{path}` names part {part}, which this rank does not hold"
+            ))
+        })?;
+        held_block(self.plan, local, *first, self.tp)
     }
 }
 
@@ -216,16 +252,14 @@ fn held_block(
 /// The boxes of the whole parameter that elements `range` (row-major) of this rank's block of
 /// it cover, in order; and the parameter's path and whole shape.
 fn range_boxes(
-    plan: &ParallelPlan,
+    held: &Held<'_>,
     range: &ParamRange,
-    first_layer: usize,
-    tp: Option<&TensorParallel>,
 ) -> Result<(String, Vec<usize>, Vec<Region>), TrainError> {
-    let (path, whole, held) = held_block(plan, &range.name, first_layer, tp)?;
-    let boxes = Region::from_flat(&held.extents, range.range.clone())
+    let (path, whole, block) = held.block(&range.name)?;
+    let boxes = Region::from_flat(&block.extents, range.range.clone())
         .into_iter()
         .map(|mut b| {
-            for (offset, base) in b.offsets.iter_mut().zip(&held.offsets) {
+            for (offset, base) in b.offsets.iter_mut().zip(&block.offsets) {
                 *offset += base;
             }
             b
@@ -235,17 +269,12 @@ fn range_boxes(
 }
 
 /// A ZeRO engine's shard state as checkpoint pieces: each range cut into boxes of its whole
-/// parameter. `first_layers[i]` is where the part holding range `i` starts (ZeRO-3's units).
-pub(crate) fn zero_pieces(
-    plan: &ParallelPlan,
-    state: ShardState,
-    first_layers: &[usize],
-    tp: Option<&TensorParallel>,
-) -> Result<TrainingState, TrainError> {
+/// parameter.
+pub(crate) fn zero_pieces(held: &Held<'_>, state: ShardState) -> Result<TrainingState, TrainError> {
     let mut pieces = Vec::new();
     let zeros = |d: &TensorData| TensorData::new(vec![0f32; d.num_elements()], d.shape.clone());
     for (i, (range, weights)) in state.ranges.iter().zip(&state.weights).enumerate() {
-        let (path, whole, boxes) = range_boxes(plan, range, first_layers[i], tp)?;
+        let (path, whole, boxes) = range_boxes(held, range)?;
         let moments = match &state.moments {
             Some([first, second]) => [first[i].clone(), second[i].clone()],
             // No step has been applied yet (f16 skipped them all): AdamW starts from zeros.
@@ -285,18 +314,16 @@ pub(crate) fn zero_pieces(
 /// A ZeRO engine's moments for `ranges` (see [`zero_pieces`]) read from `checkpoint`, none
 /// when it was taken before any step.
 pub(crate) fn zero_moments(
-    plan: &ParallelPlan,
+    held: &Held<'_>,
     ranges: &[ParamRange],
-    first_layers: &[usize],
-    tp: Option<&TensorParallel>,
     checkpoint: &Checkpoint,
 ) -> Result<Option<[Vec<TensorData>; 2]>, TrainError> {
     if adam_steps(checkpoint)? == 0 {
         return Ok(None);
     }
     let mut moments = [Vec::new(), Vec::new()];
-    for (i, range) in ranges.iter().enumerate() {
-        let (path, _, boxes) = range_boxes(plan, range, first_layers[i], tp)?;
+    for range in ranges {
+        let (path, _, boxes) = range_boxes(held, range)?;
         for (which, out) in [1, 2].into_iter().zip(moments.iter_mut()) {
             let mut flat = Vec::with_capacity(range.range.len());
             for b in &boxes {
@@ -314,19 +341,19 @@ pub(crate) fn zero_moments(
 
 /// This rank's pieces of a model trained with burn's AdamW: each parameter's block and its
 /// two moments; and the optimizer's step count (the same for every parameter).
-pub(crate) fn adamw_pieces<B: AutodiffBackend>(
-    plan: &ParallelPlan,
-    model: &Llama<B>,
-    optimizer: &OptimizerAdaptor<AdamW, Llama<B>, B>,
+pub(crate) fn adamw_pieces<B: AutodiffBackend, M: AutodiffModule<B>>(
+    held: &Held<'_>,
+    model: &M,
+    optimizer: &OptimizerAdaptor<AdamW, M, B>,
 ) -> Result<TrainingState, TrainError> {
-    struct Collect<'a, B: AutodiffBackend> {
-        held: Held<'a>,
-        records: Records<B>,
+    struct Collect<'a, B: AutodiffBackend, M: AutodiffModule<B>> {
+        held: &'a Held<'a>,
+        records: Records<B, M>,
         pieces: Vec<Shard>,
         steps: Vec<usize>,
         failed: Option<TrainError>,
     }
-    impl<B: AutodiffBackend> Collect<'_, B> {
+    impl<B: AutodiffBackend, M: AutodiffModule<B>> Collect<'_, B, M> {
         fn add<const D: usize>(
             &mut self,
             local: &str,
@@ -362,7 +389,7 @@ pub(crate) fn adamw_pieces<B: AutodiffBackend>(
             Ok(())
         }
     }
-    impl<B: AutodiffBackend> ParamVisitor<B> for Collect<'_, B> {
+    impl<B: AutodiffBackend, M: AutodiffModule<B>> ParamVisitor<B> for Collect<'_, B, M> {
         fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
             if self.failed.is_none()
                 && let Err(error) = self.add(path, param)
@@ -371,8 +398,8 @@ pub(crate) fn adamw_pieces<B: AutodiffBackend>(
             }
         }
     }
-    let mut collect = Collect {
-        held: Held::of(plan, model),
+    let mut collect = Collect::<B, M> {
+        held,
         records: optimizer.to_record(),
         pieces: Vec::new(),
         steps: Vec::new(),
@@ -399,22 +426,22 @@ pub(crate) fn adamw_pieces<B: AutodiffBackend>(
 
 /// `optimizer` with every parameter's AdamW moments of `model` read from `checkpoint` (this
 /// rank's blocks), at the step count it was taken at.
-pub(crate) fn load_adamw<B: AutodiffBackend>(
-    plan: &ParallelPlan,
-    model: &Llama<B>,
-    optimizer: OptimizerAdaptor<AdamW, Llama<B>, B>,
+pub(crate) fn load_adamw<B: AutodiffBackend, M: AutodiffModule<B>>(
+    held: &Held<'_>,
+    model: &M,
+    optimizer: OptimizerAdaptor<AdamW, M, B>,
     checkpoint: &Checkpoint,
     device: &B::Device,
-) -> Result<OptimizerAdaptor<AdamW, Llama<B>, B>, TrainError> {
-    struct Read<'a, B: AutodiffBackend> {
-        held: Held<'a>,
+) -> Result<OptimizerAdaptor<AdamW, M, B>, TrainError> {
+    struct Read<'a, B: AutodiffBackend, M: AutodiffModule<B>> {
+        held: &'a Held<'a>,
         checkpoint: &'a Checkpoint,
         time: usize,
         device: &'a B::Device,
-        records: Records<B>,
+        records: Records<B, M>,
         failed: Option<TrainError>,
     }
-    impl<B: AutodiffBackend> Read<'_, B> {
+    impl<B: AutodiffBackend, M: AutodiffModule<B>> Read<'_, B, M> {
         fn moment<const D: usize>(
             &self,
             which: u8,
@@ -428,7 +455,7 @@ pub(crate) fn load_adamw<B: AutodiffBackend>(
             Ok(Tensor::from_data(data.convert::<f32>(), self.device))
         }
     }
-    impl<B: AutodiffBackend> ParamVisitor<B> for Read<'_, B> {
+    impl<B: AutodiffBackend, M: AutodiffModule<B>> ParamVisitor<B> for Read<'_, B, M> {
         fn visit<const D: usize>(&mut self, local: &str, param: &Param<Tensor<B, D>>) {
             if self.failed.is_some() {
                 return;
@@ -449,12 +476,12 @@ pub(crate) fn load_adamw<B: AutodiffBackend>(
             }
         }
     }
-    let mut read = Read {
-        held: Held::of(plan, model),
+    let mut read = Read::<B, M> {
+        held,
         checkpoint,
         time: adam_steps(checkpoint)?,
         device,
-        records: Records::<B>::default(),
+        records: Records::<B, M>::default(),
         failed: None,
     };
     visit_params(model, &mut read);

@@ -76,7 +76,7 @@ impl ParallelDims {
         )
         .map_err(TrainError::Config)?;
         if config.checkpoint.is_some()
-            && (self.pp > 1 || config.strategy == Strategy::ParameterServer || config.nccl)
+            && (config.strategy == Strategy::ParameterServer || config.nccl)
         {
             return Err(TrainError::Config(CHECKPOINTED_LAYOUTS.into()));
         }

@@ -1,7 +1,9 @@
 //! Training checkpoints: a run that checkpoints after step 3 of 6 and is stopped there, then
 //! resumed, gives the uninterrupted run's losses and final weights bit for bit in the same
 //! layout (one device, DDP at dp 2, dp 2 x tp 2 with sequence parallelism, ZeRO-1, ZeRO-2 in
-//! bf16, ZeRO-3 in f16 with its loss scale, ZeRO-3 at dp 2 x tp 2); resumed in another layout,
+//! bf16, ZeRO-3 in f16 with its loss scale, ZeRO-3 at dp 2 x tp 2, pipelines under 1F1B and
+//! interleaved, dp 2 x pp 2 with ZeRO-1, a tied head under pp 2 x tp 2); resumed in another
+//! layout,
 //! each rank reads the blocks it holds there, and the run continues within the threaded
 //! parity tests' tolerances of that layout's uninterrupted run. A checkpoint of another run is
 //! refused, as is a layout that does not checkpoint yet.
@@ -10,6 +12,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
+use burn_pipeline::ScheduleKind;
 use burn_zero::{MixedPrecision, ZeroStage};
 use common::*;
 use llama::checkpoint::CheckpointConfig;
@@ -47,6 +50,14 @@ fn zero_layout(
 ) -> TrainConfig {
     let mut config = zero(&layout(dp, tp, false), dp, stage);
     config.zero_config = config.zero_config.with_precision(precision);
+    config
+}
+
+/// `layout(1, tp, false)` cut into `pp` stages under `schedule`, `virtual_stages` chunks each.
+fn pipeline(pp: usize, tp: usize, schedule: ScheduleKind, virtual_stages: usize) -> TrainConfig {
+    let mut config = layout(1, tp, false);
+    (config.pp, config.schedule, config.virtual_stages) = (pp, schedule, virtual_stages);
+    config.grad_accum = Some(4);
     config
 }
 
@@ -97,6 +108,20 @@ fn a_resumed_run_continues_the_uninterrupted_one_bit_for_bit_in_its_layout() {
             "zero 3 x tp 2",
             zero_layout(2, 2, ZeroStage::Parameters, None),
         ),
+        ("pp 2 1f1b", pipeline(2, 1, ScheduleKind::OneFOneB, 1)),
+        (
+            "pp 2 interleaved",
+            pipeline(2, 1, ScheduleKind::Interleaved, 2),
+        ),
+        ("dp 2 x pp 2 zero 1", {
+            let base = pipeline(2, 1, ScheduleKind::OneFOneB, 1);
+            zero(&base, 2, ZeroStage::OptimizerState)
+        }),
+        ("tied, pp 2 x tp 2", {
+            let mut config = pipeline(2, 2, ScheduleKind::OneFOneB, 1);
+            config.model.tie_word_embeddings = true;
+            config
+        }),
     ];
     for (i, (what, config)) in layouts.into_iter().enumerate() {
         let whole = run(&config);
@@ -143,6 +168,16 @@ fn a_checkpoint_resumes_in_another_layout() {
             layout(1, 1, false),
             zero_layout(2, 2, ZeroStage::Parameters, None),
         ),
+        (
+            "pp 2 interleaved -> pp 4 1f1b",
+            pipeline(2, 1, ScheduleKind::Interleaved, 2),
+            pipeline(4, 1, ScheduleKind::OneFOneB, 1),
+        ),
+        (
+            "pp 2 x tp 2 zb-h1 -> single",
+            pipeline(2, 2, ScheduleKind::ZeroBubbleH1, 1),
+            layout(1, 1, false),
+        ),
     ];
     for (i, (what, from, target)) in layouts.into_iter().enumerate() {
         let oracle = run(&target);
@@ -185,10 +220,10 @@ fn a_checkpoint_of_another_run_or_a_layout_without_checkpoints_is_refused() {
     let error = train(&with_checkpoints(&config, &done, 0, true)).expect("refused");
     assert!(error.contains("nothing is left to train"), "{error}");
     std::fs::remove_dir_all(done).unwrap();
-    let mut pipeline = with_checkpoints(&config, &dir, 3, false);
-    pipeline.pp = 2;
-    let error = train(&pipeline).expect("refused");
-    assert!(error.contains("not under a pipeline"), "{error}");
+    let mut server = with_checkpoints(&layout(2, 1, false), &dir, 3, false);
+    server.strategy = Strategy::ParameterServer;
+    let error = train(&server).expect("refused");
+    assert!(error.contains("not under the parameter server"), "{error}");
     // An empty directory: the run starts from the seed.
     let fresh = scratch("fresh");
     let from_nothing = run(&with_checkpoints(&config, &fresh, 0, true));

@@ -384,13 +384,15 @@ fn bad_input_gets_a_sentence() {
         (
             &[
                 "train",
-                "--pp",
+                "--dp",
                 "2",
+                "--strategy",
+                "parameter-server",
                 "--checkpoint-dir",
                 "/tmp/llama-ckpt-cli",
                 "--resume",
             ],
-            "not under a pipeline",
+            "not under the parameter server",
         ),
         (
             &["train", "--batch-size", "0"],

@@ -86,14 +86,15 @@ impl<B: TrainBackend> Engine<B> for DdpEngine<'_, B> {
     }
 
     fn checkpoint_pieces(&self) -> Result<TrainingState, TrainError> {
-        checkpoint::adamw_pieces(self.plan, self.ddp.module(), &self.optimizer)
+        let held = checkpoint::Held::of(self.plan, self.ddp.module());
+        checkpoint::adamw_pieces(&held, self.ddp.module(), &self.optimizer)
     }
 
     fn restore(&mut self, from: &Checkpoint, device: &B::Device) -> Result<(), TrainError> {
         let fresh = self.config.optimizer().init::<B, Llama<B>>();
         let optimizer = std::mem::replace(&mut self.optimizer, fresh);
-        self.optimizer =
-            checkpoint::load_adamw(self.plan, self.ddp.module(), optimizer, from, device)?;
+        let held = checkpoint::Held::of(self.plan, self.ddp.module());
+        self.optimizer = checkpoint::load_adamw(&held, self.ddp.module(), optimizer, from, device)?;
         Ok(())
     }
 }

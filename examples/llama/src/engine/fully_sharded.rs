@@ -6,7 +6,7 @@ use crate::dims::Groups;
 use burn::module::AutodiffModule;
 use burn_checkpoint::Checkpoint;
 use burn_comm::{Communicator, ReduceOp};
-use burn_zero::FullyShardedDataParallel;
+use burn_zero::{FullyShardedDataParallel, ParamRange};
 
 use super::{Engine, Finished, Stepped, TrainBackend, ZeroStep};
 use crate::batches::Batches;
@@ -69,17 +69,26 @@ impl<'a, B: TrainBackend> FullyShardedEngine<'a, B> {
 }
 
 impl<B: TrainBackend> FullyShardedEngine<'_, B> {
-    /// Where the unit holding each of this rank's ranges starts, in the whole model.
-    fn first_layers(&self) -> Vec<usize> {
+    /// Where this rank's parameters sit: each unit's first block, and their tp group.
+    fn held(&self) -> checkpoint::Held<'_> {
         let units = self
             .plan
             .units
             .as_ref()
             .expect("ZeRO-3's plan has its units");
-        self.fsdp
-            .shard_range_units()
-            .into_iter()
-            .map(|u| units[u].start)
+        let first_layers = units.iter().map(|unit| unit.start).collect();
+        checkpoint::Held::parts(self.plan, first_layers, self.tp.as_ref())
+    }
+
+    /// This rank's ranges, each named with its unit's index first.
+    fn ranges(&self) -> Vec<ParamRange> {
+        let units = self.fsdp.shard_range_units();
+        let ranges = self.fsdp.shard_ranges().into_iter().zip(units);
+        ranges
+            .map(|(range, unit)| ParamRange {
+                name: format!("{unit}.{}", range.name),
+                ..range
+            })
             .collect()
     }
 }
@@ -115,20 +124,13 @@ impl<B: TrainBackend> Engine<B> for FullyShardedEngine<'_, B> {
     }
 
     fn checkpoint_pieces(&self) -> Result<TrainingState, TrainError> {
-        let first_layers = self.first_layers();
-        checkpoint::zero_pieces(
-            self.plan,
-            self.fsdp.shard_state(),
-            &first_layers,
-            self.tp.as_ref(),
-        )
+        let mut state = self.fsdp.shard_state();
+        state.ranges = self.ranges();
+        checkpoint::zero_pieces(&self.held(), state)
     }
 
     fn restore(&mut self, from: &Checkpoint, _: &B::Device) -> Result<(), TrainError> {
-        let ranges = self.fsdp.shard_ranges();
-        let first_layers = self.first_layers();
-        let moments =
-            checkpoint::zero_moments(self.plan, &ranges, &first_layers, self.tp.as_ref(), from)?;
+        let moments = checkpoint::zero_moments(&self.held(), &self.ranges(), from)?;
         let (steps, loss_scale) = (checkpoint::adam_steps(from)?, checkpoint::loss_scale(from)?);
         self.fsdp
             .restore_state(moments.as_ref(), steps, loss_scale)?;

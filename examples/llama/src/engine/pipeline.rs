@@ -12,6 +12,7 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsParams, Optimizer};
 use burn::tensor::DType;
 use burn::tensor::backend::AutodiffBackend;
+use burn_checkpoint::Checkpoint;
 use burn_comm::{Communicator, ReduceOp};
 use burn_ddp::{BackwardHooks, GradientSync};
 use burn_pipeline::{
@@ -21,6 +22,7 @@ use burn_zero::{ShardedDataParallel, ZeroStage};
 
 use super::{Engine, Finished, Stepped, TrainBackend, ZeroStep};
 use crate::batches::Batches;
+use crate::checkpoint::{self, TrainingState};
 use crate::dims::Groups;
 use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
@@ -157,6 +159,14 @@ impl<B: TrainBackend> Engine<B> for PipelineEngine<'_, B> {
 
     fn step(&mut self, lr: f64) -> Result<Stepped, TrainError> {
         self.stepper.step(lr)
+    }
+
+    fn checkpoint_pieces(&self) -> Result<TrainingState, TrainError> {
+        self.stepper.checkpoint_pieces(self.plan)
+    }
+
+    fn restore(&mut self, from: &Checkpoint, device: &B::Device) -> Result<(), TrainError> {
+        self.stepper.restore(self.plan, self.config, from, device)
     }
 
     fn loss_groups(&self) -> Vec<(Communicator, ReduceOp)> {
@@ -371,6 +381,54 @@ impl<B: BackwardHooks, S: PipelineStage<B, Error = TrainError>> Stepper<B, S> {
             Self::Replicated { chunks, .. } => Ok(chunks),
             Self::Zero { zero, .. } => Ok(zero.master_module()?),
         }
+    }
+}
+
+impl<B: TrainBackend> Stepper<B, Llama<B>> {
+    /// Where this rank's chunks sit in the whole model.
+    fn held<'a>(plan: &'a ParallelPlan, chunks: &'a [Llama<B>]) -> checkpoint::Held<'a> {
+        let first_layers = chunks.iter().map(|c| c.part().layers.start).collect();
+        let tp = chunks.first().and_then(|c| c.part().tp.as_ref());
+        checkpoint::Held::parts(plan, first_layers, tp)
+    }
+
+    /// This rank's pieces of the training state: its chunks' parameters and moments.
+    fn checkpoint_pieces(&self, plan: &ParallelPlan) -> Result<TrainingState, TrainError> {
+        match self {
+            Self::Replicated {
+                chunks, optimizer, ..
+            } => checkpoint::adamw_pieces(&Self::held(plan, chunks), chunks, optimizer),
+            Self::Zero { zero, .. } => {
+                checkpoint::zero_pieces(&Self::held(plan, zero.module()), zero.shard_state())
+            }
+        }
+    }
+
+    /// The optimizer's state from `from` (the chunks were built from it).
+    fn restore(
+        &mut self,
+        plan: &ParallelPlan,
+        config: &TrainConfig,
+        from: &Checkpoint,
+        device: &B::Device,
+    ) -> Result<(), TrainError> {
+        match self {
+            Self::Replicated {
+                chunks, optimizer, ..
+            } => {
+                let fresh = config.optimizer().init::<B, Vec<Llama<B>>>();
+                let old = std::mem::replace(optimizer, fresh);
+                let held = Self::held(plan, chunks);
+                *optimizer = checkpoint::load_adamw(&held, chunks, old, from, device)?;
+            }
+            Self::Zero { zero, .. } => {
+                let held = Self::held(plan, zero.module());
+                let moments = checkpoint::zero_moments(&held, &zero.shard_ranges(), from)?;
+                let steps = checkpoint::adam_steps(from)?;
+                zero.restore_state(moments.as_ref(), steps, checkpoint::loss_scale(from)?)?;
+            }
+        }
+        Ok(())
     }
 }
 

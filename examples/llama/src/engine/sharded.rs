@@ -79,18 +79,13 @@ impl<B: TrainBackend> Engine<B> for ShardedEngine<'_, B> {
     }
 
     fn checkpoint_pieces(&self) -> Result<TrainingState, TrainError> {
-        let state = self.zero.shard_state();
-        let whole_model = vec![0; state.ranges.len()];
-        let tp = self.zero.module().part().tp.as_ref();
-        checkpoint::zero_pieces(self.plan, state, &whole_model, tp)
+        let held = checkpoint::Held::of(self.plan, self.zero.module());
+        checkpoint::zero_pieces(&held, self.zero.shard_state())
     }
 
     fn restore(&mut self, from: &Checkpoint, _: &B::Device) -> Result<(), TrainError> {
-        let ranges = self.zero.shard_ranges();
-        let whole_model = vec![0; ranges.len()];
-        let tp = self.zero.module().part().tp.clone();
-        let moments =
-            checkpoint::zero_moments(self.plan, &ranges, &whole_model, tp.as_ref(), from)?;
+        let held = checkpoint::Held::of(self.plan, self.zero.module());
+        let moments = checkpoint::zero_moments(&held, &self.zero.shard_ranges(), from)?;
         let (steps, loss_scale) = (checkpoint::adam_steps(from)?, checkpoint::loss_scale(from)?);
         self.zero
             .restore_state(moments.as_ref(), steps, loss_scale)?;

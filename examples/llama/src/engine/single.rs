@@ -91,7 +91,11 @@ impl<B: TrainBackend> Engine<B> for SingleEngine<'_, B> {
             .model
             .as_ref()
             .expect("the model is back after each step");
-        checkpoint::adamw_pieces(self.plan, model, &self.optimizer)
+        checkpoint::adamw_pieces(
+            &checkpoint::Held::of(self.plan, model),
+            model,
+            &self.optimizer,
+        )
     }
 
     fn restore(&mut self, from: &Checkpoint, device: &B::Device) -> Result<(), TrainError> {
@@ -101,7 +105,8 @@ impl<B: TrainBackend> Engine<B> for SingleEngine<'_, B> {
             .expect("the model is back after each step");
         let fresh = self.config.optimizer().init::<B, Llama<B>>();
         let optimizer = std::mem::replace(&mut self.optimizer, fresh);
-        self.optimizer = checkpoint::load_adamw(self.plan, model, optimizer, from, device)?;
+        let held = checkpoint::Held::of(self.plan, model);
+        self.optimizer = checkpoint::load_adamw(&held, model, optimizer, from, device)?;
         Ok(())
     }
 }

@@ -5,7 +5,9 @@
 //! same layout gives the uninterrupted run's bits; in another layout, each rank reads the
 //! blocks it will hold (resharding).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use burn::backend::Flex;
 
 use burn::module::{AutodiffModule, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -19,11 +21,12 @@ use burn_tensor_parallel::TensorParallel;
 use burn_zero::{LossScaleState, ParamRange, ShardState};
 use serde_json::{Value, json};
 
-use crate::hf_config::hf_config;
+use crate::hf;
+use crate::hf_config::{hf_config, parse_hf_config};
 use crate::model::Llama;
 use crate::parallel_plan::{ParallelPlan, whole_path};
 use crate::train::{TrainConfig, TrainError};
-use crate::weights::{Block, Loaded, ParamSource};
+use crate::weights::{Block, Loaded, ParamSource, Weights};
 
 /// burn's AdamW's state of a module: each parameter's, by id.
 type Records<B, M> = <OptimizerAdaptor<AdamW, M, B> as Optimizer<M, B>>::Record;
@@ -148,6 +151,27 @@ pub(crate) fn adam_steps(checkpoint: &Checkpoint) -> Result<usize, TrainError> {
                 checkpoint.dir().display()
             ))
         })
+}
+
+/// Writes the parameters of the training checkpoint in `from` (a checkpoints' directory, whose
+/// newest is taken, or one step's) as `hf::save` does into `out`; returns its step.
+pub fn export(from: &Path, out: &Path, max_shard_bytes: u64) -> Result<u64, String> {
+    let checkpoint = if from.join(burn_checkpoint::manifest::MANIFEST).exists() {
+        Checkpoint::open(from).map_err(|e| e.to_string())?
+    } else {
+        Checkpoint::latest(from)
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| format!("{} holds no checkpoint", from.display()))?
+    };
+    let config = parse_hf_config(&checkpoint.metadata()["model"])
+        .map_err(|e| format!("{}: its model: {e}", checkpoint.dir().display()))?;
+    let step = checkpoint.step();
+    let weights = Weights::Resumed(Resumed(checkpoint));
+    let model = weights
+        .whole::<Flex>(&config, &Default::default())
+        .map_err(|e| e.to_string())?;
+    hf::save(&model, &config, out, max_shard_bytes)?;
+    Ok(step)
 }
 
 /// The parameters of a checkpoint, as a source of each rank's blocks.

@@ -38,6 +38,22 @@ enum Command {
     /// Model-state bytes per rank at every ZeRO stage (the ZeRO paper's formulas) and the
     /// activations of a micro-batch, in GB (10^9 bytes).
     Plan(PlanArgs),
+    /// Write a training checkpoint's weights as `train --save` does (Hugging Face safetensors,
+    /// config.json and burn's record), whatever layout saved it.
+    Export(ExportArgs),
+}
+
+#[derive(clap::Args)]
+struct ExportArgs {
+    /// A --checkpoint-dir (its newest checkpoint is taken) or one of its step-N directories.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Where to write the weights.
+    #[arg(long)]
+    out: PathBuf,
+    /// The largest safetensors file; above it the weights are sharded with an index.
+    #[arg(long, default_value = "5GB", value_parser = parse_size)]
+    max_shard_size: u64,
 }
 
 #[derive(clap::Args)]
@@ -335,10 +351,15 @@ fn main() {
         }
         (Command::Train(args), None) => run_train(*args, None),
         (_, Some(_)) => Err(
-            "only `llama train` runs as one process per rank; run `llama eval` and `llama plan` without mpirun".into(),
+            "only `llama train` runs as one process per rank; run `llama eval`, `llama plan` and `llama export` without mpirun".into(),
         ),
         (Command::Eval(args), None) => run_eval(args),
         (Command::Plan(args), None) => run_plan(args),
+        (Command::Export(args), None) => {
+            llama::checkpoint::export(&args.checkpoint, &args.out, args.max_shard_size).map(
+                |step| println!("exported the checkpoint after step {step} to {}", args.out.display()),
+            )
+        }
     };
     if let Err(message) = result {
         eprintln!("error: {message}");

@@ -617,13 +617,65 @@ fn a_run_stopped_after_a_checkpoint_resumes_where_it_stopped() {
             .map(|l| (l["step"].as_u64().unwrap(), l["loss"].as_f64().unwrap()))
             .collect::<Vec<_>>()
     };
-    let whole = run("whole.jsonl", &["--checkpoint-every", "2"]);
+    let saved = dir.join("saved");
+    let whole = run(
+        "whole.jsonl",
+        &["--checkpoint-every", "2", "--save", saved.to_str().unwrap()],
+    );
     assert_eq!(whole.len(), 4);
     assert!(checkpoints.join("step-00000004").exists());
     assert_eq!(
         std::fs::read_to_string(checkpoints.join("latest")).unwrap(),
         "step-00000004\n"
     );
+    // The last checkpoint, exported, is what the run would have saved; from a step's
+    // directory, the one of that step.
+    let exported = dir.join("exported");
+    let out = llama(&[
+        "export",
+        "--checkpoint",
+        checkpoints.to_str().unwrap(),
+        "--out",
+        exported.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("after step 4"));
+    let tokens = dir.join("tokens.txt");
+    std::fs::write(&tokens, "1 2 3 4 5 6 7\n").unwrap();
+    let eval = |weights: &std::path::Path| {
+        let out = llama(&[
+            "eval",
+            "--weights",
+            weights.to_str().unwrap(),
+            "--tokens",
+            tokens.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    };
+    assert_eq!(
+        eval(&exported),
+        eval(&saved),
+        "export gives --save's weights"
+    );
+    let step_two = dir.join("step-two");
+    let out = llama(&[
+        "export",
+        "--checkpoint",
+        checkpoints.join("step-00000002").to_str().unwrap(),
+        "--out",
+        step_two.to_str().unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("after step 2"));
+    assert_ne!(eval(&step_two), eval(&saved));
     // As if it had died before step 4's checkpoint.
     std::fs::remove_dir_all(checkpoints.join("step-00000004")).unwrap();
     let resumed = run("resumed.jsonl", &["--resume"]);

@@ -228,6 +228,19 @@ impl<'a> Held<'a> {
         }
     }
 
+    /// Whether `path` is a tied head's copy of the embedding (held by a part after the first):
+    /// the first part's is the one a checkpoint keeps, the copy equal to it.
+    fn is_tied_copy(&self, path: &str) -> bool {
+        let (part, local) = match self.indexed {
+            false => (0, path),
+            true => match path.split_once('.') {
+                Some((index, local)) => (index.parse().unwrap_or(0), local),
+                None => (0, path),
+            },
+        };
+        local == "embed_tokens" && self.first_layers.get(part).is_some_and(|&first| first > 0)
+    }
+
     /// The parameter at `path`: its path in the whole model, its whole shape and this rank's box.
     fn block(&self, path: &str) -> Result<(String, Vec<usize>, Region), TrainError> {
         let (part, local) = match self.indexed {
@@ -298,6 +311,9 @@ pub(crate) fn zero_pieces(held: &Held<'_>, state: ShardState) -> Result<Training
     let mut pieces = Vec::new();
     let zeros = |d: &TensorData| TensorData::new(vec![0f32; d.num_elements()], d.shape.clone());
     for (i, (range, weights)) in state.ranges.iter().zip(&state.weights).enumerate() {
+        if held.is_tied_copy(&range.name) {
+            continue;
+        }
         let (path, whole, boxes) = range_boxes(held, range)?;
         let moments = match &state.moments {
             Some([first, second]) => [first[i].clone(), second[i].clone()],
@@ -383,6 +399,9 @@ pub(crate) fn adamw_pieces<B: AutodiffBackend, M: AutodiffModule<B>>(
             local: &str,
             param: &Param<Tensor<B, D>>,
         ) -> Result<(), TrainError> {
+            if self.held.is_tied_copy(local) {
+                return Ok(());
+            }
             let (path, shape, region) = self.held.block(local)?;
             let record = self.records.get(&param.id).ok_or_else(|| {
                 TrainError::Config(format!(

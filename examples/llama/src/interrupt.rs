@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 static REQUESTED: AtomicBool = AtomicBool::new(false);
 
-/// From now on, SIGTERM and SIGINT ask the run to stop after its step (see [`requested`]).
+/// From now on, the first SIGTERM or SIGINT asks the run to stop after its step (see
+/// [`requested`]); a second one ends the process at once.
 pub fn install() {
     #[cfg(unix)]
     {
@@ -14,11 +15,16 @@ pub fn install() {
             // Only an atomic store: what a signal handler may do.
             REQUESTED.store(true, Ordering::SeqCst);
         }
-        let handler = note as extern "C" fn(libc::c_int) as libc::sighandler_t;
-        // SAFETY: the handler only stores to an atomic.
+        // The first signal asks; the handler then resets, so a second one ends the process
+        // as it would have.
+        // SAFETY: the handler only stores to an atomic; the struct is filled before use.
         unsafe {
-            libc::signal(libc::SIGTERM, handler);
-            libc::signal(libc::SIGINT, handler);
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = note as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            action.sa_flags = libc::SA_RESETHAND | libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(libc::SIGTERM, &action, std::ptr::null_mut());
+            libc::sigaction(libc::SIGINT, &action, std::ptr::null_mut());
         }
     }
 }

@@ -161,7 +161,8 @@ fn train_loop<B: AutodiffBackend>(
         let mut metrics = StepMetrics::measure(step, loss, lr, tokens, (begun, started));
         stepped.fill(&mut metrics);
         on_step(&metrics);
-        if saver.after(engine, step + 1, device)? {
+        // A stop asked during the last step changes nothing: the run ends as it would.
+        if saver.after(engine, step + 1, device)? && step + 1 < config.steps {
             return Err(TrainError::Interrupted {
                 step: step + 1,
                 dir: saver.dir().to_path_buf(),

@@ -823,6 +823,10 @@ fn a_sigterm_checkpoints_the_step_and_a_sigkill_at_any_moment_loses_nothing_chec
     );
     let resumed = steps_and_losses(&resumed);
     let from = whole.len() - resumed.len();
+    assert!(
+        from >= 1,
+        "the resumed run started from a checkpoint, not from the seed"
+    );
     assert_eq!(resumed, whole[from..], "resumed after step {from}");
     std::fs::remove_dir_all(dir).unwrap();
 }

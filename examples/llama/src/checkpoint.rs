@@ -156,6 +156,15 @@ pub(crate) fn adam_steps(checkpoint: &Checkpoint) -> Result<usize, TrainError> {
 /// Writes the parameters of the training checkpoint in `from` (a checkpoints' directory, whose
 /// newest is taken, or one step's) as `hf::save` does into `out`; returns its step.
 pub fn export(from: &Path, out: &Path, max_shard_bytes: u64) -> Result<u64, String> {
+    if !from.exists() {
+        return Err(format!("{} does not exist", from.display()));
+    }
+    // Before reading the whole model: a place that cannot be written is known now.
+    let probe = out.join(format!(".write-check-{}", std::process::id()));
+    std::fs::create_dir_all(out)
+        .and_then(|_| std::fs::File::create(&probe))
+        .and_then(|_| std::fs::remove_file(&probe))
+        .map_err(|e| format!("--out {}: {e}; nothing was exported", out.display()))?;
     let checkpoint = if from.join(burn_checkpoint::manifest::MANIFEST).exists() {
         Checkpoint::open(from).map_err(|e| e.to_string())?
     } else {

@@ -86,17 +86,27 @@ impl Saver<'_> {
         let Some(checkpoints) = &self.config.checkpoint else {
             return Ok(false);
         };
-        // The ranks may see a signal at different steps: they stop at the first any saw.
-        let asked = f64::from(u8::from(interrupt::requested()));
-        let stop = match self.world {
-            Some(world) => reduce_scalar::<B::InnerBackend>(world, asked, ReduceOp::Max, device)?,
-            None => asked,
-        } > 0.0;
+        let stop = self.asked_to_stop::<B>(device)?;
         let due = checkpoints.every > 0 && step.is_multiple_of(checkpoints.every);
         if due || stop {
             self.save(engine, step, &checkpoints.dir)?;
         }
+        // A signal that came during a due save is acted on now, not a step later.
+        if due && !stop {
+            return self.asked_to_stop::<B>(device);
+        }
         Ok(stop)
+    }
+
+    /// Whether a signal asked any rank to stop (a collective): the ranks may see it at
+    /// different steps, so they stop at the first any saw.
+    fn asked_to_stop<B: AutodiffBackend>(&self, device: &B::Device) -> Result<bool, TrainError> {
+        let asked = f64::from(u8::from(interrupt::requested()));
+        let any = match self.world {
+            Some(world) => reduce_scalar::<B::InnerBackend>(world, asked, ReduceOp::Max, device)?,
+            None => asked,
+        };
+        Ok(any > 0.0)
     }
 
     /// Where the run checkpoints.

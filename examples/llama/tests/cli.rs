@@ -371,8 +371,28 @@ fn print_plan_shows_each_parameters_placement_and_trains_nothing() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 40] = [
+    let cases: [(&[&str], &str); 42] = [
         (&["train", "--dp", "0"], "--dp must be at least 1"),
+        (
+            &[
+                "export",
+                "--checkpoint",
+                "/no/such/dir",
+                "--out",
+                "/tmp/llama-export-cli",
+            ],
+            "/no/such/dir does not exist",
+        ),
+        (
+            &[
+                "export",
+                "--checkpoint",
+                "/tmp",
+                "--out",
+                "/proc/llama-export",
+            ],
+            "--out /proc/llama-export: ",
+        ),
         (
             &["train", "--checkpoint-dir", "/tmp/llama-ckpt-cli"],
             "--checkpoint-dir needs --checkpoint-every N",

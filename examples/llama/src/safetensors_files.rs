@@ -182,17 +182,17 @@ impl Checkpoint {
             .tensors()
             .into_iter()
             .map(|(name, info)| {
-                let dtype = match info.dtype {
-                    Dtype::F32 => DType::F32,
-                    Dtype::F16 => DType::F16,
-                    Dtype::BF16 => DType::BF16,
-                    other => {
-                        return Err(format!(
-                            "{}: `{name}` is {other:?}; only f32, f16 and bf16 load",
-                            path.display()
-                        ));
-                    }
-                };
+                let dtype = DTYPES
+                    .iter()
+                    .find(|(_, stored)| *stored == info.dtype)
+                    .map(|(dtype, _)| *dtype)
+                    .ok_or_else(|| {
+                        format!(
+                            "{}: `{name}` is {:?}; only f32, f16 and bf16 load",
+                            path.display(),
+                            info.dtype
+                        )
+                    })?;
                 let stored = Stored {
                     file,
                     dtype,
@@ -337,6 +337,13 @@ impl Header {
     }
 }
 
+/// The element types read and written, as burn and safetensors name them.
+const DTYPES: [(DType, Dtype); 3] = [
+    (DType::F32, Dtype::F32),
+    (DType::F16, Dtype::F16),
+    (DType::BF16, Dtype::BF16),
+];
+
 /// `model-0000i-of-0000n.safetensors`, transformers' shard name.
 fn shard_name(i: usize, n: usize) -> String {
     format!("model-{i:05}-of-{n:05}.safetensors")
@@ -347,16 +354,16 @@ fn write_file(path: &Path, tensors: &[&(String, TensorData)]) -> Result<(), Stri
     let views = tensors
         .iter()
         .map(|(name, data)| {
-            let dtype = match data.dtype {
-                DType::F32 => Dtype::F32,
-                DType::F16 => Dtype::F16,
-                DType::BF16 => Dtype::BF16,
-                other => {
-                    return Err(format!(
-                        "`{name}` is {other:?}; only f32, f16 and bf16 are written"
-                    ));
-                }
-            };
+            let dtype = DTYPES
+                .iter()
+                .find(|(dtype, _)| *dtype == data.dtype)
+                .map(|(_, stored)| *stored)
+                .ok_or_else(|| {
+                    format!(
+                        "`{name}` is {:?}; only f32, f16 and bf16 are written",
+                        data.dtype
+                    )
+                })?;
             let view = TensorView::new(dtype, data.shape.to_vec(), data.as_bytes())
                 .map_err(|e| format!("`{name}`: {e}"))?;
             Ok((name.clone(), view))

@@ -10,15 +10,18 @@
 //!   shard of a flattened parameter).
 //! - [`manifest`]: what the manifest records.
 //! - [`save`]: the collective save and its commit protocol.
+//! - [`background`]: the same save in a thread of its own, while training goes on.
 //! - [`load`]: opening a checkpoint (the latest committed one, or a given step) and reading any
 //!   box of a tensor, checked.
 
+pub mod background;
 pub mod error;
 pub mod load;
 pub mod manifest;
 pub mod region;
 pub mod save;
 
+pub use background::{BackgroundSaver, Saved};
 pub use error::CheckpointError;
 pub use load::Checkpoint;
 pub use region::Region;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::{DType, TensorData};
 
 use crate::error::CheckpointError;
-use crate::manifest::{FORMAT, MANIFEST, Manifest, TensorEntry, dtype_of};
+use crate::manifest::{FORMAT, MANIFEST, Manifest, ShardEntry, TensorEntry, dtype_of};
 use crate::region::{Region, copy_part};
 use crate::save::LATEST;
 
@@ -159,29 +159,23 @@ impl Checkpoint {
             )));
         }
         let dtype = dtype_of(&tensor.dtype).expect("checked when opened");
+        // The pieces tile the tensor, so a piece that is the box is the only one overlapping it
+        // (a resume in the layout that saved): it is read straight into place.
+        if let Some(shard) = tensor.shards.iter().find(|s| &s.region == region) {
+            let bytes = self.read_piece(name, shard)?;
+            return Ok(TensorData::from_bytes_vec(
+                bytes,
+                region.extents.clone(),
+                dtype,
+            ));
+        }
         let size = dtype.size();
         let mut out = vec![0u8; region.volume() * size];
         for shard in &tensor.shards {
             let Some(part) = shard.region.intersect(region) else {
                 continue;
             };
-            let path = self.dir.join(&shard.file);
-            let mut bytes = vec![0u8; shard.bytes as usize];
-            File::open(&path)
-                .and_then(|mut file| {
-                    file.seek(SeekFrom::Start(shard.offset))?;
-                    file.read_exact(&mut bytes)
-                })
-                .map_err(CheckpointError::io(&path))?;
-            if crc32fast::hash(&bytes) != shard.crc32 {
-                return Err(CheckpointError::Corrupt {
-                    path,
-                    reason: format!(
-                        "the piece of `{name}` at {:?} does not match its checksum",
-                        shard.region.offsets
-                    ),
-                });
-            }
+            let bytes = self.read_piece(name, shard)?;
             copy_part(&bytes, &shard.region, &mut out, region, &part, size);
         }
         Ok(TensorData::from_bytes_vec(
@@ -189,6 +183,28 @@ impl Checkpoint {
             region.extents.clone(),
             dtype,
         ))
+    }
+
+    /// The bytes of one piece of `name`, checked against its checksum.
+    fn read_piece(&self, name: &str, shard: &ShardEntry) -> Result<Vec<u8>, CheckpointError> {
+        let path = self.dir.join(&shard.file);
+        let mut bytes = vec![0u8; shard.bytes as usize];
+        File::open(&path)
+            .and_then(|mut file| {
+                file.seek(SeekFrom::Start(shard.offset))?;
+                file.read_exact(&mut bytes)
+            })
+            .map_err(CheckpointError::io(&path))?;
+        if crc32fast::hash(&bytes) != shard.crc32 {
+            return Err(CheckpointError::Corrupt {
+                path,
+                reason: format!(
+                    "the piece of `{name}` at {:?} does not match its checksum",
+                    shard.region.offsets
+                ),
+            });
+        }
+        Ok(bytes)
     }
 
     fn entry(&self, name: &str) -> Result<&TensorEntry, CheckpointError> {

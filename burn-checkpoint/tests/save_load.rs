@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use burn::tensor::TensorData;
-use burn_checkpoint::{Checkpoint, CheckpointError, Region, Shard, save};
+use burn_checkpoint::{BackgroundSaver, Checkpoint, CheckpointError, Region, Shard, save};
 use burn_comm::launch;
 use serde_json::json;
 
@@ -149,6 +149,51 @@ fn pieces_saved_in_one_layout_read_back_whole_and_as_another_layouts_boxes() {
         "step-00000007\n"
     );
     std::fs::remove_dir_all(root).unwrap();
+}
+
+#[test]
+fn a_background_save_goes_on_beside_the_ranks_collectives_and_writes_what_a_plain_save_does() {
+    let root = scratch("background");
+    let plain = scratch("background-plain");
+    save_four(&plain, 3);
+    let sums = launch(4, |ctx| {
+        let world = ctx.world();
+        let mut saver = BackgroundSaver::new(Some(world))?;
+        let meta = json!({ "layout": "dp 2 x tp 2", "step": 3 });
+        saver.start(&root, 3, Ok(pieces_of(ctx.rank())), meta)?;
+        // Training's collectives while the save runs: its own group keeps them apart.
+        let mut sum = 0.0;
+        for round in 0..20 {
+            let mine = burn::tensor::Tensor::<burn::backend::Flex, 1>::from_floats(
+                [(ctx.rank() + round) as f32],
+                &Default::default(),
+            );
+            let total = world.all_reduce(mine, burn_comm::ReduceOp::Sum)?;
+            sum += total.into_scalar();
+        }
+        let saved = saver.wait()?.expect("a save was under way");
+        assert_eq!(saved.dir, root.join("step-00000003"));
+        Ok::<_, CheckpointError>(sum)
+    });
+    for sum in sums {
+        assert_eq!(
+            sum.unwrap(),
+            (0..20).map(|r| (6 + 4 * r) as f32).sum::<f32>()
+        );
+    }
+    let (background, plain_checkpoint) = (
+        Checkpoint::latest(&root).unwrap().unwrap(),
+        Checkpoint::latest(&plain).unwrap().unwrap(),
+    );
+    for name in ["w", "b", "m", "steps"] {
+        assert_eq!(
+            background.read_whole(name).unwrap(),
+            plain_checkpoint.read_whole(name).unwrap(),
+            "{name}"
+        );
+    }
+    std::fs::remove_dir_all(root).unwrap();
+    std::fs::remove_dir_all(plain).unwrap();
 }
 
 #[test]

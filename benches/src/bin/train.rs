@@ -280,6 +280,7 @@ fn run_processes(name: &str, ranks: usize) -> Vec<StepMetrics> {
                 loss_scale: None,
                 skipped: false,
                 grad_norm: None,
+                checkpoint_s: None,
             }
         })
         .collect()

@@ -666,6 +666,9 @@ fn train_on<B: TrainBackend>(
             line += &format!(" | grad norm {norm:.3}");
         }
         line += &format!(" | {:.0} tok/s", m.tokens_per_s);
+        if let Some(seconds) = m.checkpoint_s {
+            line += &format!(" | checkpoint started ({seconds:.2}s)");
+        }
         if m.skipped {
             let scale = m.loss_scale.unwrap_or(f64::NAN);
             bar.suspend(|| {

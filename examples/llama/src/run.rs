@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
+use burn_checkpoint::BackgroundSaver;
 use burn_comm::{Communicator, ReduceOp};
 
 use crate::batches::Batches;
@@ -51,10 +52,7 @@ pub fn train_rank<B: TrainBackend>(
         engine.restore(checkpoint, device)?;
         start = checkpoint.step() as usize;
     }
-    let saver = Saver {
-        config,
-        world: groups.world.as_ref(),
-    };
+    let mut saver = Saver::new(config, groups.world.as_ref())?;
     train_loop(
         config,
         engine.as_mut(),
@@ -62,34 +60,55 @@ pub fn train_rank<B: TrainBackend>(
         device,
         on_step,
         start,
-        &saver,
+        &mut saver,
     )?;
     engine.finish()
 }
 
-/// Takes a run's checkpoints.
+/// Takes a run's checkpoints, each written in the background while training goes on.
 struct Saver<'a> {
     config: &'a TrainConfig,
     /// Every rank of the run; none when one rank trains alone.
     world: Option<&'a Communicator>,
+    /// Present when the run checkpoints.
+    background: Option<BackgroundSaver>,
 }
 
-impl Saver<'_> {
-    /// Checkpoints after `step` steps when the run asks for it then, or when a signal asked
-    /// any rank to stop (a collective); returns whether to stop.
+impl<'a> Saver<'a> {
+    /// The saver of a run; a collective over `world` when the run checkpoints.
+    fn new(config: &'a TrainConfig, world: Option<&'a Communicator>) -> Result<Self, TrainError> {
+        let background = config
+            .checkpoint
+            .as_ref()
+            .map(|_| BackgroundSaver::new(world))
+            .transpose()
+            .map_err(|e| TrainError::Config(format!("checkpoints: {e}")))?;
+        Ok(Self {
+            config,
+            world,
+            background,
+        })
+    }
+
+    /// Checkpoints after the step of `metrics` when the run asks for it then, or when a signal
+    /// asked any rank to stop (a collective), noting the stall in `metrics`; returns whether to
+    /// stop.
     fn after<B: AutodiffBackend>(
-        &self,
+        &mut self,
         engine: &dyn Engine<B>,
-        step: usize,
+        metrics: &mut StepMetrics,
         device: &B::Device,
     ) -> Result<bool, TrainError> {
         let Some(checkpoints) = &self.config.checkpoint else {
             return Ok(false);
         };
+        let step = metrics.step;
         let stop = self.asked_to_stop::<B>(device)?;
         let due = checkpoints.every > 0 && step.is_multiple_of(checkpoints.every);
         if due || stop {
-            self.save(engine, step, &checkpoints.dir)?;
+            let began = Instant::now();
+            self.save(engine, step)?;
+            metrics.checkpoint_s = Some(began.elapsed().as_secs_f64());
         }
         // A signal that came during a due save is acted on now, not a step later.
         if due && !stop {
@@ -119,12 +138,15 @@ impl Saver<'_> {
             .dir
     }
 
+    /// Copies this rank's state aside and starts writing it; the step stalls only for the
+    /// copy (and for the save before, should it still be under way).
     fn save<B: AutodiffBackend>(
-        &self,
+        &mut self,
         engine: &dyn Engine<B>,
         step: usize,
-        dir: &std::path::Path,
     ) -> Result<(), TrainError> {
+        // One copy aside at a time.
+        self.finish()?;
         // A rank that cannot hand in its pieces still joins the save, so every rank fails alike.
         let state = engine.checkpoint_pieces();
         let metadata = match &state {
@@ -132,14 +154,33 @@ impl Saver<'_> {
             Err(_) => serde_json::Value::Null,
         };
         let pieces = state.map(|s| s.pieces).map_err(|e| e.to_string());
-        burn_checkpoint::save(dir, step as u64, self.world, pieces, metadata)
-            .map_err(|e| TrainError::Config(format!("checkpoint after step {step}: {e}")))?;
+        let dir = self.dir().to_path_buf();
+        let background = self.background.as_mut().expect("a run that checkpoints");
+        background
+            .start(&dir, step as u64, pieces, metadata)
+            .map_err(|e| save_failed(step as u64, e))?;
+        Ok(())
+    }
+
+    /// Waits for the save under way, so that its checkpoint is committed.
+    fn finish(&mut self) -> Result<(), TrainError> {
+        let Some(background) = &mut self.background else {
+            return Ok(());
+        };
+        let step = background.saving();
+        background
+            .wait()
+            .map_err(|e| save_failed(step.unwrap_or_default(), e))?;
         Ok(())
     }
 }
 
-/// The one training loop: every step's learning rate, forward and backward, optimizer step,
-/// the loss over the whole global batch, and the metrics.
+fn save_failed(step: u64, error: burn_checkpoint::CheckpointError) -> TrainError {
+    TrainError::Config(format!("checkpoint after step {step}: {error}"))
+}
+
+/// The one training loop, [`steps`], then the last checkpoint committed: an interrupted run
+/// says it was checkpointed only once it is.
 fn train_loop<B: AutodiffBackend>(
     config: &TrainConfig,
     engine: &mut dyn Engine<B>,
@@ -147,7 +188,26 @@ fn train_loop<B: AutodiffBackend>(
     device: &B::Device,
     on_step: &mut dyn FnMut(&StepMetrics),
     start: usize,
-    saver: &Saver<'_>,
+    saver: &mut Saver<'_>,
+) -> Result<(), TrainError> {
+    let trained = steps(config, engine, batches, device, on_step, start, saver);
+    match (trained, saver.finish()) {
+        (Err(TrainError::Interrupted { .. }), Err(unsaved)) => Err(unsaved),
+        (Err(error), _) => Err(error),
+        (Ok(()), saved) => saved,
+    }
+}
+
+/// Every step's learning rate, forward and backward, optimizer step, the loss over the whole
+/// global batch, the metrics, and the checkpoints.
+fn steps<B: AutodiffBackend>(
+    config: &TrainConfig,
+    engine: &mut dyn Engine<B>,
+    batches: &Batches<'_>,
+    device: &B::Device,
+    on_step: &mut dyn FnMut(&StepMetrics),
+    start: usize,
+    saver: &mut Saver<'_>,
 ) -> Result<(), TrainError> {
     let schedule = config.schedule();
     let tokens = config.batch_size * config.seq_len;
@@ -170,9 +230,10 @@ fn train_loop<B: AutodiffBackend>(
         }
         let mut metrics = StepMetrics::measure(step, loss, lr, tokens, (begun, started));
         stepped.fill(&mut metrics);
+        let stop = saver.after(engine, &mut metrics, device)?;
         on_step(&metrics);
         // A stop asked during the last step changes nothing: the run ends as it would.
-        if saver.after(engine, step + 1, device)? && step + 1 < config.steps {
+        if stop && step + 1 < config.steps {
             return Err(TrainError::Interrupted {
                 step: step + 1,
                 dir: saver.dir().to_path_buf(),
@@ -237,10 +298,7 @@ mod tests {
                 &Default::default(),
                 &mut |m| seen.push(m.loss),
                 0,
-                &Saver {
-                    config: &config,
-                    world: None,
-                },
+                &mut Saver::new(&config, None).unwrap(),
             )
             .unwrap_err()
             .to_string();

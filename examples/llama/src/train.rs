@@ -349,6 +349,9 @@ pub struct StepMetrics {
     pub skipped: bool,
     /// The global L2 norm of the gradient before clipping, under `--clip-grad-norm`.
     pub grad_norm: Option<f64>,
+    /// How long the run stalled after this step to hand its state to a checkpoint (written in
+    /// the background); absent after steps that do not checkpoint.
+    pub checkpoint_s: Option<f64>,
 }
 
 impl StepMetrics {
@@ -375,6 +378,7 @@ impl StepMetrics {
             loss_scale: None,
             skipped: false,
             grad_norm: None,
+            checkpoint_s: None,
         }
     }
 }

@@ -75,6 +75,13 @@ fn with_checkpoints(config: &TrainConfig, dir: &Path, every: usize, resume: bool
 /// removed, as if the run had died before it.
 fn interrupted(config: &TrainConfig, dir: &Path) -> Run {
     let run = run(&with_checkpoints(config, dir, 3, false));
+    let checkpointed: Vec<usize> = run
+        .steps
+        .iter()
+        .filter(|m| m.checkpoint_s.is_some_and(|s| s >= 0.0))
+        .map(|m| m.step)
+        .collect();
+    assert_eq!(checkpointed, [3, 6], "the steps that report a checkpoint");
     std::fs::remove_dir_all(dir.join("step-00000006")).unwrap();
     run
 }

@@ -1,0 +1,287 @@
+//! Checkpoint speed, measured in one run: `llama train` checkpointing every `--every` steps
+//! (saved in the background) against the same run without checkpoints, for the stall of a
+//! step that checkpoints and the pace of the steps while a save is written; then that
+//! checkpoint loaded, and saved again as one blocking call, beside a plain sequential write and
+//! read of the same bytes in the same directory. The stall a blocking save would cause is its
+//! save time.
+//!
+//! Runs are repeated in interleaved rounds (`--repeats`) so that drift of the machine's speed
+//! hits every measurement alike.
+//!
+//! `cargo run --release -p benches --bin checkpoint -- --help`
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use benches::median;
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::TensorData;
+use burn_checkpoint::{Checkpoint, Shard};
+use clap::Parser;
+use llama::checkpoint::CheckpointConfig;
+use llama::data::MarkovSource;
+use llama::train::{Strategy, TrainConfig, train};
+use serde::Serialize;
+
+/// Blocking saves and plain writes per round.
+const WRITES_PER_ROUND: usize = 4;
+
+#[derive(Parser)]
+#[command(about = "Checkpoint save, load and training stall against plain file I/O")]
+struct Args {
+    /// Model preset.
+    #[arg(long, default_value = "small")]
+    model: String,
+    /// Data-parallel ranks (threads); 1 trains on one device.
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    /// Samples per step over all ranks.
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Tokens per sample.
+    #[arg(long, default_value_t = 64)]
+    seq_len: usize,
+    /// Steps per run.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Checkpoint after every this many steps.
+    #[arg(long, default_value_t = 3)]
+    every: usize,
+    /// Rounds over all measurements; the medians pool the rounds.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Where the checkpoints and plain files go (the disk measured).
+    #[arg(long, default_value = "target/bench/checkpoints")]
+    dir: PathBuf,
+    /// Where to write the results as JSON.
+    #[arg(long, default_value = "target/bench/checkpoint.json")]
+    json: String,
+}
+
+#[derive(Serialize)]
+struct Results {
+    model: String,
+    dp: usize,
+    checkpoint_bytes: u64,
+    /// Median time between consecutive steps without checkpoints.
+    step_s: f64,
+    /// Median time of a step that starts a background save, and its excess over `step_s`.
+    checkpointing_step_s: f64,
+    stall_s: f64,
+    /// Median time the run itself reports for handing the state in (the copy aside).
+    handing_in_s: f64,
+    /// Median time of the other steps of the checkpointing run (a save may be under way).
+    step_while_saving_s: f64,
+    save_s: f64,
+    plain_write_s: f64,
+    load_s: f64,
+    plain_read_s: f64,
+}
+
+fn main() {
+    let args = Args::parse();
+    assert!(
+        args.every >= 1 && args.steps > args.every + 1,
+        "--steps must leave a step after the first checkpoint"
+    );
+    let model = benches::preset(&args.model);
+    let data = MarkovSource::new(16, 3, args.seq_len, 1 << 16, 1);
+    println!(
+        "{} ({:.1}M parameters), dp {}, {} x {} tokens per step, {} steps, a checkpoint every {}",
+        args.model,
+        model.num_params() as f64 / 1e6,
+        args.dp,
+        args.batch_size,
+        args.seq_len,
+        args.steps,
+        args.every
+    );
+    let mut config = TrainConfig::new(model, args.steps);
+    config.batch_size = args.batch_size;
+    config.seq_len = args.seq_len;
+    config.dp = args.dp;
+    config.strategy = if args.dp > 1 {
+        Strategy::Ddp
+    } else {
+        Strategy::Single
+    };
+    let checkpoints = args.dir.join("run");
+    let mut checkpointing = config.clone();
+    checkpointing.checkpoint = Some(CheckpointConfig {
+        dir: checkpoints.clone(),
+        every: args.every,
+        resume: false,
+    });
+
+    let (mut plain_steps, mut stalled, mut saving) = (Vec::new(), Vec::new(), Vec::new());
+    let mut handed_in = Vec::new();
+    let (mut save, mut write, mut load, mut read) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut bytes = 0;
+    for round in 1..=args.repeats {
+        eprintln!(
+            "round {round}/{}: training without checkpoints",
+            args.repeats
+        );
+        plain_steps.extend(step_times(&config, &data).0);
+        eprintln!("round {round}/{}: training with checkpoints", args.repeats);
+        let _ = std::fs::remove_dir_all(&checkpoints);
+        let (intervals, copies) = step_times(&checkpointing, &data);
+        handed_in.extend(copies);
+        for (i, seconds) in intervals.into_iter().enumerate() {
+            // Interval i ends at step i + 2; a save starts after every `every`-th step.
+            if (i + 1).is_multiple_of(args.every) {
+                stalled.push(seconds);
+            } else {
+                saving.push(seconds);
+            }
+        }
+        eprintln!("round {round}/{}: loading and saving", args.repeats);
+        let checkpoint = Checkpoint::latest(&checkpoints)
+            .expect("the run's checkpoint opens")
+            .expect("the run checkpointed");
+        let began = Instant::now();
+        let tensors: Vec<(String, TensorData)> = checkpoint
+            .names()
+            .map(|name| {
+                let data = checkpoint.read_whole(name).expect("the checkpoint reads");
+                (name.to_string(), data)
+            })
+            .collect();
+        load.push(began.elapsed().as_secs_f64());
+        read.push(plain_read(checkpoint.dir()));
+        bytes = tensors.iter().map(|(_, d)| d.as_bytes().len() as u64).sum();
+
+        // Each first in turn, so that the disk's state after the one hits the other alike.
+        let blocking_save = || {
+            let again = args.dir.join("again");
+            let _ = std::fs::remove_dir_all(&again);
+            let shards = tensors
+                .iter()
+                .map(|(name, data)| Shard::whole(name.clone(), data.clone()))
+                .collect();
+            let began = Instant::now();
+            burn_checkpoint::save(
+                &again,
+                checkpoint.step(),
+                None,
+                Ok(shards),
+                checkpoint.metadata().clone(),
+            )
+            .expect("the checkpoint saves");
+            began.elapsed().as_secs_f64()
+        };
+        // The disk's speed swings from one write to the next: several of each, alternating.
+        let plain = args.dir.join("plain.bin");
+        for turn in 0..WRITES_PER_ROUND {
+            if (round + turn) % 2 == 1 {
+                save.push(blocking_save());
+                write.push(plain_write(&plain, &tensors));
+            } else {
+                write.push(plain_write(&plain, &tensors));
+                save.push(blocking_save());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&args.dir);
+
+    let step = median(plain_steps.into_iter());
+    let checkpointing_step = median(stalled.into_iter());
+    let results = Results {
+        model: args.model,
+        dp: args.dp,
+        checkpoint_bytes: bytes,
+        step_s: step,
+        checkpointing_step_s: checkpointing_step,
+        stall_s: checkpointing_step - step,
+        handing_in_s: median(handed_in.into_iter()),
+        step_while_saving_s: median(saving.into_iter()),
+        save_s: median(save.into_iter()),
+        plain_write_s: median(write.into_iter()),
+        load_s: median(load.into_iter()),
+        plain_read_s: median(read.into_iter()),
+    };
+    report(&results);
+    benches::write_json(&args.json, &results);
+}
+
+/// The wall time between consecutive steps of a run (from the end of step 1 on), checkpoints
+/// included, and the run's own measure of each checkpoint's stall (the copy aside).
+fn step_times(config: &TrainConfig, data: &MarkovSource) -> (Vec<f64>, Vec<f64>) {
+    let (mut ends, mut copies) = (Vec::new(), Vec::new());
+    train::<Autodiff<Flex>>(config, data, &Default::default(), &mut |m| {
+        ends.push(Instant::now());
+        copies.extend(m.checkpoint_s);
+    })
+    .expect("the run trains");
+    let intervals = ends
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_secs_f64())
+        .collect();
+    (intervals, copies)
+}
+
+/// Writes `tensors`' bytes one after another into `path`, flushed to disk; its seconds.
+fn plain_write(path: &Path, tensors: &[(String, TensorData)]) -> f64 {
+    let began = Instant::now();
+    let mut file = std::io::BufWriter::new(File::create(path).expect("a plain file"));
+    for (_, data) in tensors {
+        file.write_all(data.as_bytes()).expect("a plain write");
+    }
+    let file = file.into_inner().expect("a plain write");
+    file.sync_all().expect("a plain flush");
+    let seconds = began.elapsed().as_secs_f64();
+    std::fs::remove_file(path).expect("the plain file goes");
+    seconds
+}
+
+/// Reads the data files of the checkpoint in `dir` from end to end; its seconds.
+fn plain_read(dir: &Path) -> f64 {
+    let mut buffer = vec![0u8; 8 << 20];
+    let began = Instant::now();
+    for entry in std::fs::read_dir(dir).expect("the checkpoint's directory") {
+        let path = entry.expect("an entry").path();
+        if path.extension().is_some_and(|e| e == "bin") {
+            let mut file = File::open(&path).expect("a plain read");
+            while file.read(&mut buffer).expect("a plain read") > 0 {}
+        }
+    }
+    began.elapsed().as_secs_f64()
+}
+
+fn report(r: &Results) {
+    let mb = r.checkpoint_bytes as f64 / 1e6;
+    println!("checkpoint: {mb:.1} MB");
+    println!("{:<44} {:>9} {:>9}", "measure", "seconds", "vs base");
+    let row = |name: &str, seconds: f64, base: f64| {
+        println!("{name:<44} {seconds:>9.4} {:>9.3}", seconds / base);
+    };
+    row("step without checkpoints (base)", r.step_s, r.step_s);
+    row(
+        "step that starts a background save",
+        r.checkpointing_step_s,
+        r.step_s,
+    );
+    row("  its stall", r.stall_s, r.step_s);
+    row("  of which handing the state in", r.handing_in_s, r.step_s);
+    row(
+        "other steps of the checkpointing run",
+        r.step_while_saving_s,
+        r.step_s,
+    );
+    row("blocking save (a sync save's stall)", r.save_s, r.step_s);
+    println!(
+        "save {:.0} MB/s against a plain write's {:.0} MB/s: {:.2} of it",
+        mb / r.save_s,
+        mb / r.plain_write_s,
+        r.plain_write_s / r.save_s
+    );
+    println!(
+        "load {:.0} MB/s against a plain read's {:.0} MB/s: {:.2} of it",
+        mb / r.load_s,
+        mb / r.plain_read_s,
+        r.plain_read_s / r.load_s
+    );
+}

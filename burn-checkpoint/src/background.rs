@@ -24,8 +24,7 @@ pub struct Saved {
 
 struct Pending {
     step: u64,
-    started: Instant,
-    thread: JoinHandle<Result<PathBuf, CheckpointError>>,
+    thread: JoinHandle<Result<Saved, CheckpointError>>,
 }
 
 /// Saves checkpoints in the background, one at a time; a save under way is finished before
@@ -34,21 +33,35 @@ pub struct BackgroundSaver {
     /// The savers' own group, split from the run's (none: this process alone).
     comm: Option<Communicator>,
     pending: Option<Pending>,
+    /// The outcome of a save found finished by [`BackgroundSaver::has_failed`], not yet
+    /// reported.
+    finished: Option<Result<Saved, CheckpointError>>,
 }
 
 impl BackgroundSaver {
     /// A saver for the ranks of `comm` (this process alone without one). A collective: every
-    /// rank of `comm` makes its saver at the same point of its calls, as for a split.
+    /// rank of `comm` makes its saver at the same point of its calls, as for a split. Refused
+    /// on a NCCL group: a save's agreement goes through host memory, and collectives on
+    /// another NCCL group from a second thread may deadlock against the training's.
     pub fn new(comm: Option<&Communicator>) -> Result<Self, CheckpointError> {
+        if comm.is_some_and(Communicator::is_nccl) {
+            return Err(CheckpointError::Mismatch(
+                "a checkpoint is saved in the background over a host group; this one is NCCL's: \
+                 make the saver from a group of the local or MPI transport"
+                    .into(),
+            ));
+        }
         let comm = comm.map(|c| c.split("checkpoint", 0)).transpose()?;
         Ok(Self {
             comm,
             pending: None,
+            finished: None,
         })
     }
 
     /// Starts saving `shards` as step `step`'s checkpoint under `root`, as [`save`] does, once
-    /// the save before it has finished; returns what that one saved. Every rank starts the same
+    /// the save before it has finished; returns what that one saved. Should that one have
+    /// failed, its error is returned and this save is not started. Every rank starts the same
     /// saves in the same order.
     pub fn start(
         &mut self,
@@ -60,58 +73,73 @@ impl BackgroundSaver {
         let previous = self.wait()?;
         let comm = self.comm.clone();
         let root = root.to_path_buf();
+        let started = Instant::now();
         let thread = std::thread::Builder::new()
             .name(format!("checkpoint-{step}"))
             .spawn(move || {
-                yield_to_training();
-                save(&root, step, comm.as_ref(), shards, metadata)
+                let dir = save(&root, step, comm.as_ref(), shards, metadata)?;
+                Ok(Saved {
+                    step,
+                    dir,
+                    took: started.elapsed(),
+                })
             })
             .map_err(|e| {
-                CheckpointError::Mismatch(format!(
-                    "no thread to save step {step}'s checkpoint: {e}"
-                ))
+                failed(
+                    step,
+                    CheckpointError::Mismatch(format!("no thread to write it: {e}")),
+                )
             })?;
-        self.pending = Some(Pending {
-            step,
-            started: Instant::now(),
-            thread,
-        });
+        self.pending = Some(Pending { step, thread });
         Ok(previous)
     }
 
     /// Waits for the save under way, if any, and returns what it saved.
     pub fn wait(&mut self) -> Result<Option<Saved>, CheckpointError> {
-        let Some(pending) = self.pending.take() else {
-            return Ok(None);
-        };
-        let dir = pending.thread.join().map_err(|_| {
-            CheckpointError::Mismatch(format!(
-                "the thread saving step {}'s checkpoint panicked",
-                pending.step
-            ))
-        })??;
-        Ok(Some(Saved {
-            step: pending.step,
-            dir,
-            took: pending.started.elapsed(),
-        }))
+        if let Some(outcome) = self.finished.take() {
+            return outcome.map(Some);
+        }
+        self.pending.take().map(Self::join).transpose()
     }
 
-    /// The step whose save is under way.
+    /// Whether the save under way has ended, and failed; never waits. The failure is kept
+    /// for [`BackgroundSaver::wait`] (or the next start) to return.
+    pub fn has_failed(&mut self) -> bool {
+        if self
+            .pending
+            .as_ref()
+            .is_some_and(|p| p.thread.is_finished())
+        {
+            self.finished = self.pending.take().map(Self::join);
+        }
+        matches!(self.finished, Some(Err(_)))
+    }
+
+    /// The step whose save is under way, or has ended without being reported.
     pub fn saving(&self) -> Option<u64> {
-        self.pending.as_ref().map(|p| p.step)
+        match (&self.pending, &self.finished) {
+            (Some(pending), _) => Some(pending.step),
+            (None, Some(Ok(saved))) => Some(saved.step),
+            (None, Some(Err(CheckpointError::Background { step, .. }))) => Some(*step),
+            _ => None,
+        }
+    }
+
+    fn join(pending: Pending) -> Result<Saved, CheckpointError> {
+        let outcome = pending.thread.join().unwrap_or_else(|_| {
+            Err(CheckpointError::Mismatch(
+                "the thread writing it panicked".into(),
+            ))
+        });
+        outcome.map_err(|e| failed(pending.step, e))
     }
 }
 
-/// Lowers the calling thread's priority to the least, so that writing a checkpoint takes only
-/// what training leaves of the cores: on a machine with no core to spare, the writer had
-/// otherwise slowed the step beside it by more than copying the state aside costs.
-fn yield_to_training() {
-    // On Linux the niceness is the thread's own; elsewhere it would be the whole process's.
-    #[cfg(target_os = "linux")]
-    // SAFETY: a plain system call on the calling thread (`who` 0), with no memory passed.
-    unsafe {
-        libc::setpriority(libc::PRIO_PROCESS, 0, 19);
+/// `error`, saying it befell step `step`'s checkpoint.
+fn failed(step: u64, error: CheckpointError) -> CheckpointError {
+    CheckpointError::Background {
+        step,
+        source: Box::new(error),
     }
 }
 
@@ -170,14 +198,33 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_save_is_reported_by_the_next_call_and_a_dropped_saver_finishes_its_save() {
+    fn a_failed_save_is_reported_naming_its_step_and_a_dropped_saver_finishes_its_save() {
         let root = scratch("failed");
         let mut saver = BackgroundSaver::new(None).unwrap();
         saver
             .start(&root, 1, Err("no pieces".into()), json(1))
             .unwrap();
-        let error = saver.wait().unwrap_err().to_string();
-        assert!(error.contains("no pieces"), "{error}");
+        while !saver.has_failed() {
+            std::thread::yield_now();
+        }
+        assert_eq!(
+            saver.saving(),
+            Some(1),
+            "the failure is kept until reported"
+        );
+        let error = saver
+            .start(&root, 2, pieces(2.0), json(2))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.starts_with("the checkpoint after step 1: ") && error.contains("no pieces"),
+            "{error}"
+        );
+        assert_eq!(
+            saver.saving(),
+            None,
+            "the failed save was reported; none started"
+        );
         saver.start(&root, 3, pieces(3.0), json(3)).unwrap();
         drop(saver);
         assert_eq!(Checkpoint::latest(&root).unwrap().unwrap().step(), 3);

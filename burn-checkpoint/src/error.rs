@@ -19,6 +19,12 @@ pub enum CheckpointError {
     /// What was asked of the checkpoint, or handed to it, does not fit it.
     #[error("{0}")]
     Mismatch(String),
+    /// A save in the background failed.
+    #[error("the checkpoint after step {step}: {source}")]
+    Background {
+        step: u64,
+        source: Box<CheckpointError>,
+    },
     /// The ranks could not agree through their communicator.
     #[error(transparent)]
     Comm(#[from] CommError),

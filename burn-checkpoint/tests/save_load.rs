@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::TensorData;
 use burn_checkpoint::{BackgroundSaver, Checkpoint, CheckpointError, Region, Shard, save};
-use burn_comm::launch;
+use burn_comm::{LaunchConfig, launch, launch_with};
 use serde_json::json;
 
 fn scratch(name: &str) -> PathBuf {
@@ -156,11 +156,21 @@ fn a_background_save_goes_on_beside_the_ranks_collectives_and_writes_what_a_plai
     let root = scratch("background");
     let plain = scratch("background-plain");
     save_four(&plain, 3);
-    let sums = launch(4, |ctx| {
+    // Rank 0 starts its save before the ranks' all-reduces, the others after: a save that
+    // blocked the caller would leave rank 0 waiting for the others' saves while they wait for
+    // its all-reduce, until the timeout.
+    let config = LaunchConfig::new(4).with_timeout(std::time::Duration::from_secs(20));
+    let sums = launch_with(config, |ctx| {
         let world = ctx.world();
         let mut saver = BackgroundSaver::new(Some(world))?;
         let meta = json!({ "layout": "dp 2 x tp 2", "step": 3 });
-        saver.start(&root, 3, Ok(pieces_of(ctx.rank())), meta)?;
+        let mut meta = Some(meta);
+        let mut start = |saver: &mut BackgroundSaver| {
+            saver.start(&root, 3, Ok(pieces_of(ctx.rank())), meta.take().unwrap())
+        };
+        if ctx.rank() == 0 {
+            start(&mut saver)?;
+        }
         // Training's collectives while the save runs: its own group keeps them apart.
         let mut sum = 0.0;
         for round in 0..20 {
@@ -170,6 +180,9 @@ fn a_background_save_goes_on_beside_the_ranks_collectives_and_writes_what_a_plai
             );
             let total = world.all_reduce(mine, burn_comm::ReduceOp::Sum)?;
             sum += total.into_scalar();
+        }
+        if ctx.rank() != 0 {
+            start(&mut saver)?;
         }
         let saved = saver.wait()?.expect("a save was under way");
         assert_eq!(saved.dir, root.join("step-00000003"));

@@ -1,9 +1,9 @@
 //! Checkpoint speed, measured in one run: `llama train` checkpointing every `--every` steps
-//! (saved in the background) against the same run without checkpoints, for the stall of a
-//! step that checkpoints and the pace of the steps while a save is written; then that
-//! checkpoint loaded, and saved again as one blocking call, beside a plain sequential write and
-//! read of the same bytes in the same directory. The stall a blocking save would cause is its
-//! save time.
+//! (saved in the background) against the same run without checkpoints, for the stall of the
+//! step that copies its state aside and of the next one, beside which the save is written;
+//! then that checkpoint loaded, and saved again by one process as one blocking call, beside a
+//! plain sequential write and read of the same bytes in the same directory. The stall a
+//! blocking save would cause is its save time.
 //!
 //! Runs are repeated in interleaved rounds (`--repeats`) so that drift of the machine's speed
 //! hits every measurement alike.
@@ -67,13 +67,16 @@ struct Results {
     checkpoint_bytes: u64,
     /// Median time between consecutive steps without checkpoints.
     step_s: f64,
-    /// Median time of a step that starts a background save, and its excess over `step_s`.
+    /// Median time of a step that starts a background save (its copy aside included).
     checkpointing_step_s: f64,
-    stall_s: f64,
     /// Median time the run itself reports for handing the state in (the copy aside).
     handing_in_s: f64,
-    /// Median time of the other steps of the checkpointing run (a save may be under way).
-    step_while_saving_s: f64,
+    /// Median time of the step after it, while the save is written.
+    next_step_s: f64,
+    /// Median time of the other steps of the checkpointing run.
+    other_steps_s: f64,
+    /// What a checkpoint costs the run: the excess of the two steps over `step_s`.
+    stall_s: f64,
     save_s: f64,
     plain_write_s: f64,
     load_s: f64,
@@ -83,8 +86,8 @@ struct Results {
 fn main() {
     let args = Args::parse();
     assert!(
-        args.every >= 1 && args.steps > args.every + 1,
-        "--steps must leave a step after the first checkpoint"
+        args.every >= 3 && args.steps > 2 * args.every,
+        "--every must be at least 3 (a step to save, one to write, one untouched) and --steps must span two saves"
     );
     let model = benches::preset(&args.model);
     let data = MarkovSource::new(16, 3, args.seq_len, 1 << 16, 1);
@@ -115,7 +118,8 @@ fn main() {
         resume: false,
     });
 
-    let (mut plain_steps, mut stalled, mut saving) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut plain_steps, mut stalled) = (Vec::new(), Vec::new());
+    let (mut next, mut others) = (Vec::new(), Vec::new());
     let mut handed_in = Vec::new();
     let (mut save, mut write, mut load, mut read) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -131,11 +135,15 @@ fn main() {
         let (intervals, copies) = step_times(&checkpointing, &data);
         handed_in.extend(copies);
         for (i, seconds) in intervals.into_iter().enumerate() {
-            // Interval i ends at step i + 2; a save starts after every `every`-th step.
-            if (i + 1).is_multiple_of(args.every) {
+            // Interval i holds step i + 2 and what ran before its metrics, its save included;
+            // a save starts after every `every`-th step and is written during the next.
+            let step = i + 2;
+            if step.is_multiple_of(args.every) {
                 stalled.push(seconds);
+            } else if (step - 1).is_multiple_of(args.every) {
+                next.push(seconds);
             } else {
-                saving.push(seconds);
+                others.push(seconds);
             }
         }
         eprintln!("round {round}/{}: loading and saving", args.repeats);
@@ -189,15 +197,17 @@ fn main() {
 
     let step = median(plain_steps.into_iter());
     let checkpointing_step = median(stalled.into_iter());
+    let next_step = median(next.into_iter());
     let results = Results {
         model: args.model,
         dp: args.dp,
         checkpoint_bytes: bytes,
         step_s: step,
         checkpointing_step_s: checkpointing_step,
-        stall_s: checkpointing_step - step,
         handing_in_s: median(handed_in.into_iter()),
-        step_while_saving_s: median(saving.into_iter()),
+        next_step_s: next_step,
+        other_steps_s: median(others.into_iter()),
+        stall_s: checkpointing_step + next_step - 2.0 * step,
         save_s: median(save.into_iter()),
         plain_write_s: median(write.into_iter()),
         load_s: median(load.into_iter()),
@@ -264,11 +274,20 @@ fn report(r: &Results) {
         r.checkpointing_step_s,
         r.step_s,
     );
-    row("  its stall", r.stall_s, r.step_s);
     row("  of which handing the state in", r.handing_in_s, r.step_s);
     row(
+        "the step after it (the save written)",
+        r.next_step_s,
+        r.step_s,
+    );
+    row(
         "other steps of the checkpointing run",
-        r.step_while_saving_s,
+        r.other_steps_s,
+        r.step_s,
+    );
+    row(
+        "a checkpoint's stall (both steps' excess)",
+        r.stall_s,
         r.step_s,
     );
     row("blocking save (a sync save's stall)", r.save_s, r.step_s);

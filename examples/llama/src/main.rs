@@ -18,7 +18,7 @@ use llama::parallel_plan::ParallelPlan;
 use llama::pipeline::Balance;
 use llama::plan::Plan;
 use llama::tokenizer::TextTokenizer;
-use llama::train::{Layout, StepMetrics, Strategy, TrainConfig, train};
+use llama::train::{Layout, StepMetrics, Strategy, TrainConfig, TrainError, train};
 use llama::{Llama, LlamaConfig, hf};
 
 #[derive(Parser)]
@@ -344,26 +344,77 @@ fn main() {
         eprintln!("error: {e}");
         std::process::exit(1)
     });
+    let lead = process.as_ref().is_none_or(|p| p.rank() == 0);
     let result = match (command, process) {
-        (Command::Train(args), Some(process)) => {
-            process.run(|ctx| run_train(*args, Some(ctx)));
-            Ok(())
-        }
+        // Every rank stops at the same step when a signal interrupts the run, so the job then
+        // ends as a whole, with no rank failing; any other error ends it naming the rank.
+        (Command::Train(args), Some(process)) => process.run(|ctx| match run_train(*args, Some(ctx)) {
+            Err(Ended::Failed(message)) => Err(message),
+            Err(Ended::Interrupted(message)) => {
+                // Said before MPI is finalised: mpirun, signalled, may end the job then.
+                if lead {
+                    eprintln!("{message}");
+                }
+                Ok(Err(Ended::Interrupted(String::new())))
+            }
+            Ok(()) => Ok(Ok(())),
+        }),
         (Command::Train(args), None) => run_train(*args, None),
         (_, Some(_)) => Err(
             "only `llama train` runs as one process per rank; run `llama eval`, `llama plan` and `llama export` without mpirun".into(),
         ),
-        (Command::Eval(args), None) => run_eval(args),
-        (Command::Plan(args), None) => run_plan(args),
+        (Command::Eval(args), None) => run_eval(args).map_err(Ended::from),
+        (Command::Plan(args), None) => run_plan(args).map_err(Ended::from),
         (Command::Export(args), None) => {
-            llama::checkpoint::export(&args.checkpoint, &args.out, args.max_shard_size).map(
-                |step| println!("exported the checkpoint after step {step} to {}", args.out.display()),
-            )
+            llama::checkpoint::export(&args.checkpoint, &args.out, args.max_shard_size)
+                .map(|step| println!("exported the checkpoint after step {step} to {}", args.out.display()))
+                .map_err(Ended::from)
         }
     };
-    if let Err(message) = result {
-        eprintln!("error: {message}");
-        std::process::exit(1);
+    match result {
+        Ok(()) => {}
+        Err(Ended::Interrupted(message)) => {
+            if lead && !message.is_empty() {
+                eprintln!("{message}");
+            }
+            std::process::exit(EXIT_INTERRUPTED);
+        }
+        Err(Ended::Failed(message)) => {
+            eprintln!("error: {message}");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// The exit status of a run a signal stopped after checkpointing: sysexits' EX_TEMPFAIL
+/// ("try again"), so that a requeueing script tells a preemption from a failure.
+const EXIT_INTERRUPTED: i32 = 75;
+
+/// Why a command did not finish.
+enum Ended {
+    /// A signal stopped training after a checkpoint; `--resume` continues it.
+    Interrupted(String),
+    Failed(String),
+}
+
+impl From<String> for Ended {
+    fn from(message: String) -> Self {
+        Self::Failed(message)
+    }
+}
+
+impl From<&str> for Ended {
+    fn from(message: &str) -> Self {
+        Self::Failed(message.into())
+    }
+}
+
+impl From<TrainError> for Ended {
+    fn from(error: TrainError) -> Self {
+        match error {
+            TrainError::Interrupted { .. } => Self::Interrupted(error.to_string()),
+            error => Self::Failed(error.to_string()),
+        }
     }
 }
 
@@ -414,7 +465,7 @@ fn run_plan(args: PlanArgs) -> Result<(), String> {
 
 /// Trains as `llama train` was asked to; `process` is this process's rank when the job runs
 /// one process per rank, of which rank 0 alone prints and writes files.
-fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), String> {
+fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), Ended> {
     let lead = process.as_ref().is_none_or(|ctx| ctx.rank() == 0);
     if !lead {
         args.save = None;
@@ -434,7 +485,8 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), St
             return Err(format!(
                 "{} holds another shape than --model {name}; drop --model to use the stored shape",
                 dir.display()
-            ));
+            )
+            .into());
         }
         model = stored;
     }
@@ -479,7 +531,8 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), St
         return Err(format!(
             "--bucket-mb {}: a bucket holds a positive, finite number of MiB (25 is the default)",
             args.bucket_mb
-        ));
+        )
+        .into());
     }
     let bucket_bytes = ((args.bucket_mb * 1024.0 * 1024.0) as usize).max(1);
     config.ddp = DdpConfig::new()
@@ -551,7 +604,7 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), St
                 return Err(format!(
                     "the Markov source needs 2 to {} symbols and 1 to --markov-symbols successors per context",
                     config.model.vocab_size
-                ));
+                ).into());
             }
             Box::new(MarkovSource::new(
                 args.markov_symbols,
@@ -620,12 +673,12 @@ fn print_run(
 }
 
 #[cfg(feature = "cuda")]
-fn train_on_cuda(config: &TrainConfig, data: &dyn Dataset, args: &TrainArgs) -> Result<(), String> {
+fn train_on_cuda(config: &TrainConfig, data: &dyn Dataset, args: &TrainArgs) -> Result<(), Ended> {
     train_on::<Autodiff<burn::backend::Cuda>>(config, data, &Default::default(), args)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn train_on_cuda(_: &TrainConfig, _: &dyn Dataset, _: &TrainArgs) -> Result<(), String> {
+fn train_on_cuda(_: &TrainConfig, _: &dyn Dataset, _: &TrainArgs) -> Result<(), Ended> {
     Err("this binary was built without CUDA; rebuild with `--features cuda`".into())
 }
 
@@ -634,7 +687,7 @@ fn train_on<B: TrainBackend>(
     data: &dyn Dataset,
     device: &B::Device,
     args: &TrainArgs,
-) -> Result<(), String> {
+) -> Result<(), Ended> {
     let mut metrics = match &args.metrics {
         Some(path) => {
             // A resumed run adds its steps to the lines of the steps before it.
@@ -695,14 +748,14 @@ fn train_on<B: TrainBackend>(
         history.push(*m);
     };
     let started = Instant::now();
-    let model = train::<B>(config, data, device, &mut on_step).map_err(|e| e.to_string())?;
+    let model = train::<B>(config, data, device, &mut on_step)?;
     bar.finish_and_clear();
     if config.process.as_ref().is_some_and(|ctx| ctx.rank() != 0) {
         // Rank 0 reports and saves.
         return Ok(());
     }
     if let Some(e) = write_error {
-        return Err(format!("cannot write the metrics: {e}"));
+        return Err(format!("cannot write the metrics: {e}").into());
     }
 
     let last = history.last().expect("at least one step");

@@ -91,8 +91,8 @@ impl<'a> Saver<'a> {
     }
 
     /// Checkpoints after the step of `metrics` when the run asks for it then, or when a signal
-    /// asked any rank to stop (a collective), noting the stall in `metrics`; returns whether to
-    /// stop.
+    /// asked any rank to stop, noting the stall in `metrics`; returns whether to stop. Fails,
+    /// on every rank, once any rank's background save has failed.
     fn after<B: AutodiffBackend>(
         &mut self,
         engine: &dyn Engine<B>,
@@ -103,29 +103,47 @@ impl<'a> Saver<'a> {
             return Ok(false);
         };
         let step = metrics.step;
-        let stop = self.asked_to_stop::<B>(device)?;
         let due = checkpoints.every > 0 && step.is_multiple_of(checkpoints.every);
+        let stop = self.agree_on_stop::<B>(device)?;
         if due || stop {
             let began = Instant::now();
             self.save(engine, step)?;
             metrics.checkpoint_s = Some(began.elapsed().as_secs_f64());
         }
-        // A signal that came during a due save is acted on now, not a step later.
+        // A signal that came while the state was copied aside is acted on now.
         if due && !stop {
-            return self.asked_to_stop::<B>(device);
+            return self.agree_on_stop::<B>(device);
         }
         Ok(stop)
     }
 
-    /// Whether a signal asked any rank to stop (a collective): the ranks may see it at
-    /// different steps, so they stop at the first any saw.
-    fn asked_to_stop<B: AutodiffBackend>(&self, device: &B::Device) -> Result<bool, TrainError> {
-        let asked = f64::from(u8::from(interrupt::requested()));
-        let any = match self.world {
-            Some(world) => reduce_scalar::<B::InnerBackend>(world, asked, ReduceOp::Max, device)?,
-            None => asked,
+    /// Whether a signal asked any rank to stop (a collective: the ranks may see it at
+    /// different steps, so they stop at the first any saw). Fails on every rank once any has
+    /// seen its background save fail, rather than train on without checkpoints.
+    fn agree_on_stop<B: AutodiffBackend>(
+        &mut self,
+        device: &B::Device,
+    ) -> Result<bool, TrainError> {
+        const ASKED: f64 = 1.0;
+        const SAVE_FAILED: f64 = 2.0;
+        let failed = self.background.as_mut().is_some_and(|b| b.has_failed());
+        let mine = match (failed, interrupt::requested()) {
+            (true, _) => SAVE_FAILED,
+            (false, true) => ASKED,
+            (false, false) => 0.0,
         };
-        Ok(any > 0.0)
+        let any = match self.world {
+            Some(world) => reduce_scalar::<B::InnerBackend>(world, mine, ReduceOp::Max, device)?,
+            None => mine,
+        };
+        if any >= SAVE_FAILED {
+            // Every rank's save agrees on its outcome, so each has the failure to report.
+            self.finish()?;
+            return Err(TrainError::Config(
+                "another rank's checkpoint failed while this one's was saved".into(),
+            ));
+        }
+        Ok(any >= ASKED)
     }
 
     /// Where the run checkpoints.
@@ -158,25 +176,21 @@ impl<'a> Saver<'a> {
         let background = self.background.as_mut().expect("a run that checkpoints");
         background
             .start(&dir, step as u64, pieces, metadata)
-            .map_err(|e| save_failed(step as u64, e))?;
+            .map_err(checkpoint_error)?;
         Ok(())
     }
 
     /// Waits for the save under way, so that its checkpoint is committed.
     fn finish(&mut self) -> Result<(), TrainError> {
-        let Some(background) = &mut self.background else {
-            return Ok(());
-        };
-        let step = background.saving();
-        background
-            .wait()
-            .map_err(|e| save_failed(step.unwrap_or_default(), e))?;
+        if let Some(background) = &mut self.background {
+            background.wait().map_err(checkpoint_error)?;
+        }
         Ok(())
     }
 }
 
-fn save_failed(step: u64, error: burn_checkpoint::CheckpointError) -> TrainError {
-    TrainError::Config(format!("checkpoint after step {step}: {error}"))
+fn checkpoint_error(error: burn_checkpoint::CheckpointError) -> TrainError {
+    TrainError::Config(error.to_string())
 }
 
 /// The one training loop, [`steps`], then the last checkpoint committed: an interrupted run
@@ -230,8 +244,10 @@ fn steps<B: AutodiffBackend>(
         }
         let mut metrics = StepMetrics::measure(step, loss, lr, tokens, (begun, started));
         stepped.fill(&mut metrics);
-        let stop = saver.after(engine, &mut metrics, device)?;
+        let stop = saver.after(engine, &mut metrics, device);
+        // The step was trained, so it is reported even when its checkpoint fails.
         on_step(&metrics);
+        let stop = stop?;
         // A stop asked during the last step changes nothing: the run ends as it would.
         if stop && step + 1 < config.steps {
             return Err(TrainError::Interrupted {
@@ -308,5 +324,46 @@ mod tests {
             );
             assert_eq!(seen, vec![2.0], "only the finite step is reported");
         }
+    }
+
+    #[test]
+    fn a_failed_background_save_stops_the_run_at_the_next_step_naming_its_step() {
+        let mut config = TrainConfig::new(LlamaConfig::preset("tiny").unwrap(), 6);
+        config.seq_len = 8;
+        let dir =
+            std::env::temp_dir().join(format!("llama-run-failed-save-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        config.checkpoint = Some(checkpoint::CheckpointConfig {
+            dir: dir.clone(),
+            every: 2,
+            resume: false,
+        });
+        let data = MarkovSource::new(16, 2, config.seq_len, 64, 1);
+        let batches = Batches::new(&config, &data, 1, 0, config.layout().unwrap()).unwrap();
+        // A scripted engine holds no state to hand in, so its save fails, in the background.
+        let mut engine = Scripted(vec![2.0; 6]);
+        let mut seen = Vec::new();
+        let mut saver = Saver::new(&config, None).unwrap();
+        let error = train_loop::<A>(
+            &config,
+            &mut engine,
+            &batches,
+            &Default::default(),
+            &mut |m| seen.push(m.step),
+            0,
+            &mut saver,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.starts_with("the checkpoint after step 2: ")
+                && error.contains("checkpoints are taken on"),
+            "{error}"
+        );
+        // Found failed as soon as a check sees it (after step 2, 3, or step 4's save waiting
+        // for it): the run never trains past the next save.
+        assert!(matches!(seen.len(), 2..=4), "steps reported: {seen:?}");
+        assert!(!dir.join("step-00000002").exists());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

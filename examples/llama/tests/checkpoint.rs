@@ -78,7 +78,7 @@ fn interrupted(config: &TrainConfig, dir: &Path) -> Run {
     let checkpointed: Vec<usize> = run
         .steps
         .iter()
-        .filter(|m| m.checkpoint_s.is_some_and(|s| s >= 0.0))
+        .filter(|m| m.checkpoint_s.is_some())
         .map(|m| m.step)
         .collect();
     assert_eq!(checkpointed, [3, 6], "the steps that report a checkpoint");

@@ -3,7 +3,8 @@
 //! against the threads only). Rank 0 alone prints and writes the metrics and the weights. The
 //! layouts run one after another: each job already has more processes than this machine has
 //! cores. `burn-launch` without flags starts the same job through mpirun on a machine without a
-//! GPU.
+//! GPU. A job stopped by SIGTERM to mpirun, or by the SIGKILL of one rank, resumes from its
+//! last committed checkpoint with the uninterrupted job's bits.
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -269,4 +270,170 @@ fn processes_checkpoint_and_resume_as_threads_do() {
             "tp 2 from dp 2 x tp 2: {a} against {e}"
         );
     }
+}
+
+/// `llama train` for 30 steps of `tiny` at dp 2, as two processes under mpirun, checkpointing
+/// every step into `checkpoints` (resuming from it with `resume`).
+#[cfg(unix)]
+fn long_job(checkpoints: &Path, metrics: &Path, resume: bool) -> std::process::Command {
+    let mut command = burn_comm::mpirun(2);
+    command
+        .arg(env!("CARGO_BIN_EXE_llama"))
+        .args(["train", "--steps", "30", "--batch-size", "8", "--seq-len"])
+        .args([
+            "16",
+            "--dp",
+            "2",
+            "--checkpoint-every",
+            "1",
+            "--checkpoint-dir",
+        ])
+        .arg(checkpoints)
+        .arg("--metrics")
+        .arg(metrics);
+    if resume {
+        command.arg("--resume");
+    }
+    command
+}
+
+/// The processes whose parent is `parent`, read from /proc (no procps needed).
+#[cfg(target_os = "linux")]
+fn children(parent: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|entry| {
+            let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // "pid (comm) state ppid ...": the command may hold spaces, so read after its ')'.
+            let ppid: u32 = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            (ppid == parent).then_some(pid)
+        })
+        .collect()
+}
+
+/// Waits for `child` at most `limit`, killing it (and failing) should it outlive that.
+#[cfg(unix)]
+fn wait_bounded(
+    child: &mut std::process::Child,
+    limit: std::time::Duration,
+) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the job still ran {limit:?} after one of its ranks was killed");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_sigterm_to_mpirun_checkpoints_and_killing_one_rank_loses_nothing_committed() {
+    let dir = scratch("kill");
+    let whole = dir.join("whole.jsonl");
+    let out = long_job(&dir.join("whole"), &whole, false)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", transcript(&out));
+    let whole = losses(&whole);
+    assert_eq!(whole.len(), 30);
+
+    // SIGTERM to mpirun (a scheduler's preemption), which passes it to every rank: the ranks
+    // agree on the step to stop after, checkpoint it and say how to go on.
+    let checkpoints = dir.join("terminated");
+    let metrics = dir.join("terminated.jsonl");
+    let job = long_job(&checkpoints, &metrics, false)
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::fs::read_to_string(&metrics).map_or(0, |m| m.lines().count()) < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the job never trained"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let signalled = std::process::Command::new("kill")
+        .args(["-TERM", &job.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    let out = job.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("stopped by a signal after step")
+            && stderr.contains("--resume"),
+        "{stderr}"
+    );
+    let stopped = losses(&metrics).len();
+    assert!(stopped < 30, "the signal came too late to test anything");
+    let resumed = dir.join("resumed-after-term.jsonl");
+    let out = long_job(&checkpoints, &resumed, true).output().unwrap();
+    assert!(out.status.success(), "{}", transcript(&out));
+    assert_eq!(
+        losses(&resumed),
+        whole[stopped..],
+        "stopped after step {stopped}"
+    );
+
+    // One rank, drawn from the clock, SIGKILLed at a moment drawn from the clock once the
+    // job has committed a checkpoint: during a step, a save, or its commit.
+    let checkpoints = dir.join("checkpoints");
+    let mut job = long_job(&checkpoints, &dir.join("killed.jsonl"), false)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !checkpoints.join("latest").exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint was committed"
+        );
+        assert!(job.try_wait().unwrap().is_none(), "the job ended early");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let clock = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    std::thread::sleep(std::time::Duration::from_micros(u64::from(clock % 150_000)));
+    let mut ranks = children(job.id());
+    ranks.sort_unstable();
+    assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
+    let victim = ranks[(clock / 150_000) as usize % 2];
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = wait_bounded(&mut job, std::time::Duration::from_secs(60));
+    assert!(!status.success(), "a job that lost a rank cannot succeed");
+
+    let resumed = dir.join("resumed.jsonl");
+    let out = long_job(&checkpoints, &resumed, true).output().unwrap();
+    assert!(out.status.success(), "{}", transcript(&out));
+    let resumed = losses(&resumed);
+    let from = whole.len() - resumed.len();
+    assert!(
+        from >= 1,
+        "the job resumed from a checkpoint, not from the seed"
+    );
+    assert_eq!(resumed, whole[from..], "resumed after step {from}");
+    println!("process {victim} killed, the job's {status}; resumed after step {from}");
+    std::fs::remove_dir_all(dir).unwrap();
 }

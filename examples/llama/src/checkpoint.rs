@@ -97,8 +97,8 @@ pub(crate) fn loss_scale(checkpoint: &Checkpoint) -> Result<Option<LossScaleStat
     })
 }
 
-/// Fails unless `checkpoint` was taken by a run `config` can continue: the same model, seed
-/// and batch (the layout may differ).
+/// Fails unless `checkpoint` was taken by a run `config` can continue: the same model, seed,
+/// batch and schedule (the layout may differ).
 pub(crate) fn check_resumable(
     config: &TrainConfig,
     checkpoint: &Checkpoint,
@@ -129,6 +129,14 @@ pub(crate) fn check_resumable(
             )));
         }
     }
+    Ok(())
+}
+
+/// Fails unless the run `config` has steps left after `checkpoint`'s.
+pub(crate) fn check_steps_left(
+    config: &TrainConfig,
+    checkpoint: &Checkpoint,
+) -> Result<(), TrainError> {
     if checkpoint.step() as usize >= config.steps {
         return Err(TrainError::Config(format!(
             "{} is after step {}, and the run has {} steps: nothing is left to train",

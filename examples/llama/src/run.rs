@@ -29,6 +29,63 @@ pub fn train_rank<B: TrainBackend>(
     device: &B::Device,
     on_step: &mut dyn FnMut(&StepMetrics),
 ) -> Result<Finished<B::InnerBackend>, TrainError> {
+    with_rank::<B, _>(config, data, world, weights, device, |mut rank| {
+        let mut saver = Saver::new(config, rank.groups.world.as_ref())?;
+        train_loop(
+            config,
+            rank.engine.as_mut(),
+            &rank.batches,
+            device,
+            on_step,
+            rank.start,
+            &mut saver,
+        )?;
+        rank.engine.finish()
+    })
+}
+
+/// Builds one rank of `config` from `weights`, which resume from a checkpoint, and saves its
+/// state again, unchanged, as the checkpoint of the same step under `to` (a collective over
+/// `world`): the checkpoint resharded to `config`'s layout. Returns its step.
+pub fn resave_rank<B: TrainBackend>(
+    config: &TrainConfig,
+    data: &dyn Dataset,
+    world: Option<&Communicator>,
+    weights: &Weights,
+    device: &B::Device,
+    to: &std::path::Path,
+) -> Result<usize, TrainError> {
+    if weights.resumed().is_none() {
+        return Err(TrainError::Config(
+            "there is no checkpoint to save again: resume from one".into(),
+        ));
+    }
+    with_rank::<B, _>(config, data, world, weights, device, |rank| {
+        let mut saver = Saver::new(config, rank.groups.world.as_ref())?;
+        saver.save(rank.engine.as_ref(), rank.start, to)?;
+        saver.finish()?;
+        Ok(rank.start)
+    })
+}
+
+/// One rank, built: its engine (restored when resuming), its batches and groups, and the
+/// step it starts after.
+struct Rank<'a, B: TrainBackend> {
+    engine: Box<dyn Engine<B> + 'a>,
+    batches: Batches<'a>,
+    groups: Groups,
+    start: usize,
+}
+
+/// Builds this rank of `config` from `weights` (only its parts) and hands it to `then`.
+fn with_rank<B: TrainBackend, T>(
+    config: &TrainConfig,
+    data: &dyn Dataset,
+    world: Option<&Communicator>,
+    weights: &Weights,
+    device: &B::Device,
+    then: impl FnOnce(Rank<'_, B>) -> Result<T, TrainError>,
+) -> Result<T, TrainError> {
     let layout = config.layout()?;
     let plan = ParallelPlan::new(config)?;
     let dims = ParallelDims::of(config);
@@ -52,17 +109,12 @@ pub fn train_rank<B: TrainBackend>(
         engine.restore(checkpoint, device)?;
         start = checkpoint.step() as usize;
     }
-    let mut saver = Saver::new(config, groups.world.as_ref())?;
-    train_loop(
-        config,
-        engine.as_mut(),
-        &batches,
-        device,
-        on_step,
+    then(Rank {
+        engine,
+        batches,
+        groups,
         start,
-        &mut saver,
-    )?;
-    engine.finish()
+    })
 }
 
 /// Takes a run's checkpoints, each written in the background while training goes on.
@@ -107,7 +159,8 @@ impl<'a> Saver<'a> {
         let stop = self.agree_on_stop::<B>(device)?;
         if due || stop {
             let began = Instant::now();
-            self.save(engine, step)?;
+            let dir = checkpoints.dir.clone();
+            self.save(engine, step, &dir)?;
             metrics.checkpoint_s = Some(began.elapsed().as_secs_f64());
         }
         // A signal that came while the state was copied aside is acted on now.
@@ -162,6 +215,7 @@ impl<'a> Saver<'a> {
         &mut self,
         engine: &dyn Engine<B>,
         step: usize,
+        dir: &std::path::Path,
     ) -> Result<(), TrainError> {
         // One copy aside at a time.
         self.finish()?;
@@ -172,10 +226,9 @@ impl<'a> Saver<'a> {
             Err(_) => serde_json::Value::Null,
         };
         let pieces = state.map(|s| s.pieces).map_err(|e| e.to_string());
-        let dir = self.dir().to_path_buf();
         let background = self.background.as_mut().expect("a run that checkpoints");
         background
-            .start(&dir, step as u64, pieces, metadata)
+            .start(dir, step as u64, pieces, metadata)
             .map_err(checkpoint_error)?;
         Ok(())
     }

@@ -22,7 +22,7 @@ use crate::dims::ParallelDims;
 use crate::engine::TrainBackend;
 use crate::launch::{check_processes, launch_ranks};
 use crate::model::Llama;
-use crate::run::train_rank;
+use crate::run::{resave_rank, train_rank};
 use crate::schedule::WarmupCosine;
 use crate::weights::Weights;
 
@@ -411,6 +411,9 @@ pub fn train<B: TrainBackend>(
     config.layout()?;
     check_processes(config)?;
     let weights = Weights::of(config)?;
+    if let Some(checkpoint) = weights.resumed() {
+        crate::checkpoint::check_steps_left(config, checkpoint)?;
+    }
     let dims = ParallelDims::of(config);
     if dims.ranks() == 1 && config.strategy == Strategy::Single {
         return Ok(train_rank::<B>(config, data, None, &weights, device, on_step)?.model);
@@ -445,4 +448,27 @@ pub fn train<B: TrainBackend>(
     }
     let (_, _, model) = results.into_iter().next().expect("one result per rank");
     Ok(model.expect("the first result is rank 0's, or this process's"))
+}
+
+/// Reads the newest checkpoint of the run `config` resumes into `config`'s layout, every rank
+/// taking the blocks it would train with, and saves that state again, unchanged, as the
+/// checkpoint of the same step under `to`: the checkpoint resharded offline, as Megatron's
+/// tests save in one layout, load in another and save again. Returns its step.
+pub fn resave<B: TrainBackend>(
+    config: &TrainConfig,
+    data: &dyn Dataset,
+    device: &B::Device,
+    to: &std::path::Path,
+) -> Result<usize, TrainError> {
+    config.layout()?;
+    check_processes(config)?;
+    let weights = Weights::of(config)?;
+    let dims = ParallelDims::of(config);
+    if dims.ranks() == 1 && config.strategy == Strategy::Single {
+        return resave_rank::<B>(config, data, None, &weights, device, to);
+    }
+    let steps = launch_ranks(config, dims.ranks(), &mut |_| {}, |world, _| {
+        resave_rank::<B>(config, data, Some(world), &weights, device, to)
+    })?;
+    Ok(steps[0])
 }

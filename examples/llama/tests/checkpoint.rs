@@ -5,8 +5,9 @@
 //! interleaved, dp 2 x pp 2 with ZeRO-1, a tied head under pp 2 x tp 2 and dp 2 x pp 2 ZeRO-1
 //! (the last stage's copy of the embedding is not saved, the first's is); resumed in another
 //! layout, each rank reads the blocks it holds there, and the run continues within the
-//! threaded parity tests' tolerances of that layout's uninterrupted run. A checkpoint of another run is
-//! refused, as is a layout that does not checkpoint yet.
+//! threaded parity tests' tolerances of that layout's uninterrupted run; read into another
+//! layout and saved again, it holds the same bits (Megatron's save / load / save test). A
+//! checkpoint of another run is refused, as is a layout that does not checkpoint yet.
 
 mod common;
 
@@ -201,6 +202,91 @@ fn a_checkpoint_resumes_in_another_layout() {
         let resumed = run(&with_checkpoints(&target, &dir, 0, true));
         assert_close(&tail(&oracle, 3), &resumed, what);
         std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+/// Every tensor of the newest checkpoints in `a` and `b`, and their step counts, the same bits.
+fn assert_same_checkpoint(a: &Path, b: &Path, what: &str) {
+    let open = |dir: &Path| {
+        burn_checkpoint::Checkpoint::latest(dir)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{what}: no checkpoint in {}", dir.display()))
+    };
+    let (a, b) = (open(a), open(b));
+    assert_eq!(a.step(), b.step(), "{what}");
+    let names: Vec<&str> = a.names().collect();
+    assert_eq!(names, b.names().collect::<Vec<_>>(), "{what}: the tensors");
+    assert!(
+        names.len() > 30,
+        "{what}: parameters and moments: {names:?}"
+    );
+    for name in names {
+        assert_eq!(
+            a.read_whole(name).unwrap(),
+            b.read_whole(name).unwrap(),
+            "{what}: `{name}`"
+        );
+    }
+    for key in ["adamw_steps", "loss_scale", "model", "seed", "steps"] {
+        assert_eq!(a.metadata()[key], b.metadata()[key], "{what}: {key}");
+    }
+}
+
+#[test]
+fn a_checkpoint_loaded_in_another_layout_and_saved_again_holds_the_same_bits() {
+    let dp_pp_tp = {
+        let mut config = pipeline(2, 2, ScheduleKind::OneFOneB, 1);
+        (config.dp, config.strategy) = (2, Strategy::Ddp);
+        config
+    };
+    let bf16 = Some(MixedPrecision::bf16());
+    let layouts = [
+        (
+            "dp 2 zero 3 -> single",
+            zero_layout(2, 1, ZeroStage::Parameters, None),
+            layout(1, 1, false),
+        ),
+        (
+            "single -> dp 2 x pp 2 x tp 2",
+            layout(1, 1, false),
+            dp_pp_tp,
+        ),
+        ("tp 4 -> tp 2 + sp", layout(1, 4, false), layout(1, 2, true)),
+        (
+            "pp 2 interleaved -> pp 4 1f1b",
+            pipeline(2, 1, ScheduleKind::Interleaved, 2),
+            pipeline(4, 1, ScheduleKind::OneFOneB, 1),
+        ),
+        (
+            "dp 4 zero 2 bf16 -> dp 2 zero 1 bf16",
+            zero_layout(4, 1, ZeroStage::Gradients, bf16.clone()),
+            zero_layout(2, 1, ZeroStage::OptimizerState, bf16),
+        ),
+        (
+            "zero 3 f16 -> dp 2 x tp 2 zero 3 f16",
+            zero_layout(2, 1, ZeroStage::Parameters, Some(MixedPrecision::f16())),
+            zero_layout(2, 2, ZeroStage::Parameters, Some(MixedPrecision::f16())),
+        ),
+    ];
+    let data = llama::data::MarkovSource::new(16, 3, 32, 4096, 1);
+    for (i, (what, from, target)) in layouts.into_iter().enumerate() {
+        // A: saved by `from` after step 6; B: A read into `target` and saved again.
+        let (a, b) = (
+            scratch(&format!("resave-a-{i}")),
+            scratch(&format!("resave-b-{i}")),
+        );
+        run(&with_checkpoints(&from, &a, 3, false));
+        let step = llama::train::resave::<B>(
+            &with_checkpoints(&target, &a, 0, true),
+            &data,
+            &Default::default(),
+            &b,
+        )
+        .unwrap();
+        assert_eq!(step, 6, "{what}");
+        assert_same_checkpoint(&a, &b, what);
+        std::fs::remove_dir_all(a).unwrap();
+        std::fs::remove_dir_all(b).unwrap();
     }
 }
 

@@ -75,9 +75,7 @@ impl ParallelDims {
             config.seq_len,
         )
         .map_err(TrainError::Config)?;
-        if config.checkpoint.is_some()
-            && (config.strategy == Strategy::ParameterServer || config.nccl)
-        {
+        if config.checkpoint.is_some() && config.nccl {
             return Err(TrainError::Config(CHECKPOINTED_LAYOUTS.into()));
         }
         if config.strategy == Strategy::ParameterServer && self.tp > 1 {

@@ -1,7 +1,8 @@
 //! Training checkpoints: a run that checkpoints after step 3 of 6 and is stopped there, then
 //! resumed, gives the uninterrupted run's losses and final weights bit for bit in the same
-//! layout (one device, DDP at dp 2, dp 2 x tp 2 with sequence parallelism, ZeRO-1, ZeRO-2 in
-//! bf16, ZeRO-3 in f16 with its loss scale, ZeRO-3 at dp 2 x tp 2, pipelines under 1F1B and
+//! layout (one device, DDP at dp 2, dp 2 x tp 2 with sequence parallelism, the parameter
+//! server, ZeRO-1, ZeRO-2 in bf16, ZeRO-3 in f16 with its loss scale, ZeRO-3 at dp 2 x tp 2,
+//! pipelines under 1F1B and
 //! interleaved, dp 2 x pp 2 with ZeRO-1, a tied head under pp 2 x tp 2 and dp 2 x pp 2 ZeRO-1
 //! (the last stage's copy of the embedding is not saved, the first's is); resumed in another
 //! layout, each rank reads the blocks it holds there, and the run continues within the
@@ -39,6 +40,13 @@ fn layout(dp: usize, tp: usize, sp: bool) -> TrainConfig {
     config.warmup_steps = 2;
     config.tp = tp;
     config.sequence_parallel = sp;
+    config
+}
+
+/// `layout(dp, 1, false)` under the parameter-server baseline.
+fn server(dp: usize) -> TrainConfig {
+    let mut config = layout(dp, 1, false);
+    config.strategy = Strategy::ParameterServer;
     config
 }
 
@@ -116,6 +124,7 @@ fn a_resumed_run_continues_the_uninterrupted_one_bit_for_bit_in_its_layout() {
             "zero 3 x tp 2",
             zero_layout(2, 2, ZeroStage::Parameters, None),
         ),
+        ("parameter server", server(2)),
         ("pp 2 1f1b", pipeline(2, 1, ScheduleKind::OneFOneB, 1)),
         (
             "pp 2 interleaved",
@@ -252,6 +261,7 @@ fn a_checkpoint_loaded_in_another_layout_and_saved_again_holds_the_same_bits() {
             dp_pp_tp,
         ),
         ("tp 4 -> tp 2 + sp", layout(1, 4, false), layout(1, 2, true)),
+        ("parameter server -> dp 2", server(2), layout(2, 1, false)),
         (
             "pp 2 interleaved -> pp 4 1f1b",
             pipeline(2, 1, ScheduleKind::Interleaved, 2),
@@ -321,10 +331,10 @@ fn a_checkpoint_of_another_run_or_a_layout_without_checkpoints_is_refused() {
     let error = train(&with_checkpoints(&config, &done, 0, true)).expect("refused");
     assert!(error.contains("nothing is left to train"), "{error}");
     std::fs::remove_dir_all(done).unwrap();
-    let mut server = with_checkpoints(&layout(2, 1, false), &dir, 3, false);
-    server.strategy = Strategy::ParameterServer;
-    let error = train(&server).expect("refused");
-    assert!(error.contains("not under the parameter server"), "{error}");
+    let mut nccl = with_checkpoints(&layout(2, 1, false), &dir, 0, true);
+    nccl.nccl = true;
+    let error = train(&nccl).expect("refused");
+    assert!(error.contains("not under --nccl"), "{error}");
     // An empty directory: the run starts from the seed.
     let fresh = scratch("fresh");
     let from_nothing = run(&with_checkpoints(&config, &fresh, 0, true));

@@ -77,7 +77,7 @@ fn not_checkpointed() -> TrainError {
 }
 
 /// The layouts that checkpoint, as a refusal says it.
-pub(crate) const CHECKPOINTED_LAYOUTS: &str = "checkpoints are taken on one device, under DDP, ZeRO 1-3 and pipelines (with any --tp and --sp, on the local and MPI transports) so far, not under the parameter server or --nccl; drop --checkpoint-dir or use such a layout";
+pub(crate) const CHECKPOINTED_LAYOUTS: &str = "checkpoints are taken on one device, under DDP, ZeRO 1-3, pipelines (with any --tp and --sp) and the parameter server, on the local and MPI transports so far, not under --nccl; drop --checkpoint-dir or --nccl";
 
 /// What an optimizer step reports.
 #[derive(Debug, Clone, Copy, Default)]

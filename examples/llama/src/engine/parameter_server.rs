@@ -8,11 +8,17 @@ use burn::tensor::Tensor;
 use burn_comm::{Communicator, ReduceOp};
 use burn_ddp::DataParallel;
 
+use burn_checkpoint::Checkpoint;
+
 use super::{Engine, Finished, Stepped, TrainBackend};
 use crate::batches::Batches;
+use crate::checkpoint::{self, TrainingState};
 use crate::model::Llama;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::{TrainConfig, TrainError, scalar};
+
+/// The rank that steps the optimizer (burn-ddp's `DataParallel` root).
+const SERVER: usize = 0;
 
 pub(crate) struct ParameterServerEngine<'a, B: TrainBackend> {
     config: &'a TrainConfig,
@@ -76,5 +82,31 @@ impl<B: TrainBackend> Engine<B> for ParameterServerEngine<'_, B> {
 
     fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
         Finished::gathered(self.plan, self.dp.into_module().valid())
+    }
+
+    /// The server's parameters and AdamW state; the workers hold no state of their own (their
+    /// parameters are the server's, broadcast each step).
+    fn checkpoint_pieces(&self) -> Result<TrainingState, TrainError> {
+        if self.comm.rank() != SERVER {
+            return Ok(TrainingState {
+                pieces: Vec::new(),
+                adam_steps: 0,
+                loss_scale: None,
+            });
+        }
+        let held = checkpoint::Held::of(self.plan, self.dp.module());
+        checkpoint::adamw_pieces(&held, self.dp.module(), &self.optimizer)
+    }
+
+    /// Every rank's parameters were read from the checkpoint; the server's optimizer too.
+    fn restore(&mut self, from: &Checkpoint, device: &B::Device) -> Result<(), TrainError> {
+        if self.comm.rank() != SERVER {
+            return Ok(());
+        }
+        let fresh = self.config.optimizer().init::<B, Llama<B>>();
+        let optimizer = std::mem::replace(&mut self.optimizer, fresh);
+        let held = checkpoint::Held::of(self.plan, self.dp.module());
+        self.optimizer = checkpoint::load_adamw(&held, self.dp.module(), optimizer, from, device)?;
+        Ok(())
     }
 }

@@ -204,7 +204,9 @@ mod tests {
         saver
             .start(&root, 1, Err("no pieces".into()), json(1))
             .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
         while !saver.has_failed() {
+            assert!(Instant::now() < deadline, "the failed save never ended");
             std::thread::yield_now();
         }
         assert_eq!(

@@ -1,7 +1,7 @@
 //! `llama train` and `llama eval`: the command line of the example.
 
 use std::io::{BufWriter, IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::backend::{Autodiff, Flex};
@@ -682,6 +682,35 @@ fn train_on_cuda(_: &TrainConfig, _: &dyn Dataset, _: &TrainArgs) -> Result<(), 
     Err("this binary was built without CUDA; rebuild with `--features cuda`".into())
 }
 
+/// Keeps the lines of `--metrics` up to the step the run resumes after: a run killed after
+/// its last checkpoint wrote lines of steps the resumed run trains again.
+fn drop_lines_after_checkpoint(path: &Path, config: &TrainConfig) -> Result<(), String> {
+    let Some(checkpoints) = &config.checkpoint else {
+        return Ok(());
+    };
+    let resumed = burn_checkpoint::Checkpoint::latest(&checkpoints.dir)
+        .map_err(|e| e.to_string())?
+        .map_or(0, |c| c.step());
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let step_of = |line: &str| {
+        serde_json::from_str::<serde_json::Value>(line)
+            .ok()
+            .and_then(|v| v["step"].as_u64())
+    };
+    let kept: String = text
+        .lines()
+        .take_while(|line| step_of(line).is_some_and(|step| step <= resumed))
+        .map(|line| format!("{line}\n"))
+        .collect();
+    if kept.len() < text.len() {
+        std::fs::write(path, kept)
+            .map_err(|e| format!("cannot rewrite {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
 fn train_on<B: TrainBackend>(
     config: &TrainConfig,
     data: &dyn Dataset,
@@ -692,6 +721,9 @@ fn train_on<B: TrainBackend>(
         Some(path) => {
             // A resumed run adds its steps to the lines of the steps before it.
             let resuming = config.checkpoint.as_ref().is_some_and(|c| c.resume);
+            if resuming {
+                drop_lines_after_checkpoint(path, config)?;
+            }
             let file = std::fs::OpenOptions::new()
                 .create(true)
                 .write(true)

@@ -143,25 +143,38 @@ impl<'a> Saver<'a> {
     }
 
     /// Checkpoints after the step of `metrics` when the run asks for it then, or when a signal
-    /// asked any rank to stop, noting the stall in `metrics`; returns whether to stop. Fails,
-    /// on every rank, once any rank's background save has failed.
+    /// asked any rank to stop, noting the stall in `metrics`, which go to `report` (always,
+    /// once) before the checkpoint can commit: a run killed after a commit has reported every
+    /// step up to it. Returns whether to stop; fails, on every rank, once any rank's
+    /// background save has failed.
     fn after<B: AutodiffBackend>(
         &mut self,
         engine: &dyn Engine<B>,
         metrics: &mut StepMetrics,
         device: &B::Device,
+        report: &mut dyn FnMut(&StepMetrics),
     ) -> Result<bool, TrainError> {
         let Some(checkpoints) = &self.config.checkpoint else {
+            report(metrics);
             return Ok(false);
         };
+        let dir = checkpoints.dir.clone();
         let step = metrics.step;
         let due = checkpoints.every > 0 && step.is_multiple_of(checkpoints.every);
-        let stop = self.agree_on_stop::<B>(device)?;
-        if due || stop {
+        let staged = self.agree_on_stop::<B>(device).and_then(|stop| {
             let began = Instant::now();
-            let dir = checkpoints.dir.clone();
-            self.save(engine, step, &dir)?;
-            metrics.checkpoint_s = Some(began.elapsed().as_secs_f64());
+            let staged = (due || stop)
+                .then(|| self.stage(engine, step))
+                .transpose()?;
+            if staged.is_some() {
+                metrics.checkpoint_s = Some(began.elapsed().as_secs_f64());
+            }
+            Ok((stop, staged))
+        });
+        report(metrics);
+        let (stop, staged) = staged?;
+        if let Some(staged) = staged {
+            self.start(staged, &dir)?;
         }
         // A signal that came while the state was copied aside is acted on now.
         if due && !stop {
@@ -209,15 +222,25 @@ impl<'a> Saver<'a> {
             .dir
     }
 
-    /// Copies this rank's state aside and starts writing it; the step stalls only for the
-    /// copy (and for the save before, should it still be under way).
+    /// Copies this rank's state aside and starts writing it as step `step`'s checkpoint
+    /// under `dir`.
     fn save<B: AutodiffBackend>(
         &mut self,
         engine: &dyn Engine<B>,
         step: usize,
         dir: &std::path::Path,
     ) -> Result<(), TrainError> {
-        // One copy aside at a time.
+        let staged = self.stage(engine, step)?;
+        self.start(staged, dir)
+    }
+
+    /// Copies this rank's state aside, once the save before has finished (one copy at a
+    /// time): what the step stalls for.
+    fn stage<B: AutodiffBackend>(
+        &mut self,
+        engine: &dyn Engine<B>,
+        step: usize,
+    ) -> Result<Staged, TrainError> {
         self.finish()?;
         // A rank that cannot hand in its pieces still joins the save, so every rank fails alike.
         let state = engine.checkpoint_pieces();
@@ -225,10 +248,19 @@ impl<'a> Saver<'a> {
             Ok(state) => checkpoint::metadata(self.config, state),
             Err(_) => serde_json::Value::Null,
         };
-        let pieces = state.map(|s| s.pieces).map_err(|e| e.to_string());
+        Ok(Staged {
+            step,
+            pieces: state.map(|s| s.pieces).map_err(|e| e.to_string()),
+            metadata,
+        })
+    }
+
+    /// Starts writing `staged` in the background.
+    fn start(&mut self, staged: Staged, dir: &std::path::Path) -> Result<(), TrainError> {
         let background = self.background.as_mut().expect("a run that checkpoints");
+        let step = staged.step as u64;
         background
-            .start(dir, step as u64, pieces, metadata)
+            .start(dir, step, staged.pieces, staged.metadata)
             .map_err(checkpoint_error)?;
         Ok(())
     }
@@ -240,6 +272,13 @@ impl<'a> Saver<'a> {
         }
         Ok(())
     }
+}
+
+/// A rank's state copied aside for a checkpoint, not yet written.
+struct Staged {
+    step: usize,
+    pieces: Result<Vec<burn_checkpoint::Shard>, String>,
+    metadata: serde_json::Value,
 }
 
 fn checkpoint_error(error: burn_checkpoint::CheckpointError) -> TrainError {
@@ -297,10 +336,8 @@ fn steps<B: AutodiffBackend>(
         }
         let mut metrics = StepMetrics::measure(step, loss, lr, tokens, (begun, started));
         stepped.fill(&mut metrics);
-        let stop = saver.after(engine, &mut metrics, device);
-        // The step was trained, so it is reported even when its checkpoint fails.
-        on_step(&metrics);
-        let stop = stop?;
+        // Reported even when its checkpoint fails: the step was trained.
+        let stop = saver.after(engine, &mut metrics, device, on_step)?;
         // A stop asked during the last step changes nothing: the run ends as it would.
         if stop && step + 1 < config.steps {
             return Err(TrainError::Interrupted {
@@ -380,7 +417,7 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_background_save_stops_the_run_at_the_next_step_naming_its_step() {
+    fn a_failed_background_save_stops_the_run_by_the_next_save_naming_its_step() {
         let mut config = TrainConfig::new(LlamaConfig::preset("tiny").unwrap(), 6);
         config.seq_len = 8;
         let dir =
@@ -416,6 +453,49 @@ mod tests {
         // Found failed as soon as a check sees it (after step 2, 3, or step 4's save waiting
         // for it): the run never trains past the next save.
         assert!(matches!(seen.len(), 2..=4), "steps reported: {seen:?}");
+        assert!(!dir.join("step-00000002").exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_background_save_failing_on_every_rank_stops_them_all_with_its_step() {
+        let mut config = TrainConfig::new(LlamaConfig::preset("tiny").unwrap(), 6);
+        config.seq_len = 8;
+        let dir = std::env::temp_dir().join(format!("llama-run-failed-dp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        config.checkpoint = Some(checkpoint::CheckpointConfig {
+            dir: dir.clone(),
+            every: 2,
+            resume: false,
+        });
+        let data = MarkovSource::new(16, 2, config.seq_len, 64, 1);
+        let results = burn_comm::launch(2, |ctx| {
+            let batches = Batches::new(&config, &data, 1, 0, config.layout()?)?;
+            // The scripted engines hold no state, so every rank's save fails in the
+            // background; each rank sees it when its own check comes, and the per-step
+            // agreement stops both together.
+            let mut engine = Scripted(vec![2.0; 6]);
+            let mut saver = Saver::new(&config, Some(ctx.world()))?;
+            let mut steps = 0;
+            train_loop::<A>(
+                &config,
+                &mut engine,
+                &batches,
+                &Default::default(),
+                &mut |_| steps += 1,
+                0,
+                &mut saver,
+            )
+            .map(|()| steps)
+        });
+        for result in results {
+            let error = result.unwrap_err().to_string();
+            assert!(
+                error.contains("the checkpoint after step 2: ")
+                    || error.contains("another rank's checkpoint failed"),
+                "{error}"
+            );
+        }
         assert!(!dir.join("step-00000002").exists());
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -462,6 +462,16 @@ pub fn resave<B: TrainBackend>(
 ) -> Result<usize, TrainError> {
     config.layout()?;
     check_processes(config)?;
+    // Its `latest` would be moved back to this step, or another run's mixed in.
+    if let Some(there) =
+        burn_checkpoint::Checkpoint::latest(to).map_err(|e| TrainError::Config(e.to_string()))?
+    {
+        return Err(TrainError::Config(format!(
+            "{} already holds checkpoints (the newest after step {}); save into an empty directory",
+            to.display(),
+            there.step()
+        )));
+    }
     let weights = Weights::of(config)?;
     let dims = ParallelDims::of(config);
     if dims.ranks() == 1 && config.strategy == Strategy::Single {

@@ -23,6 +23,13 @@ const RUN: [&str; 11] = [
     "0.003",
 ];
 
+/// The jobs of this file run one at a time: each already has more processes than this
+/// machine has cores, and mpirun's time to end a signalled job is bounded.
+fn one_job_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static JOBS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    JOBS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("llama-mpi-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -74,6 +81,7 @@ fn losses(metrics: &Path) -> Vec<f64> {
 
 #[test]
 fn every_layout_as_processes_matches_threads_and_one_device() {
+    let _jobs = one_job_at_a_time();
     let dir = scratch("parity");
     // (processes, layout, flags the one-device run shares)
     let interleaved = [
@@ -177,6 +185,7 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
 
 #[test]
 fn a_job_of_the_wrong_size_or_an_unsupported_output_is_refused_with_a_sentence() {
+    let _jobs = one_job_at_a_time();
     let dir = scratch("refused");
     let metrics = dir.join("m.jsonl");
     let out = train(3, &["--dp", "2"], &metrics, &[]);
@@ -203,6 +212,7 @@ fn a_job_of_the_wrong_size_or_an_unsupported_output_is_refused_with_a_sentence()
 
 #[test]
 fn burn_launch_starts_the_job_through_mpirun_on_a_machine_without_a_gpu() {
+    let _jobs = one_job_at_a_time();
     let dir = scratch("burn-launch");
     let llama = Path::new(env!("CARGO_BIN_EXE_llama"));
     // Built beside llama by the workspace's tests.
@@ -238,6 +248,7 @@ fn burn_launch_starts_the_job_through_mpirun_on_a_machine_without_a_gpu() {
 
 #[test]
 fn processes_checkpoint_and_resume_as_threads_do() {
+    let _jobs = one_job_at_a_time();
     let dir = scratch("checkpoint");
     let checkpoints = dir.join("checkpoints");
     let checkpointing = ["--checkpoint-dir", checkpoints.to_str().unwrap()];
@@ -340,6 +351,7 @@ fn wait_bounded(
 #[cfg(target_os = "linux")]
 #[test]
 fn a_sigterm_to_mpirun_checkpoints_and_killing_one_rank_loses_nothing_committed() {
+    let _jobs = one_job_at_a_time();
     let dir = scratch("kill");
     let whole = dir.join("whole.jsonl");
     let out = long_job(&dir.join("whole"), &whole, false)
@@ -350,7 +362,9 @@ fn a_sigterm_to_mpirun_checkpoints_and_killing_one_rank_loses_nothing_committed(
     assert_eq!(whole.len(), 30);
 
     // SIGTERM to mpirun (a scheduler's preemption), which passes it to every rank: the ranks
-    // agree on the step to stop after, checkpoint it and say how to go on.
+    // agree on the step to stop after, checkpoint it and say how to go on. Open MPI SIGKILLs
+    // the ranks a second later (`odls_base_sigkill_timeout`), ample for a step of `tiny` and
+    // its checkpoint, with this file's jobs run one at a time.
     let checkpoints = dir.join("terminated");
     let metrics = dir.join("terminated.jsonl");
     let job = long_job(&checkpoints, &metrics, false)
@@ -377,6 +391,11 @@ fn a_sigterm_to_mpirun_checkpoints_and_killing_one_rank_loses_nothing_committed(
         !out.status.success()
             && stderr.contains("stopped by a signal after step")
             && stderr.contains("--resume"),
+        "{stderr}"
+    );
+    // Every rank stopped at the same step: none failed, none aborted the job.
+    assert!(
+        !stderr.contains("MPI_ABORT") && !stderr.contains("failed:"),
         "{stderr}"
     );
     let stopped = losses(&metrics).len();
@@ -412,6 +431,12 @@ fn a_sigterm_to_mpirun_checkpoints_and_killing_one_rank_loses_nothing_committed(
         .unwrap()
         .subsec_nanos();
     std::thread::sleep(std::time::Duration::from_micros(u64::from(clock % 150_000)));
+    let committed = std::fs::read_to_string(checkpoints.join("latest")).unwrap();
+    let committed: usize = committed
+        .trim()
+        .trim_start_matches("step-")
+        .parse()
+        .unwrap();
     let mut ranks = children(job.id());
     ranks.sort_unstable();
     assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
@@ -430,8 +455,8 @@ fn a_sigterm_to_mpirun_checkpoints_and_killing_one_rank_loses_nothing_committed(
     let resumed = losses(&resumed);
     let from = whole.len() - resumed.len();
     assert!(
-        from >= 1,
-        "the job resumed from a checkpoint, not from the seed"
+        from >= committed,
+        "the job resumed after step {from}, before step {committed}, committed before the kill"
     );
     assert_eq!(resumed, whole[from..], "resumed after step {from}");
     println!("process {victim} killed, the job's {status}; resumed after step {from}");

@@ -1,8 +1,8 @@
 //! Training checkpoints: a run that checkpoints after step 3 of 6 and is stopped there, then
 //! resumed, gives the uninterrupted run's losses and final weights bit for bit in the same
 //! layout (one device, DDP at dp 2, dp 2 x tp 2 with sequence parallelism, the parameter
-//! server, ZeRO-1, ZeRO-2 in bf16, ZeRO-3 in f16 with its loss scale, ZeRO-3 at dp 2 x tp 2,
-//! pipelines under 1F1B and
+//! server, gradient clipping on one device and under ZeRO-2, ZeRO-1, ZeRO-2 in bf16, ZeRO-3 in
+//! f16 with its loss scale, ZeRO-3 at dp 2 x tp 2, pipelines under GPipe, 1F1B, ZB-H1 and
 //! interleaved, dp 2 x pp 2 with ZeRO-1, a tied head under pp 2 x tp 2 and dp 2 x pp 2 ZeRO-1
 //! (the last stage's copy of the embedding is not saved, the first's is); resumed in another
 //! layout, each rank reads the blocks it holds there, and the run continues within the
@@ -125,7 +125,19 @@ fn a_resumed_run_continues_the_uninterrupted_one_bit_for_bit_in_its_layout() {
             zero_layout(2, 2, ZeroStage::Parameters, None),
         ),
         ("parameter server", server(2)),
+        ("one device, clipped", {
+            let mut config = layout(1, 1, false);
+            config.max_grad_norm = Some(0.5);
+            config
+        }),
+        ("dp 2 zero 2, clipped", {
+            let mut config = zero_layout(2, 1, ZeroStage::Gradients, None);
+            config.max_grad_norm = Some(0.5);
+            config
+        }),
+        ("pp 2 gpipe", pipeline(2, 1, ScheduleKind::Gpipe, 1)),
         ("pp 2 1f1b", pipeline(2, 1, ScheduleKind::OneFOneB, 1)),
+        ("pp 2 zb-h1", pipeline(2, 1, ScheduleKind::ZeroBubbleH1, 1)),
         (
             "pp 2 interleaved",
             pipeline(2, 1, ScheduleKind::Interleaved, 2),

@@ -285,8 +285,9 @@ fn checkpoint_error(error: burn_checkpoint::CheckpointError) -> TrainError {
     TrainError::Config(error.to_string())
 }
 
-/// The one training loop, [`steps`], then the last checkpoint committed: an interrupted run
-/// says it was checkpointed only once it is.
+/// The one training loop: every step's learning rate, forward and backward, optimizer step,
+/// the loss over the whole global batch, the metrics and the checkpoints; then the last
+/// checkpoint committed, so that an interrupted run says it was checkpointed only once it is.
 fn train_loop<B: AutodiffBackend>(
     config: &TrainConfig,
     engine: &mut dyn Engine<B>,
@@ -296,57 +297,46 @@ fn train_loop<B: AutodiffBackend>(
     start: usize,
     saver: &mut Saver<'_>,
 ) -> Result<(), TrainError> {
-    let trained = steps(config, engine, batches, device, on_step, start, saver);
+    let mut steps = || -> Result<(), TrainError> {
+        let schedule = config.schedule();
+        let tokens = config.batch_size * config.seq_len;
+        let started = Instant::now();
+        for step in start..config.steps {
+            let lr = schedule.lr(step);
+            engine.prepare(step, batches, device)?;
+            let begun = Instant::now();
+            let mut loss = engine.forward_backward(step, batches, device)?;
+            let stepped = engine.step(lr)?;
+            for (group, op) in engine.loss_groups() {
+                loss = reduce_scalar::<B::InnerBackend>(&group, loss, op, device)?;
+            }
+            // Every rank holds the same loss, so every rank stops here together.
+            if !loss.is_finite() {
+                return Err(TrainError::Config(format!(
+                    "step {}: the loss is {loss}: training diverged at learning rate {lr:.3e}; lower --lr or clip with --clip-grad-norm 1.0",
+                    step + 1
+                )));
+            }
+            let mut metrics = StepMetrics::measure(step, loss, lr, tokens, (begun, started));
+            stepped.fill(&mut metrics);
+            // Reported even when its checkpoint fails: the step was trained.
+            let stop = saver.after(engine, &mut metrics, device, on_step)?;
+            // A stop asked during the last step changes nothing: the run ends as it would.
+            if stop && step + 1 < config.steps {
+                return Err(TrainError::Interrupted {
+                    step: step + 1,
+                    dir: saver.dir().to_path_buf(),
+                });
+            }
+        }
+        Ok(())
+    };
+    let trained = steps();
     match (trained, saver.finish()) {
         (Err(TrainError::Interrupted { .. }), Err(unsaved)) => Err(unsaved),
         (Err(error), _) => Err(error),
         (Ok(()), saved) => saved,
     }
-}
-
-/// Every step's learning rate, forward and backward, optimizer step, the loss over the whole
-/// global batch, the metrics, and the checkpoints.
-fn steps<B: AutodiffBackend>(
-    config: &TrainConfig,
-    engine: &mut dyn Engine<B>,
-    batches: &Batches<'_>,
-    device: &B::Device,
-    on_step: &mut dyn FnMut(&StepMetrics),
-    start: usize,
-    saver: &mut Saver<'_>,
-) -> Result<(), TrainError> {
-    let schedule = config.schedule();
-    let tokens = config.batch_size * config.seq_len;
-    let started = Instant::now();
-    for step in start..config.steps {
-        let lr = schedule.lr(step);
-        engine.prepare(step, batches, device)?;
-        let begun = Instant::now();
-        let mut loss = engine.forward_backward(step, batches, device)?;
-        let stepped = engine.step(lr)?;
-        for (group, op) in engine.loss_groups() {
-            loss = reduce_scalar::<B::InnerBackend>(&group, loss, op, device)?;
-        }
-        // Every rank holds the same loss, so every rank stops here together.
-        if !loss.is_finite() {
-            return Err(TrainError::Config(format!(
-                "step {}: the loss is {loss}: training diverged at learning rate {lr:.3e}; lower --lr or clip with --clip-grad-norm 1.0",
-                step + 1
-            )));
-        }
-        let mut metrics = StepMetrics::measure(step, loss, lr, tokens, (begun, started));
-        stepped.fill(&mut metrics);
-        // Reported even when its checkpoint fails: the step was trained.
-        let stop = saver.after(engine, &mut metrics, device, on_step)?;
-        // A stop asked during the last step changes nothing: the run ends as it would.
-        if stop && step + 1 < config.steps {
-            return Err(TrainError::Interrupted {
-                step: step + 1,
-                dir: saver.dir().to_path_buf(),
-            });
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

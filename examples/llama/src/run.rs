@@ -406,18 +406,23 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_failed_background_save_stops_the_run_by_the_next_save_naming_its_step() {
+    /// Six steps of `tiny` checkpointing every 2 into a fresh directory named `name`.
+    fn checkpointing(name: &str) -> (TrainConfig, std::path::PathBuf) {
         let mut config = TrainConfig::new(LlamaConfig::preset("tiny").unwrap(), 6);
         config.seq_len = 8;
-        let dir =
-            std::env::temp_dir().join(format!("llama-run-failed-save-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("llama-run-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         config.checkpoint = Some(checkpoint::CheckpointConfig {
             dir: dir.clone(),
             every: 2,
             resume: false,
         });
+        (config, dir)
+    }
+
+    #[test]
+    fn a_failed_background_save_stops_the_run_by_the_next_save_naming_its_step() {
+        let (config, dir) = checkpointing("failed-save");
         let data = MarkovSource::new(16, 2, config.seq_len, 64, 1);
         let batches = Batches::new(&config, &data, 1, 0, config.layout().unwrap()).unwrap();
         // A scripted engine holds no state to hand in, so its save fails, in the background.
@@ -449,15 +454,7 @@ mod tests {
 
     #[test]
     fn a_background_save_failing_on_every_rank_stops_them_all_with_its_step() {
-        let mut config = TrainConfig::new(LlamaConfig::preset("tiny").unwrap(), 6);
-        config.seq_len = 8;
-        let dir = std::env::temp_dir().join(format!("llama-run-failed-dp-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        config.checkpoint = Some(checkpoint::CheckpointConfig {
-            dir: dir.clone(),
-            every: 2,
-            resume: false,
-        });
+        let (config, dir) = checkpointing("failed-dp");
         let data = MarkovSource::new(16, 2, config.seq_len, 64, 1);
         let results = burn_comm::launch(2, |ctx| {
             let batches = Batches::new(&config, &data, 1, 0, config.layout()?)?;

@@ -32,6 +32,8 @@ struct Pending {
 pub struct BackgroundSaver {
     /// The savers' own group, split from the run's (none: this process alone).
     comm: Option<Communicator>,
+    /// How many committed checkpoints to keep (none: all).
+    keep: Option<usize>,
     pending: Option<Pending>,
     /// The outcome of a save found finished by [`BackgroundSaver::has_failed`], not yet
     /// reported.
@@ -54,9 +56,17 @@ impl BackgroundSaver {
         let comm = comm.map(|c| c.split("checkpoint", 0)).transpose()?;
         Ok(Self {
             comm,
+            keep: None,
             pending: None,
             finished: None,
         })
+    }
+
+    /// Keeps only the `keep` newest committed checkpoints (at least one): after each save,
+    /// rank 0 removes the older ones with [`prune`](crate::prune).
+    pub fn keeping(mut self, keep: Option<usize>) -> Self {
+        self.keep = keep;
+        self
     }
 
     /// Starts saving `shards` as step `step`'s checkpoint under `root`, as [`save`] does, once
@@ -72,12 +82,18 @@ impl BackgroundSaver {
     ) -> Result<Option<Saved>, CheckpointError> {
         let previous = self.wait()?;
         let comm = self.comm.clone();
+        let keep = self.keep;
         let root = root.to_path_buf();
         let started = Instant::now();
         let thread = std::thread::Builder::new()
             .name(format!("checkpoint-{step}"))
             .spawn(move || {
                 let dir = save(&root, step, comm.as_ref(), shards, metadata)?;
+                if let Some(keep) = keep
+                    && comm.as_ref().is_none_or(|c| c.rank() == 0)
+                {
+                    crate::save::prune(&root, keep)?;
+                }
                 Ok(Saved {
                     step,
                     dir,

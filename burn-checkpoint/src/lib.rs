@@ -25,4 +25,4 @@ pub use background::{BackgroundSaver, Saved};
 pub use error::CheckpointError;
 pub use load::Checkpoint;
 pub use region::Region;
-pub use save::{Shard, save};
+pub use save::{Shard, prune, save};

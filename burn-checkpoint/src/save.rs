@@ -354,6 +354,40 @@ fn commit(
     Ok(())
 }
 
+/// Removes the committed checkpoints under `root` but the `keep` newest (at least one, and
+/// never the one `latest` names), and returns their steps; a process alone, or rank 0, calls
+/// it after a save. Each goes by a rename first (`.step-N.pruned`), so a crash never leaves a
+/// half-removed `step-N` for a load to find; leftovers of such a crash go too.
+pub fn prune(root: &Path, keep: usize) -> Result<Vec<u64>, CheckpointError> {
+    let latest = fs::read_to_string(root.join(LATEST)).unwrap_or_default();
+    let entries = fs::read_dir(root).map_err(CheckpointError::io(root))?;
+    let mut steps = Vec::new();
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".step-") && name.ends_with(".pruned") {
+            let stale = entry.path();
+            fs::remove_dir_all(&stale).map_err(CheckpointError::io(&stale))?;
+        } else if let Some(step) = name
+            .strip_prefix("step-")
+            .and_then(|s| s.parse::<u64>().ok())
+            && name != latest.trim()
+        {
+            steps.push(step);
+        }
+    }
+    steps.sort_unstable();
+    // The one `latest` names is kept apart from the count, so it counts as one of `keep`.
+    let others = keep.max(1) - 1;
+    let gone: Vec<u64> = steps[..steps.len().saturating_sub(others)].to_vec();
+    for &step in &gone {
+        let dir = root.join(step_dir_name(step));
+        let aside = root.join(format!(".{}.pruned", step_dir_name(step)));
+        fs::rename(&dir, &aside).map_err(CheckpointError::io(&dir))?;
+        fs::remove_dir_all(&aside).map_err(CheckpointError::io(&aside))?;
+    }
+    Ok(gone)
+}
+
 /// Writes `path` through a temporary file renamed over it, flushed first.
 fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let temporary = path.with_extension("tmp");

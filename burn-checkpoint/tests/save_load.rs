@@ -210,6 +210,43 @@ fn a_background_save_goes_on_beside_the_ranks_collectives_and_writes_what_a_plai
 }
 
 #[test]
+fn pruning_keeps_the_newest_checkpoints_and_the_one_latest_names() {
+    let root = scratch("prune");
+    let b = Shard::whole("b", TensorData::new(vec![1.0f32, 2.0], [2]));
+    let mut saver = BackgroundSaver::new(None).unwrap().keeping(Some(2));
+    for step in 1..=5 {
+        saver
+            .start(&root, step, Ok(vec![b.clone()]), json!({}))
+            .unwrap();
+    }
+    saver.wait().unwrap();
+    let names = |root: &Path| {
+        let mut names: Vec<String> = std::fs::read_dir(root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(names(&root), ["latest", "step-00000004", "step-00000005"]);
+    assert_eq!(Checkpoint::latest(&root).unwrap().unwrap().step(), 5);
+    // After a crash between a commit and `latest`, the step `latest` names is what loads, so
+    // it stays whatever its age; a removal a crash cut short is finished.
+    save(&root, 6, None, Ok(vec![b.clone()]), json!({})).unwrap();
+    std::fs::write(root.join("latest"), "step-00000004\n").unwrap();
+    std::fs::create_dir_all(root.join(".step-00000002.pruned")).unwrap();
+    assert_eq!(burn_checkpoint::prune(&root, 2).unwrap(), [5]);
+    assert_eq!(names(&root), ["latest", "step-00000004", "step-00000006"]);
+    assert_eq!(
+        burn_checkpoint::prune(&root, 0).unwrap(),
+        [6],
+        "at least one is kept"
+    );
+    assert_eq!(Checkpoint::latest(&root).unwrap().unwrap().step(), 4);
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+#[test]
 fn a_crash_leaves_the_last_committed_checkpoint_and_the_next_save_clears_it() {
     let root = scratch("crash");
     assert!(Checkpoint::latest(&root).unwrap().is_none());

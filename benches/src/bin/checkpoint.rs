@@ -116,6 +116,7 @@ fn main() {
         dir: checkpoints.clone(),
         every: args.every,
         resume: false,
+        keep: None,
     });
 
     let (mut plain_steps, mut stalled) = (Vec::new(), Vec::new());

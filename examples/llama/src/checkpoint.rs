@@ -40,6 +40,8 @@ pub struct CheckpointConfig {
     pub every: usize,
     /// Resume from the newest checkpoint in `dir`, if there is one.
     pub resume: bool,
+    /// Keep only this many of the newest checkpoints (none: all).
+    pub keep: Option<usize>,
 }
 
 /// A parameter's name in a checkpoint.

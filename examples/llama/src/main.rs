@@ -246,6 +246,9 @@ struct TrainArgs {
     /// another layout).
     #[arg(long, requires = "checkpoint_dir")]
     resume: bool,
+    /// With --checkpoint-dir: keep only this many of the newest checkpoints (default: all).
+    #[arg(long, requires = "checkpoint_dir")]
+    checkpoint_keep: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -566,6 +569,9 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
         Some(_) if args.checkpoint_every == Some(0) => {
             return Err("--checkpoint-every 0 would never checkpoint; give a number of steps, or drop it to only --resume".into());
         }
+        Some(_) if args.checkpoint_keep == Some(0) => {
+            return Err("--checkpoint-keep 0 would remove every checkpoint, the one to resume from too; keep at least 1".into());
+        }
         Some(_) if args.checkpoint_every.is_none() && !args.resume => {
             return Err("--checkpoint-dir needs --checkpoint-every N (to take checkpoints), --resume (to start from the newest), or both".into());
         }
@@ -573,6 +579,7 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
             dir: dir.clone(),
             every: args.checkpoint_every.unwrap_or(0),
             resume: args.resume,
+            keep: args.checkpoint_keep,
         }),
     };
     config.process = process;

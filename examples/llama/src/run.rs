@@ -132,7 +132,7 @@ impl<'a> Saver<'a> {
         let background = config
             .checkpoint
             .as_ref()
-            .map(|_| BackgroundSaver::new(world))
+            .map(|c| BackgroundSaver::new(world).map(|saver| saver.keeping(c.keep)))
             .transpose()
             .map_err(|e| TrainError::Config(format!("checkpoints: {e}")))?;
         Ok(Self {
@@ -416,6 +416,7 @@ mod tests {
             dir: dir.clone(),
             every: 2,
             resume: false,
+            keep: None,
         });
         (config, dir)
     }

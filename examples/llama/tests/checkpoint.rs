@@ -76,6 +76,7 @@ fn with_checkpoints(config: &TrainConfig, dir: &Path, every: usize, resume: bool
         dir: dir.to_path_buf(),
         every,
         resume,
+        keep: None,
     });
     config
 }

@@ -371,7 +371,7 @@ fn print_plan_shows_each_parameters_placement_and_trains_nothing() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 42] = [
+    let cases: [(&[&str], &str); 43] = [
         (&["train", "--dp", "0"], "--dp must be at least 1"),
         (
             &[
@@ -396,6 +396,18 @@ fn bad_input_gets_a_sentence() {
         (
             &["train", "--checkpoint-dir", "/tmp/llama-ckpt-cli"],
             "--checkpoint-dir needs --checkpoint-every N",
+        ),
+        (
+            &[
+                "train",
+                "--checkpoint-dir",
+                "/tmp/llama-ckpt-cli",
+                "--checkpoint-every",
+                "2",
+                "--checkpoint-keep",
+                "0",
+            ],
+            "--checkpoint-keep 0 would remove every checkpoint",
         ),
         (
             &["train", "--checkpoint-dir", "/proc/ckpt", "--resume"],
@@ -815,9 +827,8 @@ fn a_sigterm_checkpoints_the_step_and_a_sigkill_at_any_moment_loses_nothing_chec
     // interrupted, a save included, the run resumes from the last committed step.
     let checkpoints = dir.join("kill");
     let metrics = dir.join("kill.jsonl");
-    let mut child = long_run(&checkpoints, &metrics, &["--checkpoint-every", "1"])
-        .spawn()
-        .unwrap();
+    let keeping = ["--checkpoint-every", "1", "--checkpoint-keep", "2"];
+    let mut child = long_run(&checkpoints, &metrics, &keeping).spawn().unwrap();
     wait_for(&checkpoints.join("latest"));
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -845,7 +856,7 @@ fn a_sigterm_checkpoints_the_step_and_a_sigkill_at_any_moment_loses_nothing_chec
     let out = long_run(
         &checkpoints,
         &metrics,
-        &["--checkpoint-every", "1", "--resume"],
+        &[&keeping[..], &["--resume"]].concat(),
     )
     .output()
     .unwrap();
@@ -859,5 +870,12 @@ fn a_sigterm_checkpoints_the_step_and_a_sigkill_at_any_moment_loses_nothing_chec
         whole,
         "every step once, resumed after step {from}"
     );
+    // --checkpoint-keep 2: the last two steps' checkpoints, and nothing a kill left behind.
+    let mut left: Vec<String> = std::fs::read_dir(&checkpoints)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["latest", "step-00000023", "step-00000024"]);
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -96,3 +96,37 @@ fn first_cause<T>(
         Some(Ok(_)) => unreachable!("the cause is an error"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use burn_checkpoint::CheckpointError;
+    use burn_comm::{CommError, RankError};
+
+    use super::*;
+
+    fn peer_failed() -> CommError {
+        CommError::PeerFailed {
+            rank: 1,
+            group: "checkpoint".into(),
+            op: "all_gather".into(),
+            reason: "panicked".into(),
+        }
+    }
+
+    #[test]
+    fn the_cause_is_the_rank_that_failed_not_those_its_failure_reached() {
+        let failed = |error| Err(RankError::Failed { rank: 0, error });
+        let results: Vec<Result<(), RankError<TrainError>>> = vec![
+            // What the others see when one rank's save fails, or a peer dies mid-save.
+            failed(TrainError::PeerCheckpointFailed),
+            failed(TrainError::Checkpoint(CheckpointError::Background {
+                step: 2,
+                source: Box::new(CheckpointError::Comm(peer_failed())),
+            })),
+            failed(TrainError::Checkpoint(CheckpointError::Comm(peer_failed()))),
+            failed(TrainError::Config("rank 3's own disk is full".into())),
+        ];
+        let cause = first_cause(results).unwrap_err().to_string();
+        assert_eq!(cause, "rank 3's own disk is full");
+    }
+}

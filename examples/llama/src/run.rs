@@ -133,8 +133,7 @@ impl<'a> Saver<'a> {
             .checkpoint
             .as_ref()
             .map(|c| BackgroundSaver::new(world).map(|saver| saver.keeping(c.keep)))
-            .transpose()
-            .map_err(|e| TrainError::Config(format!("checkpoints: {e}")))?;
+            .transpose()?;
         Ok(Self {
             config,
             world,
@@ -205,9 +204,7 @@ impl<'a> Saver<'a> {
         if any >= SAVE_FAILED {
             // Every rank's save agrees on its outcome, so each has the failure to report.
             self.finish()?;
-            return Err(TrainError::Config(
-                "another rank's checkpoint failed while this one's was saved".into(),
-            ));
+            return Err(TrainError::PeerCheckpointFailed);
         }
         Ok(any >= ASKED)
     }
@@ -259,16 +256,14 @@ impl<'a> Saver<'a> {
     fn start(&mut self, staged: Staged, dir: &std::path::Path) -> Result<(), TrainError> {
         let background = self.background.as_mut().expect("a run that checkpoints");
         let step = staged.step as u64;
-        background
-            .start(dir, step, staged.pieces, staged.metadata)
-            .map_err(checkpoint_error)?;
+        background.start(dir, step, staged.pieces, staged.metadata)?;
         Ok(())
     }
 
     /// Waits for the save under way, so that its checkpoint is committed.
     fn finish(&mut self) -> Result<(), TrainError> {
         if let Some(background) = &mut self.background {
-            background.wait().map_err(checkpoint_error)?;
+            background.wait()?;
         }
         Ok(())
     }
@@ -279,10 +274,6 @@ struct Staged {
     step: usize,
     pieces: Result<Vec<burn_checkpoint::Shard>, String>,
     metadata: serde_json::Value,
-}
-
-fn checkpoint_error(error: burn_checkpoint::CheckpointError) -> TrainError {
-    TrainError::Config(error.to_string())
 }
 
 /// The one training loop: every step's learning rate, forward and backward, optimizer step,

@@ -294,6 +294,12 @@ pub enum TrainError {
     /// ZeRO failed.
     #[error(transparent)]
     Zero(#[from] ZeroError),
+    /// A checkpoint could not be saved.
+    #[error(transparent)]
+    Checkpoint(#[from] burn_checkpoint::CheckpointError),
+    /// Another rank's checkpoint could not be saved (that rank says why).
+    #[error("another rank's checkpoint failed while this one's was saved")]
+    PeerCheckpointFailed,
     /// SIGTERM or SIGINT stopped the run after `step`, whose checkpoint is in `dir`.
     #[error(
         "stopped by a signal after step {step}, checkpointed in {}; run the same command with --resume to continue",
@@ -308,9 +314,20 @@ pub enum TrainError {
 impl TrainError {
     /// Whether this rank failed only because a peer did (so the peer's error is the cause).
     pub(crate) fn is_peer_failure(&self) -> bool {
+        use burn_checkpoint::CheckpointError as Checkpoint;
+        let in_checkpoint = |error: &Checkpoint| match error {
+            Checkpoint::Background { source, .. } => {
+                matches!(**source, Checkpoint::Comm(CommError::PeerFailed { .. }))
+            }
+            error => matches!(error, Checkpoint::Comm(CommError::PeerFailed { .. })),
+        };
+        if let TrainError::Checkpoint(error) = self {
+            return in_checkpoint(error);
+        }
         matches!(
             self,
-            TrainError::Comm(CommError::PeerFailed { .. })
+            TrainError::PeerCheckpointFailed
+                | TrainError::Comm(CommError::PeerFailed { .. })
                 | TrainError::Ddp(DdpError::Comm(CommError::PeerFailed { .. }))
                 | TrainError::Tp(TpError::Comm(CommError::PeerFailed { .. }))
                 | TrainError::Pipeline(PipelineError::Comm(CommError::PeerFailed { .. }))

@@ -20,6 +20,9 @@ pub struct Saved {
     pub dir: PathBuf,
     /// From handing the pieces in to the commit.
     pub took: Duration,
+    /// Why older checkpoints could not be removed after it (see
+    /// [`BackgroundSaver::keeping`]); the checkpoint itself is committed all the same.
+    pub prune_failed: Option<String>,
 }
 
 struct Pending {
@@ -63,7 +66,8 @@ impl BackgroundSaver {
     }
 
     /// Keeps only the `keep` newest committed checkpoints (at least one): after each save,
-    /// rank 0 removes the older ones with [`prune`](crate::prune).
+    /// rank 0 removes the older ones with [`prune`](crate::prune). A failure to remove them
+    /// does not fail the save, which is committed: rank 0's [`Saved`] says why.
     pub fn keeping(mut self, keep: Option<usize>) -> Self {
         self.keep = keep;
         self
@@ -89,15 +93,18 @@ impl BackgroundSaver {
             .name(format!("checkpoint-{step}"))
             .spawn(move || {
                 let dir = save(&root, step, comm.as_ref(), shards, metadata)?;
-                if let Some(keep) = keep
-                    && comm.as_ref().is_none_or(|c| c.rank() == 0)
-                {
-                    crate::save::prune(&root, keep)?;
-                }
+                let took = started.elapsed();
+                let prune_failed = match keep {
+                    Some(keep) if comm.as_ref().is_none_or(|c| c.rank() == 0) => {
+                        crate::save::prune(&root, keep).err().map(|e| e.to_string())
+                    }
+                    _ => None,
+                };
                 Ok(Saved {
                     step,
                     dir,
-                    took: started.elapsed(),
+                    took,
+                    prune_failed,
                 })
             })
             .map_err(|e| {

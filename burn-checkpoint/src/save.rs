@@ -67,8 +67,6 @@ struct Piece {
 /// alike are written once. Fails, on every rank, when the pieces do not tile their tensors or
 /// disagree on a tensor's shape or dtype. A rank that could not make its pieces hands in why
 /// (`Err`), so that every rank fails with it rather than wait for it.
-/// A rank that could not make its pieces hands in why (`Err`), so that every rank fails with
-/// it rather than wait for it.
 pub fn save(
     root: &Path,
     step: u64,
@@ -354,38 +352,55 @@ fn commit(
     Ok(())
 }
 
-/// Removes the committed checkpoints under `root` but the `keep` newest (at least one, and
-/// never the one `latest` names), and returns their steps; a process alone, or rank 0, calls
-/// it after a save. Each goes by a rename first (`.step-N.pruned`), so a crash never leaves a
-/// half-removed `step-N` for a load to find; leftovers of such a crash go too.
+/// Removes the committed checkpoints under `root` but the `keep` newest (at least one),
+/// never the one [`Checkpoint::latest`](crate::Checkpoint::latest) would load, and returns
+/// their steps; a process alone, or rank 0, calls it after a save. Each goes by a rename first
+/// (`.step-N.pruned`), so a crash never leaves a half-removed `step-N` for a load to find;
+/// leftovers of such a crash go too, as do copies set aside by a replaced save that a crash
+/// kept (`.step-N.replaced` beside its `step-N`). Fails, removing nothing, when the
+/// checkpoint to load cannot be told.
 pub fn prune(root: &Path, keep: usize) -> Result<Vec<u64>, CheckpointError> {
-    let latest = fs::read_to_string(root.join(LATEST)).unwrap_or_default();
+    let loaded = crate::Checkpoint::latest(root)?.map(|c| c.dir().to_path_buf());
     let entries = fs::read_dir(root).map_err(CheckpointError::io(root))?;
     let mut steps = Vec::new();
     for entry in entries.filter_map(Result::ok) {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with(".step-") && name.ends_with(".pruned") {
-            let stale = entry.path();
-            fs::remove_dir_all(&stale).map_err(CheckpointError::io(&stale))?;
+        let path = entry.path();
+        let replaced = name
+            .strip_prefix('.')
+            .and_then(|n| n.strip_suffix(".replaced"))
+            .filter(|n| root.join(n).exists());
+        if (name.starts_with(".step-") && name.ends_with(".pruned")) || replaced.is_some() {
+            if Some(&path) != loaded.as_ref() {
+                fs::remove_dir_all(&path).map_err(CheckpointError::io(&path))?;
+            }
         } else if let Some(step) = name
             .strip_prefix("step-")
             .and_then(|s| s.parse::<u64>().ok())
-            && name != latest.trim()
+            && Some(&path) != loaded.as_ref()
         {
-            steps.push(step);
+            steps.push((step, path));
         }
     }
     steps.sort_unstable();
-    // The one `latest` names is kept apart from the count, so it counts as one of `keep`.
-    let others = keep.max(1) - 1;
-    let gone: Vec<u64> = steps[..steps.len().saturating_sub(others)].to_vec();
-    for &step in &gone {
-        let dir = root.join(step_dir_name(step));
-        let aside = root.join(format!(".{}.pruned", step_dir_name(step)));
-        fs::rename(&dir, &aside).map_err(CheckpointError::io(&dir))?;
+    // The one to load counts as one of `keep`, where it is a committed step.
+    let loads_a_step = loaded.as_ref().is_some_and(|dir| {
+        dir.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+    });
+    let others = keep.max(1) - usize::from(loads_a_step);
+    let gone = &steps[..steps.len().saturating_sub(others)];
+    for (_, dir) in gone {
+        let name = dir
+            .file_name()
+            .expect("a directory's name")
+            .to_string_lossy();
+        let aside = root.join(format!(".{name}.pruned"));
+        fs::rename(dir, &aside).map_err(CheckpointError::io(dir))?;
+        sync_dir(root)?;
         fs::remove_dir_all(&aside).map_err(CheckpointError::io(&aside))?;
     }
-    Ok(gone)
+    Ok(gone.iter().map(|(step, _)| *step).collect())
 }
 
 /// Writes `path` through a temporary file renamed over it, flushed first.

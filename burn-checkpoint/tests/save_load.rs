@@ -243,6 +243,36 @@ fn pruning_keeps_the_newest_checkpoints_and_the_one_latest_names() {
         "at least one is kept"
     );
     assert_eq!(Checkpoint::latest(&root).unwrap().unwrap().step(), 4);
+    // Without `latest`, the newest committed step is what loads, and it stays; so does the
+    // count. A copy a crash left set aside beside its replacement goes.
+    save(&root, 7, None, Ok(vec![b.clone()]), json!({})).unwrap();
+    save(&root, 8, None, Ok(vec![b.clone()]), json!({})).unwrap();
+    std::fs::remove_file(root.join("latest")).unwrap();
+    std::fs::create_dir_all(root.join(".step-00000007.replaced")).unwrap();
+    assert_eq!(burn_checkpoint::prune(&root, 1).unwrap(), [4, 7]);
+    assert_eq!(names(&root), ["step-00000008"]);
+    assert_eq!(Checkpoint::latest(&root).unwrap().unwrap().step(), 8);
+    // Failing to remove the older ones does not fail the save: it is committed, and the
+    // saver says why the others stayed.
+    std::fs::write(
+        root.join(".step-00000001.pruned"),
+        b"a file, not a directory",
+    )
+    .unwrap();
+    let mut saver = BackgroundSaver::new(None).unwrap().keeping(Some(1));
+    saver
+        .start(&root, 9, Ok(vec![b.clone()]), json!({}))
+        .unwrap();
+    let saved = saver.wait().unwrap().unwrap();
+    assert_eq!(saved.step, 9);
+    assert!(
+        saved
+            .prune_failed
+            .is_some_and(|why| why.contains(".step-00000001.pruned")),
+        "{:?}",
+        saved.dir
+    );
+    assert_eq!(Checkpoint::latest(&root).unwrap().unwrap().step(), 9);
     std::fs::remove_dir_all(root).unwrap();
 }
 

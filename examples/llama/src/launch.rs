@@ -124,9 +124,13 @@ mod tests {
                 source: Box::new(CheckpointError::Comm(peer_failed())),
             })),
             failed(TrainError::Checkpoint(CheckpointError::Comm(peer_failed()))),
-            failed(TrainError::Config("rank 3's own disk is full".into())),
+            // The cause: a save that failed of itself, also inside a background save's error.
+            failed(TrainError::Checkpoint(CheckpointError::Background {
+                step: 2,
+                source: Box::new(CheckpointError::Mismatch("rank 3's disk is full".into())),
+            })),
         ];
         let cause = first_cause(results).unwrap_err().to_string();
-        assert_eq!(cause, "rank 3's own disk is full");
+        assert_eq!(cause, "the checkpoint after step 2: rank 3's disk is full");
     }
 }

@@ -262,8 +262,15 @@ impl<'a> Saver<'a> {
 
     /// Waits for the save under way, so that its checkpoint is committed.
     fn finish(&mut self) -> Result<(), TrainError> {
-        if let Some(background) = &mut self.background {
-            background.wait()?;
+        if let Some(background) = &mut self.background
+            && let Some(saved) = background.wait()?
+            && let Some(why) = saved.prune_failed
+        {
+            // The checkpoint is committed; only the disk fills faster than asked.
+            eprintln!(
+                "warning: checkpointed step {}, but could not remove older checkpoints: {why}",
+                saved.step
+            );
         }
         Ok(())
     }

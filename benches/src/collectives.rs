@@ -17,6 +17,11 @@ pub enum Op {
     AllGather,
     ReduceScatter,
     Broadcast,
+    /// Every rank sends a part of its buffer to every rank (expert parallelism's dispatch).
+    AllToAll,
+    /// Every rank sends its buffer to the next rank of a ring and receives the previous one's
+    /// (nccl-tests' sendrecv; pipeline and ring attention's pattern).
+    SendRecv,
 }
 
 impl Op {
@@ -26,6 +31,8 @@ impl Op {
             Op::AllGather,
             Op::ReduceScatter,
             Op::Broadcast,
+            Op::AllToAll,
+            Op::SendRecv,
         ]
     }
 
@@ -35,8 +42,8 @@ impl Op {
         let n = n as f64;
         match self {
             Op::AllReduce => 2.0 * (n - 1.0) / n,
-            Op::AllGather | Op::ReduceScatter => (n - 1.0) / n,
-            Op::Broadcast => 1.0,
+            Op::AllGather | Op::ReduceScatter | Op::AllToAll => (n - 1.0) / n,
+            Op::Broadcast | Op::SendRecv => 1.0,
         }
     }
 
@@ -56,6 +63,13 @@ impl Op {
             Op::AllGather => comm.all_gather(x, 0),
             Op::ReduceScatter => comm.reduce_scatter(x, ReduceOp::Sum, 0),
             Op::Broadcast => comm.broadcast(x, 0),
+            Op::AllToAll => comm.all_to_all(x, 0, 0),
+            Op::SendRecv => {
+                let (rank, n) = (comm.rank(), comm.size());
+                let shape = x.dims();
+                comm.send(x, (rank + 1) % n)
+                    .and_then(|()| comm.recv((rank + n - 1) % n, shape, &Default::default()))
+            }
         };
         result.expect("collective failed")
     }
@@ -66,6 +80,8 @@ impl Op {
             Op::AllGather => "all_gather",
             Op::ReduceScatter => "reduce_scatter",
             Op::Broadcast => "broadcast",
+            Op::AllToAll => "all_to_all",
+            Op::SendRecv => "send_recv",
         }
     }
 }

@@ -4,7 +4,8 @@
 //! Started alone, it measures the local transport (ranks as threads) here, then starts itself
 //! under `mpirun` for each world size; there every process times the same operations through
 //! burn-comm's `Communicator` on burn tensors and through MPI's own `MPI_Allreduce`,
-//! `MPI_Allgather`, `MPI_Reduce_scatter_block` and `MPI_Bcast` on `Vec<f32>`, and rank 0 prints
+//! `MPI_Allgather`, `MPI_Reduce_scatter_block`, `MPI_Bcast`, `MPI_Alltoall` and `MPI_Sendrecv`
+//! (a ring) on `Vec<f32>`, and rank 0 prints
 //! the rows back as JSON lines.
 //!
 //! `cargo run --release -p benches --features mpi --bin mpi_collectives -- --help`
@@ -214,14 +215,23 @@ fn gather(world: &Communicator, times: &[Duration]) -> Vec<Vec<Duration>> {
         .collect()
 }
 
+/// This process's rank in MPI's world.
+fn rank() -> usize {
+    let mut rank: c_int = 0;
+    // SAFETY: MPI is initialised (this runs inside `Process::run`).
+    unsafe { ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut rank) };
+    rank as usize
+}
+
 /// One rank's times of `iters` raw MPI calls of `op` on plain buffers, each from a barrier.
 fn time_raw(op: Op, n: usize, elems: usize, iters: usize) -> Vec<Duration> {
     let input = vec![1.0f32; op.input_elems(elems, n)];
     let out_len = match op {
-        Op::AllReduce | Op::Broadcast => elems,
+        Op::AllReduce | Op::Broadcast | Op::AllToAll | Op::SendRecv => elems,
         Op::AllGather => elems,
         Op::ReduceScatter => elems / n,
     };
+    let (next, previous) = (((rank() + 1) % n) as c_int, ((rank() + n - 1) % n) as c_int);
     let mut output = vec![0.0f32; out_len];
     // SAFETY: MPI is initialised (this runs inside `Process::run`); the buffers hold the counts
     // given, and every rank makes the same calls.
@@ -262,6 +272,27 @@ fn time_raw(op: Op, n: usize, elems: usize, iters: usize) -> Vec<Duration> {
                 }
                 Op::Broadcast => {
                     ffi::MPI_Bcast(recv, elems as c_int, float, 0, comm);
+                }
+                Op::AllToAll => {
+                    let part = (elems / n) as c_int;
+                    ffi::MPI_Alltoall(send, part, float, recv, part, float, comm);
+                }
+                Op::SendRecv => {
+                    let count = elems as c_int;
+                    ffi::MPI_Sendrecv(
+                        send,
+                        count,
+                        float,
+                        next,
+                        0,
+                        recv,
+                        count,
+                        float,
+                        previous,
+                        0,
+                        comm,
+                        ffi::RSMPI_STATUS_IGNORE,
+                    );
                 }
             }
             let elapsed = start.elapsed();

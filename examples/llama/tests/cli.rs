@@ -11,6 +11,15 @@ fn llama(args: &[&str]) -> Output {
         .expect("the llama binary runs")
 }
 
+/// Fails the test, showing the command's stderr, unless the command succeeded.
+fn assert_succeeded(out: &Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("llama-cli-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -37,11 +46,7 @@ fn train_writes_metrics_and_weights_that_eval_and_init_from_read() {
         "--save",
         weights.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("loss floor"), "{stdout}");
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
@@ -70,11 +75,7 @@ fn train_writes_metrics_and_weights_that_eval_and_init_from_read() {
         "--tokens",
         tokens.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["predicted_tokens"], 6);
     assert_eq!(report["sequences"], 2);
@@ -92,11 +93,7 @@ fn train_writes_metrics_and_weights_that_eval_and_init_from_read() {
         "--init-from",
         weights.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -123,11 +120,7 @@ fn f16_under_zero_reports_its_loss_scale_and_saves_fp32_weights() {
         "--save",
         weights.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains("zero: stage 3, f16 parameters with fp32 master weights, gradients reduced in f16, loss scaled dynamically from 65536"),
@@ -173,11 +166,7 @@ fn trains_on_a_text_file_read_as_bytes() {
         "--data",
         text.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains("1800 bytes, 112 samples of 17 bytes"),
@@ -221,11 +210,7 @@ fn text_goes_through_a_tokenizer_for_training_and_eval() {
     };
     let out = train(&["--save", weights.to_str().unwrap()]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     // 40 copies of the sample's ids and a newline's.
     assert!(stdout.contains("tokens, "), "{stdout}");
     let config: serde_json::Value =
@@ -242,11 +227,7 @@ fn text_goes_through_a_tokenizer_for_training_and_eval() {
     assert_eq!(caches, 1, "the ids are cached beside the data");
     // Resuming with the same tokenizer works, again from the cache.
     let out = train(&["--init-from", weights.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
 
     // eval --text gives what eval --tokens gives for the ids of Hugging Face's package.
     let text = dir.join("sample.txt");
@@ -270,11 +251,7 @@ fn text_goes_through_a_tokenizer_for_training_and_eval() {
     std::fs::write(&ids, lines.concat()).unwrap();
     let eval = |args: &[&str]| {
         let out = llama(&[&["eval", "--weights", weights.to_str().unwrap()], args].concat());
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_succeeded(&out);
         String::from_utf8(out.stdout).unwrap()
     };
     assert_eq!(
@@ -296,11 +273,7 @@ fn text_goes_through_a_tokenizer_for_training_and_eval() {
         ]
         .concat(),
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let out = llama(&[
         "eval",
         "--weights",
@@ -636,11 +609,7 @@ fn a_run_stopped_after_a_checkpoint_resumes_where_it_stopped() {
         ]
         .concat();
         let out = llama(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_succeeded(&out);
         std::fs::read_to_string(metrics)
             .unwrap()
             .lines()
@@ -669,11 +638,7 @@ fn a_run_stopped_after_a_checkpoint_resumes_where_it_stopped() {
         "--out",
         exported.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert!(String::from_utf8_lossy(&out.stdout).contains("after step 4"));
     let tokens = dir.join("tokens.txt");
     std::fs::write(&tokens, "1 2 3 4 5 6 7\n").unwrap();
@@ -685,11 +650,7 @@ fn a_run_stopped_after_a_checkpoint_resumes_where_it_stopped() {
             "--tokens",
             tokens.to_str().unwrap(),
         ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_succeeded(&out);
         out.stdout
     };
     assert_eq!(
@@ -769,11 +730,7 @@ fn a_sigterm_checkpoints_the_step_and_a_sigkill_at_any_moment_loses_nothing_chec
     let out = long_run(&dir.join("unused"), &whole, &["--checkpoint-every", "100"])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let whole = steps_and_losses(&whole);
     assert_eq!(whole.len(), 24);
 
@@ -812,11 +769,7 @@ fn a_sigterm_checkpoints_the_step_and_a_sigkill_at_any_moment_loses_nothing_chec
     )
     .output()
     .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert_eq!(
         steps_and_losses(&metrics),
         whole,
@@ -860,11 +813,7 @@ fn a_sigterm_checkpoints_the_step_and_a_sigkill_at_any_moment_loses_nothing_chec
     )
     .output()
     .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert_eq!(
         steps_and_losses(&metrics),
         whole,

@@ -43,6 +43,7 @@ mod nccl_tensor;
 mod pair_ids;
 pub mod parallel;
 mod process;
+mod ring_attention;
 mod shared;
 mod stats;
 mod store;

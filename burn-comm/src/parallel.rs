@@ -11,6 +11,9 @@
 //! | [`gather_from_sequence_parallel_region`] | all-gather along `dim` | reduce-scatter (sum) |
 //! | [`reduce_scatter_to_sequence_parallel_region`] | reduce-scatter (sum) along `dim` | all-gather |
 //!
+//! [`ring_attention`] is attention over a sequence split across the group (context
+//! parallelism), differentiated by hand: its backward passes the keys and values around again.
+//!
 //! [`region_matmul`] fuses `Copy`, `Reduce` and the two sequence ops with the matmul beside
 //! them, cut into chunks so the communication overlaps the multiplication.
 //!
@@ -31,7 +34,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 pub use crate::collective_matmul::matmul;
-use crate::{CommError, Communicator, ReduceOp, collective_matmul};
+pub use crate::ring_attention::{ContextLayout, RingAttention, ring_attention};
+use crate::{CommError, Communicator, ReduceOp, collective_matmul, ring_attention};
 
 /// One of the six region operations, by what its forward does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,6 +148,18 @@ pub trait CommBackend: Backend {
     ) -> Result<Tensor<Self, D>, CommError> {
         collective_matmul::forward(x, w, comm, op, chunks)
     }
+
+    /// Attention over a sequence split across the group, keys and values passed around the
+    /// ring. See [`ring_attention`].
+    fn ring_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        comm: &Communicator,
+        attention: RingAttention,
+    ) -> Result<Tensor<Self, 4>, CommError> {
+        ring_attention::forward_only(q, k, v, comm, attention)
+    }
 }
 
 impl CommBackend for Flex {}
@@ -226,6 +242,16 @@ impl<B: Backend, C: CheckpointStrategy> CommBackend for Autodiff<B, C> {
         chunks: usize,
     ) -> Result<Tensor<Self, D>, CommError> {
         collective_matmul::autodiff(x, w, comm, op, chunks)
+    }
+
+    fn ring_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        comm: &Communicator,
+        attention: RingAttention,
+    ) -> Result<Tensor<Self, 4>, CommError> {
+        ring_attention::autodiff(q, k, v, comm, attention)
     }
 }
 

@@ -20,9 +20,11 @@
 //! | [`embedding`] | [`VocabParallelEmbedding`] |
 //! | [`cross_entropy`] | [`vocab_parallel_cross_entropy`] |
 //! | [`attention`] | [`ParallelAttention`], heads split over the group |
+//! | [`context`] | [`ContextParallel`]: the sequence split over a group, ring or all-gather attention |
 //! | [`mlp`] | [`ParallelSwiGlu`] |
 
 pub mod attention;
+pub mod context;
 pub mod cross_entropy;
 pub mod embedding;
 mod error;
@@ -31,6 +33,7 @@ pub mod linear;
 pub mod mlp;
 
 pub use attention::ParallelAttention;
+pub use context::{ContextParallel, CpAttention};
 pub use cross_entropy::vocab_parallel_cross_entropy;
 pub use embedding::{VocabParallelEmbedding, vocab_parallel_embedding};
 pub use error::TpError;

@@ -1,7 +1,7 @@
 //! The parallel dimensions of a run and the one place that builds its device mesh and groups.
 
 use burn_comm::{Communicator, DeviceMesh};
-use burn_tensor_parallel::TensorParallel;
+use burn_tensor_parallel::{ContextParallel, TensorParallel};
 
 use burn_zero::ZeroStage;
 
@@ -10,15 +10,18 @@ use crate::parallel_plan::check_split;
 use crate::pipeline::Balance;
 use crate::train::{Strategy, TrainConfig, TrainError};
 
-/// How many ranks each parallel dimension has. Ranks are laid out `dp x pp x tp`, tp fastest:
-/// the tensor-parallel peers are neighbours, then the stages of a pipeline.
+/// How many ranks each parallel dimension has. Ranks are laid out `dp x pp x cp x tp`, tp
+/// fastest: the tensor-parallel peers are neighbours, then the context-parallel ones, then the
+/// stages of a pipeline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParallelDims {
     /// Data-parallel replicas.
     pub dp: usize,
     /// Pipeline stages per replica.
     pub pp: usize,
-    /// Tensor-parallel ranks per stage.
+    /// Context-parallel ranks per stage: each holds a part of every sequence.
+    pub cp: usize,
+    /// Tensor-parallel ranks per stage (and part of the sequence).
     pub tp: usize,
 }
 
@@ -28,6 +31,7 @@ impl ParallelDims {
         Self {
             dp: config.dp,
             pp: config.pp,
+            cp: config.cp,
             tp: config.tp,
         }
     }
@@ -68,11 +72,39 @@ impl ParallelDims {
                     .into(),
             ));
         }
+        if self.cp > 1 {
+            if config.strategy != Strategy::Ddp {
+                return Err(TrainError::Config(
+                    "--cp splits every sequence, so the context-parallel ranks average their gradients as data-parallel ones do; use --strategy ddp (the default with --cp)".into(),
+                ));
+            }
+            let chunks = 2 * self.cp;
+            if !config.seq_len.is_multiple_of(chunks) {
+                return Err(TrainError::Config(format!(
+                    "--cp {} cuts each sequence into {chunks} chunks (two per rank, for an even share of the causal mask), but --seq-len {} does not divide by {chunks}; choose a --seq-len that is a multiple of {chunks}",
+                    self.cp, config.seq_len
+                )));
+            }
+            let local = config.seq_len / self.cp;
+            if config.sequence_parallel && !local.is_multiple_of(self.tp) {
+                let multiple = self.cp
+                    * if self.tp.is_multiple_of(2) {
+                        self.tp
+                    } else {
+                        2 * self.tp
+                    };
+                return Err(TrainError::Config(format!(
+                    "with --cp {} each rank holds {local} tokens of a sequence, which --sp splits over the {} tensor-parallel ranks, but {local} does not divide by {}; choose a --seq-len that is a multiple of {multiple}",
+                    self.cp, self.tp, self.tp
+                )));
+            }
+        }
+        // Under context parallelism the tensor-parallel ranks split this rank's tokens.
         check_split(
             &config.model,
             self.tp,
             config.sequence_parallel,
-            config.seq_len,
+            config.seq_len / self.cp.max(1),
         )
         .map_err(TrainError::Config)?;
         if config.checkpoint.is_some() && config.nccl {
@@ -119,18 +151,23 @@ impl ParallelDims {
 
     /// Ranks in all.
     pub fn ranks(&self) -> usize {
-        self.dp * self.pp * self.tp
+        self.dp * self.pp * self.cp * self.tp
     }
 
-    /// The layout's name for messages: `dp 2 x pp 2 x tp 2`.
+    /// The layout's name for messages: `dp 2 x pp 2 x tp 2`, with `x cp N` before tp when the
+    /// sequences are split.
     pub fn describe(&self) -> String {
-        format!("dp {} x pp {} x tp {}", self.dp, self.pp, self.tp)
+        match self.cp {
+            1 => format!("dp {} x pp {} x tp {}", self.dp, self.pp, self.tp),
+            cp => format!("dp {} x pp {} x cp {cp} x tp {}", self.dp, self.pp, self.tp),
+        }
     }
 
     /// Whether `rank` holds the first copy of its stages: the first replica's, and the first of
-    /// its tensor-parallel peers.
+    /// its context- and tensor-parallel peers.
     pub fn is_first_copy(&self, rank: usize) -> bool {
-        rank.is_multiple_of(self.tp) && rank < self.pp * self.tp
+        let in_stage = self.cp * self.tp;
+        rank.is_multiple_of(in_stage) && rank < self.pp * in_stage
     }
 
     /// This rank's groups over `world`, a communicator of [`ranks`](Self::ranks) ranks.
@@ -140,6 +177,7 @@ impl ParallelDims {
         let wanted = [
             ("dp", self.dp, config.strategy != Strategy::Single),
             ("pp", self.pp, self.pp > 1),
+            ("cp", self.cp, self.cp > 1),
             ("tp", self.tp, self.tp > 1),
         ];
         let dims: Vec<(&str, usize)> = wanted
@@ -159,10 +197,31 @@ impl ParallelDims {
                 _ => Ok(None),
             }
         };
+        let dp = group("dp")?;
+        // The ranks holding the same weights: the same stage and tensor-parallel slice.
+        let replicas = match self.cp {
+            1 => dp.clone(),
+            cp => {
+                let rank = world.rank();
+                let stage = rank / (cp * self.tp) % self.pp;
+                Some(world.split("dp x cp", stage * self.tp + rank % self.tp)?)
+            }
+        };
+        // The ranks computing one stage of one replica together, whose backwards run
+        // collectives over them.
+        let stage_peers = match (self.cp, self.tp) {
+            (1, 1) => None,
+            (1, _) => group("tp")?,
+            (_, 1) => group("cp")?,
+            (cp, tp) => Some(world.split("cp x tp", world.rank() / (cp * tp))?),
+        };
         Ok(Groups {
             world: Some(world.clone()),
-            dp: group("dp")?,
+            dp,
+            replicas,
+            stage_peers,
             pp: group("pp")?,
+            cp: group("cp")?.map(|cp| config.context_parallel(cp)),
             tp: group("tp")?.map(|tp| config.tensor_parallel(&tp)),
         })
     }
@@ -174,10 +233,20 @@ pub struct Groups {
     /// Every rank of the job: where the ranks agree on what all of them must (an f16
     /// overflow skipping a step).
     pub world: Option<Communicator>,
-    /// The replicas of this rank's weights (data parallelism).
+    /// The data-parallel ranks: one per replica, each reading its own samples.
     pub dp: Option<Communicator>,
+    /// Every rank holding this rank's weights, which average their gradients (and share their
+    /// ZeRO shards): the data-parallel ranks, times the context-parallel ones (Megatron's
+    /// data-parallel group "with context parallel").
+    pub replicas: Option<Communicator>,
     /// One rank per stage of this rank's pipeline, in stage order.
     pub pp: Option<Communicator>,
+    /// The ranks splitting this rank's sequences.
+    pub cp: Option<ContextParallel>,
+    /// The ranks splitting this rank's stage of the model (by weights or by sequence): cp x
+    /// tp. Their backwards communicate, so they start each backward together (see
+    /// burn-pipeline's `PipelineExecutor::with_backward_group`).
+    pub stage_peers: Option<Communicator>,
     /// The ranks splitting this rank's weights.
     pub tp: Option<TensorParallel>,
 }
@@ -187,6 +256,7 @@ impl Groups {
     pub fn is_first(&self) -> bool {
         self.dp.as_ref().is_none_or(|dp| dp.rank() == 0)
             && self.pp.as_ref().is_none_or(|pp| pp.rank() == 0)
+            && self.cp.as_ref().is_none_or(|cp| cp.rank() == 0)
             && self.tp.as_ref().is_none_or(|tp| tp.rank() == 0)
     }
 }

@@ -9,6 +9,7 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn_comm::RankContext;
 use burn_ddp::DdpConfig;
 use burn_pipeline::ScheduleKind;
+use burn_tensor_parallel::CpAttention;
 use burn_zero::{MixedPrecision, Precision, ZeroConfig, ZeroStage};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -85,6 +86,12 @@ struct PlanArgs {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CpAttentionArg {
+    Ring,
+    AllGather,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum DTypeArg {
     F32,
     Bf16,
@@ -149,6 +156,16 @@ struct TrainArgs {
     /// tensor-parallel ranks (needs --tp 2 or more).
     #[arg(long)]
     sp: bool,
+    /// Context-parallel ranks per replica: every sequence split over them (2 chunks each,
+    /// load-balanced for the causal mask), attention reaching the others' keys by the ring
+    /// or by all-gather (--cp-attention); the run uses dp x pp x cp x tp ranks.
+    #[arg(long, default_value_t = 1)]
+    cp: usize,
+    /// How context-parallel attention reaches the other ranks' keys and values: passed around
+    /// a ring, overlapped with the computation, or all-gathered (small with grouped-query
+    /// attention, as Llama 3 did).
+    #[arg(long, value_enum, default_value_t = CpAttentionArg::Ring)]
+    cp_attention: CpAttentionArg,
     /// Overlap the tensor-parallel communication with the linears' matmuls, each cut into this
     /// many chunks (Megatron's --tp-comm-overlap); 0: one after the other.
     #[arg(long, default_value_t = 0)]
@@ -506,7 +523,7 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
         }
     }
     let strategy = match args.strategy {
-        StrategyArg::Auto if args.dp == 1 && args.zero == 0 => Strategy::Single,
+        StrategyArg::Auto if args.dp == 1 && args.cp == 1 && args.zero == 0 => Strategy::Single,
         StrategyArg::Auto | StrategyArg::Ddp => Strategy::Ddp,
         StrategyArg::Single => Strategy::Single,
         StrategyArg::ParameterServer => Strategy::ParameterServer,
@@ -521,6 +538,11 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
     config.seed = args.seed;
     config.dp = args.dp;
     config.tp = args.tp;
+    config.cp = args.cp;
+    config.cp_attention = match args.cp_attention {
+        CpAttentionArg::Ring => CpAttention::Ring,
+        CpAttentionArg::AllGather => CpAttention::AllGather,
+    };
     config.sequence_parallel = args.sp;
     config.tp_overlap = args.tp_overlap;
     config.pp = args.pp;
@@ -644,7 +666,7 @@ fn print_run(
 ) {
     let strategy = config.strategy;
     println!(
-        "model {} ({:.2}M parameters), {} x {} tokens per step, dp {} ({:?}) x tp {}{} x pp {}{}, {} micro-batch(es) of {} per replica",
+        "model {} ({:.2}M parameters), {} x {} tokens per step, dp {} ({:?}){} x tp {}{} x pp {}{}, {} micro-batch(es) of {} per replica",
         args.init_from
             .as_ref()
             .map_or(name.to_string(), |d| d.display().to_string()),
@@ -653,6 +675,15 @@ fn print_run(
         config.seq_len,
         config.dp,
         strategy,
+        if config.cp > 1 {
+            let how = match config.cp_attention {
+                CpAttention::Ring => "ring",
+                CpAttention::AllGather => "all-gather",
+            };
+            format!(" x cp {} ({how} attention)", config.cp)
+        } else {
+            String::new()
+        },
         config.tp,
         describe_tp(config),
         config.pp,

@@ -23,9 +23,11 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_comm::parallel::copy_to_parallel_region;
 use burn_pipeline::StageOutput;
+use burn_tensor_parallel::context::repeat_kv;
 use burn_tensor_parallel::linear::matmul;
 use burn_tensor_parallel::{
-    TensorParallel, TpBackend, TpError, vocab_parallel_cross_entropy, vocab_parallel_embedding,
+    ContextParallel, TensorParallel, TpBackend, TpError, vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -102,26 +104,50 @@ pub struct Attention<B: Backend> {
 }
 
 /// What depends on position only, shared by every layer of one forward pass: the rotary
-/// tables and the causal mask.
+/// tables and the causal mask, or the context-parallel group that masks as it attends.
 #[derive(Debug, Clone)]
 pub struct Positions<B: Backend> {
     cos: Tensor<B, 4>,
     sin: Tensor<B, 4>,
-    mask: Tensor<B, 4>,
+    masking: Masking<B>,
+}
+
+/// How attention keeps a token from seeing later ones.
+#[derive(Debug, Clone)]
+enum Masking<B: Backend> {
+    /// The whole sequence is here: this mask is added to the scores.
+    Mask(Tensor<B, 4>),
+    /// The sequence is split over this group, whose attention masks by true positions.
+    Context(ContextParallel),
 }
 
 impl<B: Backend> Positions<B> {
     /// The rotary tables and causal mask of a model shaped `config` for sequences of `seq`
-    /// tokens, on the device and in the dtype of the activations `x`.
-    pub fn new(config: &LlamaConfig, seq: usize, x: &Tensor<B, 3>) -> Self {
+    /// tokens, on the device and in the dtype of the activations `x`; under context
+    /// parallelism, the tables of this rank's tokens.
+    pub fn new(
+        config: &LlamaConfig,
+        seq: usize,
+        x: &Tensor<B, 3>,
+        cp: Option<&ContextParallel>,
+    ) -> Result<Self, TpError> {
         let (device, dtype) = (&x.device(), x.dtype());
-        let (cos, sin) = rope::tables::<B>(seq, config.head_dim(), &config.rope(), device);
-        let mask = causal_mask::<B>(seq, device);
-        Self {
+        let (head_dim, rope) = (config.head_dim(), config.rope());
+        let ((cos, sin), masking) = match cp {
+            None => (
+                rope::tables::<B>(seq, head_dim, &rope, device),
+                Masking::Mask(in_dtype(causal_mask::<B>(seq, device), dtype)),
+            ),
+            Some(cp) => (
+                rope::tables_at::<B>(cp.positions(seq)?.into_iter(), head_dim, &rope, device),
+                Masking::Context(cp.clone()),
+            ),
+        };
+        Ok(Self {
             cos: in_dtype(cos, dtype),
             sin: in_dtype(sin, dtype),
-            mask: in_dtype(mask, dtype),
-        }
+            masking,
+        })
     }
 }
 
@@ -159,7 +185,7 @@ impl<B: TpBackend> Attention<B> {
             split(k, kv_heads),
             split(v, kv_heads),
             positions,
-        )
+        )?
         .swap_dims(1, 2)
         .reshape([batch, seq, heads * head_dim]);
         matmul_exit(tp, context, self.o_proj.val())
@@ -193,34 +219,28 @@ fn matmul_exit<B: TpBackend>(
 /// Causal attention of query heads `q` `[batch, heads, seq, head_dim]` over key/value heads
 /// `k`, `v` `[batch, kv_heads, seq, head_dim]` (each shared by `heads / kv_heads` query heads),
 /// with rotary positions; the context comes back shaped like `q`. The same for every head, so
-/// tensor parallelism calls it on each rank's heads.
-pub fn attend<B: Backend>(
+/// tensor parallelism calls it on each rank's heads. Under context parallelism `seq` is this
+/// rank's tokens, and the keys of the others are reached through its group.
+pub fn attend<B: TpBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     positions: &Positions<B>,
-) -> Tensor<B, 4> {
+) -> Result<Tensor<B, 4>, TpError> {
     let (cos, sin) = (&positions.cos, &positions.sin);
+    let q = rope::apply(q, cos, sin);
+    let k = rope::apply(k, cos, sin);
+    let mask = match &positions.masking {
+        Masking::Context(cp) => return cp.attention(q, k, v, true),
+        Masking::Mask(mask) => mask,
+    };
     let group = q.dims()[1] / k.dims()[1];
     let head_dim = q.dims()[3];
-    let q = rope::apply(q, cos, sin);
-    let k = repeat_kv(rope::apply(k, cos, sin), group);
-    let v = repeat_kv(v, group);
+    let (k, v) = (repeat_kv(k, group), repeat_kv(v, group));
     let scores = q.matmul(k.swap_dims(2, 3)) / (head_dim as f64).sqrt();
-    let scores = scores + positions.mask.clone();
+    let scores = scores + mask.clone();
     let dtype = scores.dtype();
-    in_dtype(softmax(in_dtype(scores, DType::F32), 3), dtype).matmul(v)
-}
-
-/// Repeats each key/value head for the `group` query heads that share it.
-fn repeat_kv<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
-    if group == 1 {
-        return x;
-    }
-    let [batch, kv_heads, seq, head_dim] = x.dims();
-    x.unsqueeze_dim::<5>(2)
-        .repeat_dim(2, group)
-        .reshape([batch, kv_heads * group, seq, head_dim])
+    Ok(in_dtype(softmax(in_dtype(scores, DType::F32), 3), dtype).matmul(v))
 }
 
 /// `-inf` above the diagonal, `0` elsewhere, shaped `[1, 1, seq, seq]` to broadcast.
@@ -299,6 +319,8 @@ pub struct Part {
     pub layers: Range<usize>,
     /// The tensor-parallel group its matrices are split over; none when they are whole.
     pub tp: Option<TensorParallel>,
+    /// The context-parallel group its sequences are split over; none when each is whole.
+    pub cp: Option<ContextParallel>,
 }
 
 /// The decoder, or a part of it (see [`Part`]).
@@ -393,6 +415,7 @@ impl<B: Backend> Llama<B> {
                 config: config.clone(),
                 layers: 0..config.num_hidden_layers,
                 tp: None,
+                cp: None,
             },
         }
     }
@@ -410,6 +433,7 @@ impl<B: Backend> Llama<B> {
     /// Whether this is the whole model, unsplit.
     pub fn is_whole(&self) -> bool {
         self.part.tp.is_none()
+            && self.part.cp.is_none()
             && self.embed_tokens.is_some()
             && self.norm.is_some()
             && self.lm_head.is_some() != self.config().tie_word_embeddings
@@ -419,6 +443,13 @@ impl<B: Backend> Llama<B> {
     /// This part with its matrices split over `tp` (see `parallel_plan.rs`, which cuts them).
     pub(crate) fn with_tp(mut self, tp: Option<TensorParallel>) -> Self {
         self.part.tp = tp;
+        self
+    }
+
+    /// This part with its sequences split over `cp`: it reads whole sequences and computes on
+    /// this rank's tokens of them, its loss the mean over those tokens.
+    pub(crate) fn with_cp(mut self, cp: Option<ContextParallel>) -> Self {
+        self.part.cp = cp;
         self
     }
 
@@ -485,14 +516,22 @@ impl<B: Backend> Llama<B> {
 impl<B: TpBackend> Llama<B> {
     /// This part's forward: the embedded `inputs` on the part holding the embedding, `input`
     /// (the previous part's activations) on every other; then its blocks; then, on the last,
-    /// the mean next-token cross-entropy of `targets`. Both `[batch, seq]`.
+    /// the mean next-token cross-entropy of `targets`. Both `[batch, seq]`, whole sequences;
+    /// under context parallelism the part computes on, and averages the loss over, this rank's
+    /// tokens of them.
     pub fn forward_part(
         &self,
         input: Option<Tensor<B, 3>>,
         inputs: &Tensor<B, 2, Int>,
         targets: &Tensor<B, 2, Int>,
     ) -> Result<StageOutput<B>, TpError> {
-        let x = self.blocks_forward(input, inputs, targets.dims()[1])?;
+        let seq = targets.dims()[1];
+        let (inputs, targets) = match &self.part.cp {
+            None => (inputs.clone(), targets.clone()),
+            Some(cp) => (cp.shard(inputs.clone(), 1)?, cp.shard(targets.clone(), 1)?),
+        };
+        let (inputs, targets) = (&inputs, &targets);
+        let x = self.blocks_forward(input, inputs, seq)?;
         let Some(norm) = &self.norm else {
             return Ok(StageOutput::Activation(x));
         };
@@ -542,7 +581,7 @@ impl<B: TpBackend> Llama<B> {
             }
         };
         // The whole sequence: under sequence parallelism `x` holds this rank's part of it.
-        let positions = Positions::new(config, seq, &x);
+        let positions = Positions::new(config, seq, &x, self.part.cp.as_ref())?;
         for layer in &self.layers {
             x = layer.forward(x, &positions, tp)?;
         }

@@ -215,8 +215,10 @@ impl ParallelPlan {
     }
 
     /// The whole of `model` (cut by [`shard`](Self::shard)), gathered from its tensor-parallel
-    /// group (a collective); the model as it is when it is not split.
+    /// group (a collective); the model as it is when it is not split. Either way it comes back
+    /// computing on whole sequences (context-parallel ranks hold the same weights).
     pub fn gather<B: Backend>(&self, model: Llama<B>) -> Result<Llama<B>, TrainError> {
+        let model = model.with_cp(None);
         let Some(tp) = model.part().tp.clone() else {
             return Ok(model);
         };
@@ -241,11 +243,17 @@ impl ParallelPlan {
 
     /// The plan as `--print-plan` prints it.
     pub fn describe(&self, model: &LlamaConfig) -> String {
-        let ParallelDims { dp, pp, tp } = self.dims;
-        let mut out = format!(
-            "parallel plan: dp {dp} x pp {pp} x tp {tp} = {} ranks (tp fastest, then pp)\n",
-            dp * pp * tp
-        );
+        let ParallelDims { dp, pp, cp, tp } = self.dims;
+        let mut out = match cp {
+            1 => format!(
+                "parallel plan: dp {dp} x pp {pp} x tp {tp} = {} ranks (tp fastest, then pp)\n",
+                dp * pp * tp
+            ),
+            _ => format!(
+                "parallel plan: dp {dp} x pp {pp} x cp {cp} x tp {tp} = {} ranks (tp fastest, then cp, then pp); every sequence split over the {cp} context-parallel ranks\n",
+                self.dims.ranks()
+            ),
+        };
         let sp = if self.sequence_parallel {
             ", sequence parallel: activations between the regions split along the sequence"
         } else {

@@ -120,7 +120,7 @@ impl StageCosts {
             .as_ref()
             .ok_or_else(|| TrainError::Config("the stages are timed on the whole model".into()))?;
         let x = embed(table, inputs.clone()).detach();
-        let positions = Positions::new(config, targets.dims()[1], &x);
+        let positions = Positions::new(config, targets.dims()[1], &x, None)?;
         let embedding = time(&|| {
             embed(table, inputs.clone()).sum().backward();
         })?;
@@ -180,7 +180,7 @@ impl StageCosts {
             .collect();
         let mut tensor = Tensor::<B, 1>::from_floats(values.as_slice(), device);
         let tp = groups.tp.as_ref().map(TensorParallel::comm);
-        for group in [groups.pp.as_ref(), groups.dp.as_ref(), tp]
+        for group in [groups.pp.as_ref(), groups.replicas.as_ref(), tp]
             .into_iter()
             .flatten()
         {
@@ -287,7 +287,9 @@ mod tests {
                 world: Some(ctx.world().clone()),
                 pp: Some(mesh.group("pp")?.clone()),
                 dp: Some(mesh.group("dp")?.clone()),
+                replicas: Some(mesh.group("dp")?.clone()),
                 tp: Some(tp),
+                ..Groups::default()
             };
             let mine = ctx.rank() as f64;
             let costs = StageCosts {

@@ -143,18 +143,30 @@ pub fn tables<B: Backend>(
     rope: &Rope,
     device: &B::Device,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    tables_at::<B>(0..seq_len, head_dim, rope, device)
+}
+
+/// The rows of [`tables`] at `positions`, in their order: a context-parallel rank's tokens
+/// rotate by their places in the whole sequence.
+pub fn tables_at<B: Backend>(
+    positions: impl ExactSizeIterator<Item = usize>,
+    head_dim: usize,
+    rope: &Rope,
+    device: &B::Device,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
     let half = head_dim / 2;
     let frequencies = rope.frequencies(head_dim);
-    let mut cos = Vec::with_capacity(seq_len * head_dim);
-    let mut sin = Vec::with_capacity(seq_len * head_dim);
-    for position in 0..seq_len {
+    let rows = positions.len();
+    let mut cos = Vec::with_capacity(rows * head_dim);
+    let mut sin = Vec::with_capacity(rows * head_dim);
+    for position in positions {
         for i in 0..head_dim {
             let angle = position as f64 * frequencies[i % half];
             cos.push(angle.cos() as f32);
             sin.push(angle.sin() as f32);
         }
     }
-    let shape = [1, 1, seq_len, head_dim];
+    let shape = [1, 1, rows, head_dim];
     (
         Tensor::from_data(TensorData::new(cos, shape), device),
         Tensor::from_data(TensorData::new(sin, shape), device),

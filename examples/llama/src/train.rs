@@ -12,7 +12,7 @@ use burn::tensor::{ElementConversion, Tensor, TensorData, backend::Backend};
 use burn_comm::{CommError, Communicator, ReduceOp};
 use burn_ddp::{DdpConfig, DdpError, per_rank_batch};
 use burn_pipeline::{PipelineError, ScheduleKind};
-use burn_tensor_parallel::{TensorParallel, TpError};
+use burn_tensor_parallel::{ContextParallel, CpAttention, TensorParallel, TpError};
 use burn_zero::{ZeroConfig, ZeroError, ZeroStage};
 use serde::Serialize;
 
@@ -63,6 +63,11 @@ pub struct TrainConfig {
     pub dp: usize,
     /// Tensor-parallel ranks per replica.
     pub tp: usize,
+    /// Context-parallel ranks per replica: each holds `seq_len / cp` tokens of every sequence,
+    /// cut load-balanced for the causal mask.
+    pub cp: usize,
+    /// How context-parallel attention reaches the other ranks' keys and values.
+    pub cp_attention: CpAttention,
     /// Sequence parallelism within the tensor-parallel group.
     pub sequence_parallel: bool,
     /// Chunks of the collective matmuls that overlap the tensor-parallel communication with
@@ -122,6 +127,8 @@ impl TrainConfig {
             seed: 42,
             dp: 1,
             tp: 1,
+            cp: 1,
+            cp_attention: CpAttention::Ring,
             sequence_parallel: false,
             tp_overlap: 0,
             pp: 1,
@@ -150,6 +157,11 @@ impl TrainConfig {
             .with_comm_overlap(self.tp_overlap)
     }
 
+    /// The context-parallel group over `group`: load-balanced, with this config's attention.
+    pub fn context_parallel(&self, group: Communicator) -> ContextParallel {
+        ContextParallel::new(group, true).with_attention(self.cp_attention)
+    }
+
     /// Samples per rank per step, micro-batch size and micro-batches per step, or a sentence
     /// saying what to change.
     pub fn layout(&self) -> Result<Layout, TrainError> {
@@ -166,6 +178,7 @@ impl TrainConfig {
             ("--batch-size", Some(self.batch_size)),
             ("--dp", Some(self.dp)),
             ("--tp", Some(self.tp)),
+            ("--cp", Some(self.cp)),
             ("--pp", Some(self.pp)),
             ("--virtual-stages", Some(self.virtual_stages)),
             ("--micro-batch-size", self.micro_batch_size),

@@ -43,6 +43,13 @@ fn layout(dp: usize, tp: usize, sp: bool) -> TrainConfig {
     config
 }
 
+/// `layout(dp, tp, false)` with every sequence split over `cp` ranks, under ZeRO `stage`.
+fn context(dp: usize, cp: usize, tp: usize, stage: ZeroStage) -> TrainConfig {
+    let mut config = zero(&layout(dp, tp, false), dp, stage);
+    config.cp = cp;
+    config
+}
+
 /// `layout(dp, 1, false)` under the parameter-server baseline.
 fn server(dp: usize) -> TrainConfig {
     let mut config = layout(dp, 1, false);
@@ -160,6 +167,10 @@ fn a_resumed_run_continues_the_uninterrupted_one_bit_for_bit_in_its_layout() {
             config.model.tie_word_embeddings = true;
             config
         }),
+        (
+            "cp 2 x tp 2 zero 1",
+            context(1, 2, 2, ZeroStage::OptimizerState),
+        ),
     ];
     for (i, (what, config)) in layouts.into_iter().enumerate() {
         let whole = run(&config);
@@ -215,6 +226,16 @@ fn a_checkpoint_resumes_in_another_layout() {
             "pp 2 x tp 2 zb-h1 -> single",
             pipeline(2, 2, ScheduleKind::ZeroBubbleH1, 1),
             layout(1, 1, false),
+        ),
+        (
+            "dp 2 x cp 2 zero 3 -> single",
+            context(2, 2, 1, ZeroStage::Parameters),
+            layout(1, 1, false),
+        ),
+        (
+            "dp 2 -> cp 4",
+            layout(2, 1, false),
+            context(1, 4, 1, ZeroStage::Replicated),
         ),
     ];
     for (i, (what, from, target)) in layouts.into_iter().enumerate() {

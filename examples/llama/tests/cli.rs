@@ -333,6 +333,13 @@ fn print_plan_shows_each_parameters_placement_and_trains_nothing() {
         assert!(plan.contains(expected), "{expected:?} in\n{plan}");
     }
     assert!(!metrics.exists(), "a printed plan trains nothing");
+    let out = llama(&["train", "--cp", "2", "--tp", "2", "--print-plan"]);
+    assert!(out.status.success(), "{out:?}");
+    let plan = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        plan.contains("dp 1 x pp 1 x cp 2 x tp 2 = 4 ranks"),
+        "the context-parallel plan:\n{plan}"
+    );
     // A layout that cannot be split is refused before anything is printed.
     let out = llama(&["train", "--tp", "3", "--print-plan"]);
     assert!(!out.status.success());
@@ -344,8 +351,21 @@ fn print_plan_shows_each_parameters_placement_and_trains_nothing() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 43] = [
+    let cases: [(&[&str], &str); 47] = [
         (&["train", "--dp", "0"], "--dp must be at least 1"),
+        (&["train", "--cp", "0"], "--cp must be at least 1"),
+        (
+            &["train", "--cp", "2", "--seq-len", "30"],
+            "--seq-len 30 does not divide by 4",
+        ),
+        (
+            &["train", "--cp", "2", "--strategy", "parameter-server"],
+            "use --strategy ddp (the default with --cp)",
+        ),
+        (
+            &["train", "--cp", "2", "--tp", "4", "--sp", "--seq-len", "20"],
+            "each rank holds 10 tokens of a sequence, which --sp splits over the 4 tensor-parallel ranks, but 10 does not divide by 4; choose a --seq-len that is a multiple of 8",
+        ),
         (
             &[
                 "export",

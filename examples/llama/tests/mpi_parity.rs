@@ -107,7 +107,7 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
         "--micro-batches",
         "2",
     ];
-    let layouts: [(usize, &[&str], &[&str]); 15] = [
+    let layouts: [(usize, &[&str], &[&str]); 16] = [
         (2, &["--dp", "2"], &[]),
         (2, &["--dp", "2", "--strategy", "parameter-server"], &[]),
         (2, &["--tp", "2"], &[]),
@@ -122,6 +122,7 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
         ),
         (2, &["--dp", "2", "--zero", "1", "--dtype", "bf16"], &[]),
         (4, &["--dp", "2", "--tp", "2"], &[]),
+        (4, &["--dp", "2", "--cp", "2"], &[]),
         (2, &gpipe, &[]),
         (2, &one_f_one_b, &[]),
         (2, &zero_bubble, &[]),

@@ -41,7 +41,8 @@ impl<'a, B: TrainBackend> FullyShardedEngine<'a, B> {
         let mut failed = None;
         let units = weights
             .each_part(&config.model, plan, ranges, &every, tp, device)
-            .map_while(|unit| unit.map_err(|error| failed = Some(error)).ok());
+            .map_while(|unit| unit.map_err(|error| failed = Some(error)).ok())
+            .map(|unit| unit.with_cp(groups.cp.clone()));
         let fsdp = FullyShardedDataParallel::new(
             units,
             dp.clone(),
@@ -52,8 +53,8 @@ impl<'a, B: TrainBackend> FullyShardedEngine<'a, B> {
             return Err(error);
         }
         let mut fsdp = fsdp?;
-        if let Some(tp) = tp {
-            fsdp = fsdp.with_backward_group(tp.comm().clone());
+        if let Some(peers) = &groups.stage_peers {
+            fsdp = fsdp.with_backward_group(peers.clone());
         }
         // Tensor-parallel peers skip the same steps for overflow.
         if let Some(world) = &groups.world {

@@ -169,9 +169,10 @@ pub(crate) fn choose<'a, B: TrainBackend>(
         let engine = pipeline::PipelineEngine::new(config, plan, weights, groups, batches, device)?;
         return Ok(Box::new(engine));
     }
+    // Gradients are averaged over every rank holding the same weights.
     let dp = || {
         groups
-            .dp
+            .replicas
             .clone()
             .expect("a data-parallel strategy has its group")
     };
@@ -184,7 +185,8 @@ pub(crate) fn choose<'a, B: TrainBackend>(
     let all = 0..config.model.num_hidden_layers;
     let replica = weights
         .parts(&config.model, plan, &[all], &[0], tp, device)?
-        .remove(0);
+        .remove(0)
+        .with_cp(groups.cp.clone());
     Ok(match (config.strategy, config.zero) {
         (Strategy::Single, _) => Box::new(single::SingleEngine::new(config, plan, replica)),
         (Strategy::Ddp, ZeroStage::Replicated) => {

@@ -62,8 +62,8 @@ impl<'a, B: TrainBackend> PipelineEngine<'a, B> {
         let pp = groups.pp.clone().expect("a pipeline has its group");
         let mut executor =
             PipelineExecutor::new(schedule, pp.clone())?.with_recompute(config.recompute);
-        if let Some(tp) = &groups.tp {
-            executor = executor.with_backward_group(tp.comm().clone());
+        if let Some(peers) = &groups.stage_peers {
+            executor = executor.with_backward_group(peers.clone());
         }
         let ranges = match config.balance {
             Balance::Params => plan.stages.clone(),
@@ -82,19 +82,25 @@ impl<'a, B: TrainBackend> PipelineEngine<'a, B> {
         };
         let mine = executor.stages();
         // The stages trained elsewhere are never built.
-        let chunks = weights.parts(
-            &config.model,
-            plan,
-            &ranges,
-            &mine,
-            groups.tp.as_ref(),
-            device,
-        )?;
-        // Under sequence parallelism each tensor-parallel rank sends its part of the sequence.
-        let sequence_parts = match &groups.tp {
-            Some(tp) if tp.sequence_parallel() => tp.size(),
-            _ => 1,
-        };
+        let chunks = weights
+            .parts(
+                &config.model,
+                plan,
+                &ranges,
+                &mine,
+                groups.tp.as_ref(),
+                device,
+            )?
+            .into_iter()
+            .map(|chunk| chunk.with_cp(groups.cp.clone()))
+            .collect::<Vec<_>>();
+        // Each context-parallel rank sends its part of the sequence, and under sequence
+        // parallelism each tensor-parallel rank its part of that.
+        let sequence_parts = config.cp
+            * match &groups.tp {
+                Some(tp) if tp.sequence_parallel() => tp.size(),
+                _ => 1,
+            };
         // The stages compute, and so send, in their parameters' dtype.
         let dtype = config
             .zero_config
@@ -116,7 +122,7 @@ impl<'a, B: TrainBackend> PipelineEngine<'a, B> {
             executor,
             stepper: Stepper::new(chunks, config, groups, tied)?,
             pp,
-            dp: groups.dp.clone(),
+            dp: groups.replicas.clone(),
             mine,
             ranges,
             message,
@@ -246,10 +252,10 @@ impl<B: BackwardHooks, S: PipelineStage<B, Error = TrainError>> Stepper<B, S> {
         groups: &Groups,
         tied: Option<TiedEmbedding>,
     ) -> Result<Self, TrainError> {
-        Ok(match (config.zero, groups.dp.as_ref()) {
+        Ok(match (config.zero, groups.replicas.as_ref()) {
             (ZeroStage::Replicated, _) => {
                 let sync = groups
-                    .dp
+                    .replicas
                     .as_ref()
                     .map(|dp| GradientSync::new(&chunks, dp.clone(), config.ddp.clone()))
                     .transpose()?

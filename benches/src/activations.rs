@@ -4,10 +4,12 @@
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{DType, Tensor};
+use burn_comm::{CommError, launch};
+use burn_tensor_parallel::ContextParallel;
 use llama::data::MarkovSource;
 use llama::{Llama, LlamaConfig};
 
-use crate::memory::live_bytes;
+use crate::memory::{live_bytes, set_slot, slot_live_bytes};
 use crate::token_batch;
 
 type B = Autodiff<Flex>;
@@ -47,4 +49,37 @@ pub fn measured_activation_bytes(
     // autodiff graph frees the previous one's nodes lazily); the least of a few is what the
     // forward itself keeps.
     (0..4).map(|_| forward().0).min().expect("a few forwards")
+}
+
+/// What [`measured_activation_bytes`] measures, on each of `cp` context-parallel ranks (threads
+/// of this process, each counted in its own slot of [`crate::memory`]): the median rank's.
+pub fn measured_context_parallel_activation_bytes(
+    config: &LlamaConfig,
+    micro_batch: usize,
+    seq_len: usize,
+    dtype: DType,
+    cp: usize,
+) -> usize {
+    let data = MarkovSource::new(config.vocab_size.min(256), 3, seq_len, micro_batch, 1);
+    let mut per_rank = launch(cp, |ctx| {
+        let slot = ctx.rank() + 1;
+        set_slot(slot);
+        let group = ContextParallel::new(ctx.world().clone(), true);
+        let model: Llama<B> = Llama::init(config, 1, &Default::default());
+        let model = model.map(&mut Cast(dtype)).with_cp(Some(group));
+        let forward = || {
+            let (inputs, targets) = token_batch::<B>(&data, 0, micro_batch, seq_len);
+            let before = slot_live_bytes(slot);
+            let loss = model.loss(inputs, targets).expect("every block");
+            (slot_live_bytes(slot).saturating_sub(before), loss)
+        };
+        drop(forward());
+        let kept = (0..4).map(|_| forward().0).min().expect("a few forwards");
+        Ok::<_, CommError>(kept)
+    })
+    .into_iter()
+    .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
+    .collect::<Vec<_>>();
+    per_rank.sort_unstable();
+    per_rank[cp / 2]
 }

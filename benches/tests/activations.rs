@@ -1,7 +1,8 @@
 //! `llama plan`'s activation estimate against the bytes a forward of `tiny` really keeps for
-//! its backward, in fp32 and bf16. One test: the count is of the whole process.
+//! its backward, in fp32 and bf16, and per rank under context parallelism. One test: the count
+//! is of the whole process.
 
-use benches::activations::measured_activation_bytes;
+use benches::activations::{measured_activation_bytes, measured_context_parallel_activation_bytes};
 use benches::memory::CountingAllocator;
 use burn::tensor::DType;
 use llama::LlamaConfig;
@@ -18,12 +19,29 @@ fn the_plans_activations_are_within_5_percent_of_what_a_forward_keeps() {
             let measured = measured_activation_bytes(&config, micro_batch, seq_len, dtype) as f64;
             let layers = config.num_hidden_layers;
             let estimated =
-                activation_bytes(&config, micro_batch, seq_len, layers, 1, dtype.size()) as f64;
+                activation_bytes(&config, micro_batch, seq_len, layers, 1, 1, dtype.size()) as f64;
             let off = (measured - estimated).abs() / estimated;
             assert!(
                 off < 0.05,
                 "{dtype:?} {micro_batch} x {seq_len}: measured {measured} bytes, estimated {estimated}"
             );
         }
+    }
+    // Under context parallelism, per rank (each counted in its own slot).
+    let (micro_batch, seq_len, layers) = (2, 256, config.num_hidden_layers);
+    for cp in [2, 4] {
+        let measured = measured_context_parallel_activation_bytes(
+            &config,
+            micro_batch,
+            seq_len,
+            DType::F32,
+            cp,
+        ) as f64;
+        let estimated = activation_bytes(&config, micro_batch, seq_len, layers, 1, cp, 4) as f64;
+        let off = (measured - estimated).abs() / estimated;
+        assert!(
+            off < 0.05,
+            "cp {cp}: measured {measured} bytes per rank, estimated {estimated}"
+        );
     }
 }

@@ -22,7 +22,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Bool, DType, Tensor, TensorData, TensorPrimitive};
 
 use crate::{CommError, Communicator, Work};
 
@@ -297,12 +297,13 @@ fn sum_heads<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
         .reshape([batch, heads / group, len, dim])
 }
 
-/// The keys one query chunk attends to in a held block, with the mask to add to its scores
-/// (`None` when every key is visible). Empty when none is.
+/// The keys one query chunk attends to in a held block, with the scores to hide (`None` when
+/// every key is visible). Empty when none is.
 struct Keys<B: Backend> {
     /// Indices into the held chunks.
     at: Vec<usize>,
-    mask: Option<Tensor<B, 4>>,
+    /// `[1, 1, chunk, keys]`: true where a key comes after the query.
+    hidden: Option<Tensor<B, 4, Bool>>,
 }
 
 fn keys_for<B: Backend>(
@@ -319,35 +320,26 @@ fn keys_for<B: Backend>(
         .map(|(at, &i)| (at, plan.visibility(query_chunk, owner_chunks[i])))
         .filter(|(_, seen)| *seen != Visibility::Hidden)
         .collect();
-    let mask = seen
+    // A filled mask costs a quarter of an added one on burn's CPU backend.
+    let hidden = seen
         .iter()
         .any(|(_, v)| *v == Visibility::Diagonal)
         .then(|| {
             let n = plan.chunk;
-            let parts = seen
-                .iter()
-                .map(|(_, v)| block_mask::<B>(n, *v == Visibility::Diagonal, device))
+            let values: Vec<bool> = (0..n)
+                .flat_map(|query| {
+                    seen.iter().flat_map(move |(_, v)| {
+                        (0..n).map(move |key| *v == Visibility::Diagonal && key > query)
+                    })
+                })
                 .collect();
-            Tensor::cat(parts, 3)
+            let shape = [1, 1, n, n * seen.len()];
+            Tensor::from_data(TensorData::new(values, shape), device)
         });
     Keys {
         at: seen.into_iter().map(|(at, _)| at).collect(),
-        mask,
+        hidden,
     }
-}
-
-/// `[1, 1, n, n]`: `-inf` above the diagonal when `causal`, else zeros.
-fn block_mask<B: Backend>(n: usize, causal: bool, device: &B::Device) -> Tensor<B, 4> {
-    let values = (0..n * n)
-        .map(|i| {
-            if causal && i % n > i / n {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect::<Vec<_>>();
-    Tensor::from_data(TensorData::new(values, [1, 1, n, n]), device)
 }
 
 /// Keys or values of the chunks `at` of a held stack (0 keys, 1 values), fp32, as many heads as
@@ -371,16 +363,11 @@ fn gather_chunks<B: Backend>(
     repeat_heads(float(Tensor::cat(parts, 2)), group)
 }
 
-/// Scores of queries `q` against keys `k` (fp32), scaled and masked.
-fn scores<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    keys: &Keys<B>,
-    scale: f64,
-) -> Tensor<B, 4> {
-    let s = q.matmul(k.swap_dims(2, 3)) * scale;
-    match &keys.mask {
-        Some(mask) => s + mask.clone(),
+/// Scores of queries `q`, already scaled, against keys `k` (fp32), masked.
+fn scores<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, keys: &Keys<B>) -> Tensor<B, 4> {
+    let s = q.matmul(k.swap_dims(2, 3));
+    match &keys.hidden {
+        Some(hidden) => s.mask_fill(hidden.clone(), f32::NEG_INFINITY),
         None => s,
     }
 }
@@ -470,7 +457,9 @@ fn pass<B: Backend>(
     Passing { send, recv }
 }
 
-/// The forward: the context (fp32) and the log-sum-exp of each query `[batch, heads, local, 1]`.
+/// The forward: the context (fp32) and the log-sum-exp of each query, chunk after chunk along
+/// the first dimension (`[chunks * batch, heads, chunk, 1]`, so that a chunk's is contiguous:
+/// broadcasting a strided view takes burn's CPU backend's slow path, at 2.5 times the cost).
 fn forward<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -481,7 +470,8 @@ fn forward<B: Backend>(
     let device = q.device();
     let group = q.dims()[1] / k.dims()[1];
     let own = plan.layout.chunks_of(plan.rank);
-    let q = float(q);
+    // Scaled once here rather than every block's scores.
+    let q = float(q) * plan.scale;
     let kv = Tensor::stack::<5>(vec![k, v], 0);
     let (stack, dtype) = (kv.dims(), kv.dtype());
     let mut held = Some(Held {
@@ -500,7 +490,7 @@ fn forward<B: Backend>(
                 }
                 let k = gather_chunks(&held.kv, 0, &keys.at, plan.chunk, group);
                 let v = gather_chunks(&held.kv, 1, &keys.at, plan.chunk, group);
-                let s = scores(query_chunk(&q, index, plan.chunk), k, &keys, plan.scale);
+                let s = scores(query_chunk(&q, index, plan.chunk), k, &keys);
                 let max = s.clone().max_dim(3);
                 let e = (s - max.clone()).exp();
                 let sum = e.clone().sum_dim(3);
@@ -524,10 +514,11 @@ fn forward<B: Backend>(
         .map(|p| p.expect("every query chunk sees its own keys"))
         .map(|p| (p.out, p.lse))
         .unzip();
-    Ok((Tensor::cat(out, 2), Tensor::cat(lse, 2)))
+    Ok((Tensor::cat(out, 2), Tensor::cat(lse, 0)))
 }
 
-/// What backward keeps: the inputs, the context and the log-sum-exp.
+/// What backward keeps: the inputs, the context and the log-sum-exp (as [`forward`] lays it
+/// out).
 struct Saved<B: Backend> {
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -552,9 +543,18 @@ fn backward<B: Backend>(
     let group = q.dims()[1] / kv_heads;
     let own = plan.layout.chunks_of(plan.rank);
     let len = plan.chunk;
-    let (q, grad) = (float(q), float(grad));
-    // D = rowsum(dO * O), the softmax backward's correction per query.
-    let delta = (grad.clone() * float(out)).sum_dim(3);
+    // The queries scaled once, as the forward's scores saw them.
+    let (q, grad) = (float(q) * plan.scale, float(grad));
+    // Per query chunk, contiguous (see `forward`): the log-sum-exp, and D = rowsum(dO * O), the
+    // softmax backward's correction.
+    let out = float(out);
+    let (lse, delta): (Vec<_>, Vec<_>) = (0..own.len())
+        .map(|i| {
+            let lse = lse.clone().narrow(0, i * batch, batch);
+            let of = |x: &Tensor<B, 4>| query_chunk(x, i, len);
+            (lse, (of(&grad) * of(&out)).sum_dim(3))
+        })
+        .unzip();
     let kv = Tensor::stack::<5>(vec![k, v], 0);
     let (stack, dtype) = (kv.dims(), kv.dtype());
     let mut held_grad = float(kv.zeros_like());
@@ -580,13 +580,13 @@ fn backward<B: Backend>(
                 let k = gather_chunks(&current.kv, 0, &keys.at, len, group);
                 let v = gather_chunks(&current.kv, 1, &keys.at, len, group);
                 let (q, grad) = (query_chunk(&q, index, len), query_chunk(&grad, index, len));
-                let s = scores(q.clone(), k.clone(), &keys, plan.scale);
-                let p = (s - query_chunk(&lse, index, len)).exp();
+                let s = scores(q.clone(), k.clone(), &keys);
+                let p = (s - lse[index].clone()).exp();
                 let grad_v = p.clone().swap_dims(2, 3).matmul(grad.clone());
                 let grad_p = grad.matmul(v.swap_dims(2, 3));
-                let grad_s = p * (grad_p - query_chunk(&delta, index, len));
+                let grad_s = p * (grad_p - delta[index].clone());
                 let gq = grad_s.clone().matmul(k) * plan.scale;
-                let grad_k = grad_s.swap_dims(2, 3).matmul(q) * plan.scale;
+                let grad_k = grad_s.swap_dims(2, 3).matmul(q);
                 grad_q[index] = Some(match grad_q[index].take() {
                     Some(acc) => acc + gq,
                     None => gq,

@@ -63,7 +63,7 @@ fn main() {
                 let measured = measured_activation_bytes(&config, micro_batch, seq_len, dtype);
                 let layers = config.num_hidden_layers;
                 let estimated =
-                    activation_bytes(&config, micro_batch, seq_len, layers, 1, dtype.size());
+                    activation_bytes(&config, micro_batch, seq_len, layers, 1, 1, dtype.size());
                 let row = Row {
                     model: name.clone(),
                     micro_batch,

@@ -68,6 +68,10 @@ struct PlanArgs {
     /// Data-parallel ranks, over which ZeRO shards.
     #[arg(long, default_value_t = 1)]
     dp: usize,
+    /// Context-parallel ranks (ring attention): each holds seq-len / cp tokens of a sequence;
+    /// ZeRO shards over dp x cp.
+    #[arg(long, default_value_t = 1)]
+    cp: usize,
     /// Tensor-parallel ranks.
     #[arg(long, default_value_t = 1)]
     tp: usize,
@@ -456,17 +460,30 @@ fn run_plan(args: PlanArgs) -> Result<(), String> {
         (None, None) => unreachable!("checked above"),
     };
     if args.dp == 0
+        || args.cp == 0
         || args.tp == 0
         || args.pp == 0
         || args.micro_batch_size == 0
         || args.seq_len == 0
     {
-        return Err("--dp, --tp, --pp, --micro-batch-size and --seq-len must be at least 1".into());
+        return Err(
+            "--dp, --cp, --tp, --pp, --micro-batch-size and --seq-len must be at least 1".into(),
+        );
+    }
+    if args.cp > 1 && !args.seq_len.is_multiple_of(2 * args.cp) {
+        return Err(format!(
+            "--cp {} cuts each sequence into {} chunks, but --seq-len {} does not divide by {}",
+            args.cp,
+            2 * args.cp,
+            args.seq_len,
+            2 * args.cp
+        ));
     }
     let plan = Plan {
         params,
         model,
         dp: args.dp,
+        cp: args.cp,
         tp: args.tp,
         pp: args.pp,
         precision: match args.dtype {

@@ -20,10 +20,10 @@ use std::ops::Range;
 use burn::module::{Module, Param};
 use burn::tensor::activation::{log_softmax, silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use burn_comm::parallel::copy_to_parallel_region;
 use burn_pipeline::StageOutput;
-use burn_tensor_parallel::context::repeat_kv;
+use burn_tensor_parallel::context::{causal_mask, repeat_kv};
 use burn_tensor_parallel::linear::matmul;
 use burn_tensor_parallel::{
     ContextParallel, TensorParallel, TpBackend, TpError, vocab_parallel_cross_entropy,
@@ -115,8 +115,8 @@ pub struct Positions<B: Backend> {
 /// How attention keeps a token from seeing later ones.
 #[derive(Debug, Clone)]
 enum Masking<B: Backend> {
-    /// The whole sequence is here: this mask is added to the scores.
-    Mask(Tensor<B, 4>),
+    /// The whole sequence is here: the scores where this is true are hidden.
+    Mask(Tensor<B, 4, Bool>),
     /// The sequence is split over this group, whose attention masks by true positions.
     Context(ContextParallel),
 }
@@ -134,10 +134,13 @@ impl<B: Backend> Positions<B> {
         let (device, dtype) = (&x.device(), x.dtype());
         let (head_dim, rope) = (config.head_dim(), config.rope());
         let ((cos, sin), masking) = match cp {
-            None => (
-                rope::tables::<B>(seq, head_dim, &rope, device),
-                Masking::Mask(in_dtype(causal_mask::<B>(seq, device), dtype)),
-            ),
+            None => {
+                let positions: Vec<usize> = (0..seq).collect();
+                (
+                    rope::tables::<B>(seq, head_dim, &rope, device),
+                    Masking::Mask(causal_mask(&positions, &positions, device)),
+                )
+            }
             Some(cp) => (
                 rope::tables_at::<B>(cp.positions(seq)?.into_iter(), head_dim, &rope, device),
                 Masking::Context(cp.clone()),
@@ -238,23 +241,9 @@ pub fn attend<B: TpBackend>(
     let head_dim = q.dims()[3];
     let (k, v) = (repeat_kv(k, group), repeat_kv(v, group));
     let scores = q.matmul(k.swap_dims(2, 3)) / (head_dim as f64).sqrt();
-    let scores = scores + mask.clone();
+    let scores = scores.mask_fill(mask.clone(), f32::NEG_INFINITY);
     let dtype = scores.dtype();
     Ok(in_dtype(softmax(in_dtype(scores, DType::F32), 3), dtype).matmul(v))
-}
-
-/// `-inf` above the diagonal, `0` elsewhere, shaped `[1, 1, seq, seq]` to broadcast.
-fn causal_mask<B: Backend>(seq: usize, device: &B::Device) -> Tensor<B, 4> {
-    let values = (0..seq * seq)
-        .map(|i| {
-            if i % seq > i / seq {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect::<Vec<_>>();
-    Tensor::from_data(TensorData::new(values, [1, 1, seq, seq]), device)
 }
 
 /// SwiGLU: `down(silu(gate(x)) * up(x))`; split over `tp` ranks, each holds `intermediate / tp`
@@ -448,7 +437,7 @@ impl<B: Backend> Llama<B> {
 
     /// This part with its sequences split over `cp`: it reads whole sequences and computes on
     /// this rank's tokens of them, its loss the mean over those tokens.
-    pub(crate) fn with_cp(mut self, cp: Option<ContextParallel>) -> Self {
+    pub fn with_cp(mut self, cp: Option<ContextParallel>) -> Self {
         self.part.cp = cp;
         self
     }

@@ -1,5 +1,7 @@
 //! `llama plan`: model-state bytes per rank at every ZeRO stage (the paper's formulas, from
 //! burn-zero), and the activations a micro-batch of the Llama shapes keeps for its backward.
+//! Under context parallelism ZeRO shards over dp x cp, and a rank keeps the activations of
+//! its tokens only, its ring attention `O(tokens)` instead of the scores' `O(tokens^2)`.
 
 use burn_zero::{ModelStateBytes, Precision, ZeroStage, estimate};
 
@@ -12,8 +14,10 @@ pub struct Plan {
     pub params: u64,
     /// The model's shape, when it is a preset (for the activations).
     pub model: Option<LlamaConfig>,
-    /// Data-parallel ranks (ZeRO shards over them).
+    /// Data-parallel ranks (ZeRO shards over them and the context-parallel ones).
     pub dp: usize,
+    /// Context-parallel ranks: each holds `seq_len / cp` tokens of every sequence.
+    pub cp: usize,
     /// Tensor-parallel ranks.
     pub tp: usize,
     /// Pipeline ranks.
@@ -34,7 +38,12 @@ impl Plan {
 
     /// Model-state bytes per rank at `stage`.
     pub fn model_state(&self, stage: ZeroStage) -> ModelStateBytes {
-        estimate(self.params_per_rank(), self.dp, stage, self.precision)
+        estimate(
+            self.params_per_rank(),
+            self.dp * self.cp,
+            stage,
+            self.precision,
+        )
     }
 
     /// Bytes of activations one micro-batch keeps for its backward on the rank with the most
@@ -48,6 +57,7 @@ impl Plan {
             self.seq_len,
             layers,
             self.tp,
+            self.cp,
             self.precision.param,
         ))
     }
@@ -56,10 +66,15 @@ impl Plan {
     pub fn table(&self) -> String {
         let gb = |bytes: usize| bytes as f64 / 1e9;
         let mut out = format!(
-            "{:.3e} parameters, {:.3e} per rank (dp {} x tp {} x pp {}); {}-byte parameters and gradients, fp32 Adam moments{}\n\n",
+            "{:.3e} parameters, {:.3e} per rank (dp {}{} x tp {} x pp {}); {}-byte parameters and gradients, fp32 Adam moments{}\n\n",
             self.params as f64,
             self.params_per_rank() as f64,
             self.dp,
+            if self.cp > 1 {
+                format!(" x cp {}", self.cp)
+            } else {
+                String::new()
+            },
             self.tp,
             self.pp,
             self.precision.param,
@@ -87,7 +102,7 @@ impl Plan {
                     "\nactivations kept for backward: {:.3} GB per micro-batch of {} x {} tokens (the first pipeline rank, {} layer(s))\n",
                     gb(bytes as usize),
                     self.micro_batch,
-                    self.seq_len,
+                    self.seq_len / self.cp,
                     self.model
                         .as_ref()
                         .map_or(0, |m| m.num_hidden_layers.div_ceil(self.pp))
@@ -111,12 +126,18 @@ impl Plan {
 /// exponential in fp32 and the probabilities (3 a s); the MLP keeps the gate, its sigmoid and
 /// SiLU, the up projection and the product (5f). The head keeps the final norm's three and
 /// the fp32 logits. Norms and the head's input are whole on every tensor-parallel rank.
+///
+/// Split over `cp` context-parallel ranks (ring attention), a rank keeps this for its
+/// `seq_len / cp` tokens, and attention keeps no scores: the ring's backward recomputes them
+/// from the rotated queries and keys, the values, the context and each query's fp32
+/// log-sum-exp (`3h + 2 h_kv` and `a` fp32), besides the context the output projection keeps.
 pub fn activation_bytes(
     model: &LlamaConfig,
     micro_batch: usize,
     seq_len: usize,
     layers: usize,
     tp: usize,
+    cp: usize,
     compute_bytes: usize,
 ) -> u64 {
     const FP32: u64 = 4;
@@ -126,9 +147,15 @@ pub fn activation_bytes(
         model.vocab_size as u64,
         model.num_attention_heads as u64,
     );
-    let (s, tp, p) = (seq_len as u64, tp as u64, compute_bytes as u64);
+    let kv = (model.num_key_value_heads * model.head_dim()) as u64;
+    let (tp, p) = (tp as u64, compute_bytes as u64);
+    let s = (seq_len / cp.max(1)) as u64;
     let norm = (FP32 + 2 * p) * h;
-    let attention = 4 * p * h + (2 * FP32 + p) * a * s;
+    let attention = if cp > 1 {
+        p * (3 * h + 2 * kv) + FP32 * a
+    } else {
+        4 * p * h + (2 * FP32 + p) * a * s
+    };
     let mlp = 5 * p * f;
     let per_block = 2 * norm + (attention + mlp) / tp;
     let head = norm + FP32 * v / tp;
@@ -145,6 +172,7 @@ mod tests {
             params: 7_500_000_000,
             model: None,
             dp: 64,
+            cp: 1,
             tp: 1,
             pp: 1,
             precision: Precision::HALF,
@@ -171,6 +199,7 @@ mod tests {
             params: 1000,
             model: Some(LlamaConfig::preset("tiny").unwrap()),
             dp: 2,
+            cp: 1,
             tp: 1,
             pp: 1,
             precision: Precision::F32,
@@ -188,5 +217,30 @@ mod tests {
             whole.0.total() / 4
         );
         assert!(plan.activations().unwrap() < whole.1);
+    }
+
+    #[test]
+    fn context_parallel_ranks_shard_zero_and_keep_their_tokens_activations() {
+        let mut plan = Plan {
+            params: 1_000_000,
+            model: Some(LlamaConfig::preset("small").unwrap()),
+            dp: 2,
+            cp: 1,
+            tp: 1,
+            pp: 1,
+            precision: Precision::F32,
+            micro_batch: 1,
+            seq_len: 1024,
+        };
+        let (state, activations) = (
+            plan.model_state(ZeroStage::OptimizerState).total(),
+            plan.activations().unwrap(),
+        );
+        plan.cp = 2;
+        // ZeRO shards over dp x cp: the optimizer state halves again.
+        assert!(plan.model_state(ZeroStage::OptimizerState).total() < state * 3 / 4);
+        // Half the tokens, and no scores: well under half.
+        assert!(plan.activations().unwrap() < activations / 2);
+        assert!(plan.table().contains("dp 2 x cp 2"), "{}", plan.table());
     }
 }

@@ -1,10 +1,11 @@
 //! `llama plan`'s activation estimate against the bytes a forward really keeps for its
 //! backward, measured in the same run: the Llama presets over micro-batch sizes, sequence
-//! lengths and compute dtypes (bf16 with the norms and softmaxes in fp32, as the model runs).
+//! lengths and compute dtypes (bf16 with the norms and softmaxes in fp32, as the model runs),
+//! and per rank with every sequence split over `--cp` context-parallel ranks (ring attention).
 //!
 //! `cargo run --release -p benches --bin activations -- --help`
 
-use benches::activations::measured_activation_bytes;
+use benches::activations::{measured_activation_bytes, measured_context_parallel_activation_bytes};
 use benches::{preset, write_json};
 use burn::tensor::DType;
 use clap::Parser;
@@ -23,6 +24,9 @@ struct Args {
     /// `micro_batch x seq_len` shapes.
     #[arg(long, value_delimiter = ',', default_value = "1x64,4x64,2x256")]
     shapes: Vec<String>,
+    /// Context-parallel sizes to measure besides one device (1: none).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    cp: Vec<usize>,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/activations.json")]
     json: String,
@@ -33,6 +37,7 @@ struct Row {
     model: String,
     micro_batch: usize,
     seq_len: usize,
+    cp: usize,
     dtype: String,
     measured_mb: f64,
     estimated_mb: f64,
@@ -53,31 +58,48 @@ fn main() {
     let args = Args::parse();
     let mut rows = Vec::new();
     println!(
-        "{:<7} {:>5} {:>5} {:>5} {:>12} {:>12} {:>7}",
-        "model", "mb", "seq", "dtype", "measured MB", "estimate MB", "ratio"
+        "{:<7} {:>5} {:>5} {:>3} {:>5} {:>12} {:>12} {:>7}",
+        "model", "mb", "seq", "cp", "dtype", "measured MB", "estimate MB", "ratio"
     );
     for name in &args.models {
         let config = preset(name);
-        for (micro_batch, seq_len) in args.shapes.iter().map(|s| shape(s)) {
+        let layouts = args.shapes.iter().map(|s| shape(s)).flat_map(|shape| {
+            args.cp
+                .iter()
+                .filter(move |&&cp| cp == 1 || shape.1.is_multiple_of(2 * cp))
+                .map(move |&cp| (shape, cp))
+        });
+        for ((micro_batch, seq_len), cp) in layouts {
             for dtype in [DType::F32, DType::BF16] {
-                let measured = measured_activation_bytes(&config, micro_batch, seq_len, dtype);
+                let measured = match cp {
+                    1 => measured_activation_bytes(&config, micro_batch, seq_len, dtype),
+                    cp => measured_context_parallel_activation_bytes(
+                        &config,
+                        micro_batch,
+                        seq_len,
+                        dtype,
+                        cp,
+                    ),
+                };
                 let layers = config.num_hidden_layers;
                 let estimated =
-                    activation_bytes(&config, micro_batch, seq_len, layers, 1, 1, dtype.size());
+                    activation_bytes(&config, micro_batch, seq_len, layers, 1, cp, dtype.size());
                 let row = Row {
                     model: name.clone(),
                     micro_batch,
                     seq_len,
+                    cp,
                     dtype: format!("{dtype:?}").to_lowercase(),
                     measured_mb: measured as f64 / 1e6,
                     estimated_mb: estimated as f64 / 1e6,
                     ratio: measured as f64 / estimated as f64,
                 };
                 println!(
-                    "{:<7} {:>5} {:>5} {:>5} {:>12.2} {:>12.2} {:>7.3}",
+                    "{:<7} {:>5} {:>5} {:>3} {:>5} {:>12.2} {:>12.2} {:>7.3}",
                     row.model,
                     row.micro_batch,
                     row.seq_len,
+                    row.cp,
                     row.dtype,
                     row.measured_mb,
                     row.estimated_mb,

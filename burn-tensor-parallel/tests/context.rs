@@ -9,7 +9,7 @@
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::activation::softmax;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_comm::parallel::{ContextLayout, RingAttention, ring_attention};
 use burn_comm::{CommStats, launch};
 use burn_tensor_parallel::context::repeat_kv;
@@ -281,5 +281,40 @@ fn shapes_that_cannot_be_split_are_refused_with_a_sentence() {
             uneven.contains("3 tokens") && uneven.contains("multiple of 4"),
             "{uneven}"
         );
+    }
+}
+
+/// In bf16 the ring sends keys and values in bf16 and their gradients in fp32, and gives every
+/// result back in bf16: within bf16's rounding of dense fp32 attention.
+#[test]
+fn the_ring_in_bf16_stays_within_its_rounding() {
+    let (cp, layout) = (2, ContextLayout::new(2, true));
+    let inputs = inputs(layout.chunk_count() * CHUNK, 4, 2, 11);
+    let want = run_dense(&inputs, true);
+    let runs = launch(cp, |ctx| {
+        let group = ContextParallel::new(ctx.world().clone(), true);
+        let [q, k, v, r] = inputs.clone().map(|x| {
+            let x = shard(&x, layout, ctx.rank()).cast(DType::BF16);
+            Tensor::<B, 4>::from_inner(x).require_grad()
+        });
+        let out = group.attention(q.clone(), k.clone(), v.clone(), true)?;
+        let grads = (out.clone() * r).sum().backward();
+        let grad = |x: &Tensor<B, 4>| x.grad(&grads).expect("a gradient");
+        Ok::<_, burn_tensor_parallel::TpError>([out.inner(), grad(&q), grad(&k), grad(&v)])
+    });
+    for (rank, run) in runs.into_iter().enumerate() {
+        let run = run.unwrap_or_else(|e| panic!("{e}"));
+        for (i, got) in run.into_iter().enumerate() {
+            assert_eq!(got.dtype(), DType::BF16, "result {i} of rank {rank}");
+            let got: Vec<f32> = got.cast(DType::F32).into_data().to_vec().unwrap();
+            let want: Vec<f32> = shard(&want[i], layout, rank).into_data().to_vec().unwrap();
+            let largest = want.iter().fold(0f32, |m, b| m.max(b.abs()));
+            for (a, b) in got.iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 2e-2 * largest + 2e-2 * b.abs(),
+                    "result {i} of rank {rank}: {a} against dense fp32's {b}"
+                );
+            }
+        }
     }
 }

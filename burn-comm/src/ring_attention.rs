@@ -86,6 +86,40 @@ impl ContextLayout {
         Ok(seq / chunks)
     }
 
+    /// Checks queries `q` `[batch, heads, local, head_dim]` and keys and values `k`, `v`
+    /// `[batch, kv_heads, local, head_dim]` of one rank of this layout: a sentence saying what
+    /// to change when they cannot be attended.
+    pub fn check_attention(
+        &self,
+        q: &[usize; 4],
+        k: &[usize; 4],
+        v: &[usize; 4],
+    ) -> Result<(), String> {
+        if k != v {
+            return Err("the keys and values must have one shape".into());
+        }
+        let [batch, heads, local, head_dim] = *q;
+        let [kv_batch, kv_heads, kv_local, kv_dim] = *k;
+        if (kv_batch, kv_local, kv_dim) != (batch, local, head_dim) {
+            return Err(
+                "the keys and values must have the queries' batch, tokens and head width".into(),
+            );
+        }
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(format!(
+                "{heads} query heads cannot share {kv_heads} key/value heads; the query heads must be a positive multiple of the key/value heads"
+            ));
+        }
+        let per_rank = self.chunks_per_rank();
+        if local == 0 || !local.is_multiple_of(per_rank) {
+            return Err(format!(
+                "this rank holds {local} tokens, which cannot be its {per_rank} equal chunk(s) of the sequence; the sequence length must be a positive multiple of {}",
+                self.chunk_count()
+            ));
+        }
+        Ok(())
+    }
+
     /// The positions in the whole sequence of `seq` tokens of the tokens `rank` holds, in its
     /// order (for rotary positions and masks).
     pub fn positions(&self, rank: usize, seq: usize) -> Result<Vec<usize>, String> {
@@ -113,8 +147,9 @@ pub struct RingAttention {
 /// values `k`, `v` `[batch, kv_heads, local, head_dim]` of the whole sequence, whose `local`
 /// tokens per rank are laid out by `attention.layout`; each key/value head is shared by
 /// `heads / kv_heads` query heads. Rotary positions, if any, are the caller's, applied with
-/// each token's true position. Returns the context shaped like `q`; on `Autodiff` the
-/// gradients of `q`, `k` and `v` travel the ring in backward. Every rank of `comm` calls it.
+/// each token's true position. Returns the context shaped like `q`; on `Autodiff` the keys and
+/// values travel the ring again in backward, their gradients beside them (a query's gradient
+/// stays on its rank). Every rank of `comm` calls it.
 pub fn ring_attention<B: crate::parallel::CommBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -165,34 +200,13 @@ impl Plan {
                 comm.size()
             )));
         }
-        if k != v {
-            return Err(invalid("the keys and values must have one shape".into()));
-        }
-        let [batch, heads, local, head_dim] = *q;
-        let [kv_batch, kv_heads, kv_local, kv_dim] = *k;
-        if (kv_batch, kv_local, kv_dim) != (batch, local, head_dim) {
-            return Err(invalid(
-                "the keys and values must have the queries' batch, tokens and head width".into(),
-            ));
-        }
-        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(invalid(format!(
-                "{heads} query heads cannot share {kv_heads} key/value heads; the query heads must be a positive multiple of the key/value heads"
-            )));
-        }
-        let per_rank = layout.chunks_per_rank();
-        if local == 0 || !local.is_multiple_of(per_rank) {
-            return Err(invalid(format!(
-                "this rank holds {local} tokens, which cannot be its {per_rank} equal chunks of a load-balanced sequence; the sequence length must be a positive multiple of {}",
-                layout.chunk_count()
-            )));
-        }
+        layout.check_attention(q, k, v).map_err(invalid)?;
         Ok(Self {
             layout,
             causal: attention.causal,
             scale: attention.scale,
             rank: comm.rank(),
-            chunk: local / per_rank,
+            chunk: q[2] / layout.chunks_per_rank(),
         })
     }
 
@@ -398,8 +412,8 @@ fn query_chunk<B: Backend>(q: &Tensor<B, 4>, index: usize, len: usize) -> Tensor
     q.clone().narrow(2, index * len, len)
 }
 
-/// A step's traffic: the held block sent on (when the next rank needs some of it) and the
-/// next step's block on its way in (when this rank or a later one needs some of it).
+/// A step's traffic: the held block sent on (the chunks of it that the next rank or a later
+/// holder needs, if any) and the next step's block on its way in (likewise).
 struct Passing<B: Backend> {
     send: Option<Work<()>>,
     recv: Option<Arriving<B>>,
@@ -423,7 +437,8 @@ impl<B: Backend> Arriving<B> {
     }
 }
 
-/// Sends a block's chunks that the next rank needs and receives the block for the next step,
+/// Sends on the chunks of the held block that the next rank or a later holder needs, and
+/// receives the block for the next step,
 /// stacks shaped `stack` (but for their tokens) of `dtype`.
 fn pass<B: Backend>(
     plan: &Plan,

@@ -10,8 +10,9 @@
 //!   small): every rank gathers all keys and values and attends its own queries to them;
 //!   backward reduce-scatters their gradients.
 //!
-//! With a causal mask the sequence is cut into `2 x cp` chunks, rank `r` holding chunks `r`
-//! and `2cp - 1 - r`, so every rank attends to as many keys; rotary positions must then be the
+//! Load-balanced (as the Llama example runs it), the sequence is cut into `2 x cp` chunks, rank
+//! `r` holding chunks `r` and `2cp - 1 - r`, so under a causal mask every rank attends to as
+//! many keys; otherwise into `cp` chunks in rank order. Either way rotary positions must be the
 //! tokens' true positions, which [`ContextParallel::positions`] gives.
 
 use burn::tensor::activation::softmax;
@@ -153,14 +154,17 @@ impl ContextParallel {
         scale: f64,
     ) -> Result<Tensor<B, 4>, TpError> {
         let [_, heads, local, _] = q.dims();
-        let [_, kv_heads, kv_local, _] = k.dims();
-        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || kv_local != local {
-            return Err(TpError::Config(format!(
-                "queries {:?} cannot attend to keys {:?}: the query heads must be a positive multiple of the key/value heads, over as many tokens",
-                q.dims(),
-                k.dims()
-            )));
-        }
+        let kv_heads = k.dims()[1];
+        self.layout
+            .check_attention(&q.dims(), &k.dims(), &v.dims())
+            .map_err(|reason| {
+                TpError::Config(format!(
+                    "context-parallel attention of queries {:?}, keys {:?}, values {:?}: {reason}",
+                    q.dims(),
+                    k.dims(),
+                    v.dims()
+                ))
+            })?;
         let seq = local * self.size();
         // Each rank's tokens, in rank order: the order the gather puts them in.
         let positions = (0..self.size())

@@ -21,7 +21,7 @@ pub struct ParallelDims {
     pub pp: usize,
     /// Context-parallel ranks per stage: each holds a part of every sequence.
     pub cp: usize,
-    /// Tensor-parallel ranks per stage (and part of the sequence).
+    /// Tensor-parallel ranks per stage (and part of the sequence, under sequence parallelism).
     pub tp: usize,
 }
 

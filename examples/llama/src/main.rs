@@ -175,7 +175,7 @@ struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     tp_overlap: usize,
     /// Pipeline ranks per replica: the blocks are cut into stages (see --balance); the run uses
-    /// dp x pp x tp threads.
+    /// dp x pp x cp x tp threads.
     #[arg(long, default_value_t = 1)]
     pp: usize,
     /// Pipeline schedule.

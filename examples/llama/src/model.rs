@@ -579,7 +579,8 @@ impl<B: TpBackend> Llama<B> {
 
     /// Mean next-token cross-entropy (nats) of `targets` given `inputs`, both `[batch, seq]`,
     /// of a model holding every block (split over a tensor-parallel group or not): the same on
-    /// every rank of the group.
+    /// every rank of the tensor-parallel group; under context parallelism, the mean over this
+    /// rank's tokens.
     pub fn loss(
         &self,
         inputs: Tensor<B, 2, Int>,

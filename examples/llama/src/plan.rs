@@ -131,6 +131,9 @@ impl Plan {
 /// `seq_len / cp` tokens, and attention keeps no scores: the ring's backward recomputes them
 /// from the rotated queries and keys, the values, the context and each query's fp32
 /// log-sum-exp (`3h + 2 h_kv` and `a` fp32), besides the context the output projection keeps.
+/// Not counted: `--cp-attention all-gather`, which keeps its queries' scores against every key,
+/// and key/value heads copied on several tensor-parallel ranks (fewer heads than ranks), whose
+/// share is counted as if split.
 pub fn activation_bytes(
     model: &LlamaConfig,
     micro_batch: usize,

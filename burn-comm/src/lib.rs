@@ -22,6 +22,7 @@
 //! For jobs of several processes: [`ProcessEnv`] reads the torchrun environment (as set by
 //! `burn-launch`) and [`Store`] is the TCP key-value store through which they meet.
 
+mod all_to_all_split;
 mod call;
 mod collective_matmul;
 mod communicator;

@@ -33,9 +33,12 @@ use burn::backend::{Flex, NdArray};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorPrimitive};
 
+pub use crate::all_to_all_split::SplitSizes;
 pub use crate::collective_matmul::matmul;
 pub use crate::ring_attention::{ContextLayout, RingAttention, ring_attention};
-use crate::{CommError, Communicator, ReduceOp, collective_matmul, ring_attention};
+use crate::{
+    CommError, Communicator, ReduceOp, all_to_all_split, collective_matmul, ring_attention,
+};
 
 /// One of the six region operations, by what its forward does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,6 +163,16 @@ pub trait CommBackend: Backend {
     ) -> Result<Tensor<Self, 4>, CommError> {
         ring_attention::forward_only(q, k, v, comm, attention)
     }
+
+    /// All-to-all with parts of any size along `dim`; see [`all_to_all_split`].
+    fn all_to_all_split<const D: usize>(
+        x: Tensor<Self, D>,
+        dim: usize,
+        sizes: &SplitSizes,
+        comm: &Communicator,
+    ) -> Result<Tensor<Self, D>, CommError> {
+        comm.all_to_all_split(x, dim, sizes)
+    }
 }
 
 impl CommBackend for Flex {}
@@ -253,6 +266,28 @@ impl<B: Backend, C: CheckpointStrategy> CommBackend for Autodiff<B, C> {
     ) -> Result<Tensor<Self, 4>, CommError> {
         ring_attention::autodiff(q, k, v, comm, attention)
     }
+
+    fn all_to_all_split<const D: usize>(
+        x: Tensor<Self, D>,
+        dim: usize,
+        sizes: &SplitSizes,
+        comm: &Communicator,
+    ) -> Result<Tensor<Self, D>, CommError> {
+        all_to_all_split::autodiff(x, dim, sizes, comm)
+    }
+}
+
+/// Sends part `r` of `x` along `dim` (`sizes.send[r]` rows) to rank `r` and concatenates the
+/// parts received (`sizes.recv[r]` rows from rank `r`) in rank order, as
+/// [`Communicator::all_to_all_split`]; on `Autodiff` its backward sends the gradient back the
+/// same way (the sizes swapped). Expert parallelism's token exchange.
+pub fn all_to_all_split<B: CommBackend, const D: usize>(
+    x: Tensor<B, D>,
+    dim: usize,
+    sizes: &SplitSizes,
+    comm: &Communicator,
+) -> Result<Tensor<B, D>, CommError> {
+    B::all_to_all_split(x, dim, sizes, comm)
 }
 
 /// Identity forward, all-reduce backward: enters a column-parallel region.

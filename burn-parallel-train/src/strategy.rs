@@ -42,6 +42,7 @@ pub struct DataParallelStrategy<LC: LearningComponentsTypes> {
     device: Device<LC::Backend>,
     config: DdpConfig,
     checkpoint_every_rank: bool,
+    sharded_gradients: bool,
 }
 
 impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
@@ -52,7 +53,18 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
             device,
             config: DdpConfig::new(),
             checkpoint_every_rank: false,
+            sharded_gradients: false,
         }
+    }
+
+    /// The optimizer averages the gradients itself, reduce-scattering them (ZeRO-2: burn-zero's
+    /// `ZeroAdamW::with_gradient_sharding`): the strategy hands it each rank's own (accumulated)
+    /// gradients, and [`crate::backward`] is a plain backward. An optimizer step that did not
+    /// average them (any other optimizer) stops the run with a sentence. Use it with
+    /// [`with_checkpoints_on_every_rank`](Self::with_checkpoints_on_every_rank), as for ZeRO-1.
+    pub fn with_sharded_gradients(mut self, sharded: bool) -> Self {
+        self.sharded_gradients = sharded;
+        self
     }
 
     /// Every rank writes and resumes from its own checkpoint, as a sharded optimizer
@@ -306,7 +318,7 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
         learner.load_model(model.into_record());
         let sync = GradientSync::new(&learner.model(), self.comm.clone(), self.config.clone())
             .unwrap_or_else(|e| self.fail(e));
-        let mut stepper = Stepper::new(sync, components.grad_accumulation);
+        let mut stepper = Stepper::new(sync, components.grad_accumulation, self.sharded_gradients);
         // A resumed run reads the epochs it skips, so a loader that reshuffles every epoch
         // (ours or burn's) gives the batches of the uninterrupted run.
         for _ in 1..starting_epoch {
@@ -369,15 +381,18 @@ struct Stepper<LC: LearningComponentsTypes> {
     accumulation: Option<usize>,
     accumulator: GradientsAccumulator<LC::TrainingModel>,
     accumulated: usize,
+    /// The optimizer averages the gradients itself (ZeRO-2).
+    sharded: bool,
 }
 
 impl<LC: LearningComponentsTypes> Stepper<LC> {
-    fn new(sync: GradientSync<LC::Backend>, accumulation: Option<usize>) -> Self {
+    fn new(sync: GradientSync<LC::Backend>, accumulation: Option<usize>, sharded: bool) -> Self {
         Self {
             sync: Some(sync),
             accumulation,
             accumulator: GradientsAccumulator::new(),
             accumulated: 0,
+            sharded,
         }
     }
 
@@ -397,8 +412,9 @@ impl<LC: LearningComponentsTypes> Stepper<LC> {
             .take()
             .expect("the synchronisation is back after each step");
         // Lent only when this step's gradients are the ones to average: with accumulation the
-        // sum of the micro-batches is averaged at the end instead.
-        let (output, mut sync, averaged) = if self.accumulation.is_none() {
+        // sum of the micro-batches is averaged at the end instead, and under ZeRO-2 by the
+        // optimizer.
+        let (output, mut sync, averaged) = if self.accumulation.is_none() && !self.sharded {
             backward::lend(sync);
             let output = learner.train_step(item);
             let (sync, averaged) = backward::reclaim::<LC::Backend>();
@@ -418,16 +434,24 @@ impl<LC: LearningComponentsTypes> Stepper<LC> {
             None => Some(output.grads),
         };
         let result = match grads {
-            Some(grads) if averaged => Ok(Some(grads)),
+            Some(grads) if averaged || self.sharded => Ok(Some(grads)),
             Some(grads) => sync.average(&learner.model(), grads).map(Some),
             None => Ok(None),
         };
-        if let Ok(Some(_)) = &result {
+        if let Ok(Some(_)) = &result
+            && !self.sharded
+        {
             backward::record(sync.stats());
         }
         self.sync = Some(sync);
         if let Some(grads) = result? {
+            let before = burn_zero::gradient_sharding_steps();
             learner.optimizer_step(grads);
+            if self.sharded && burn_zero::gradient_sharding_steps() == before {
+                return Err(DdpError::Config(
+                    "with_sharded_gradients hands each rank its own gradients for the optimizer to average, but the optimizer's step did not (each rank would learn from its own batch alone); use burn-zero's ZeroAdamW::with_gradient_sharding, or drop with_sharded_gradients".into(),
+                ));
+            }
         }
         Ok(output.item)
     }

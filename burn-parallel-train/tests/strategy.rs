@@ -190,6 +190,8 @@ struct Setup {
     overlap: bool,
     /// ZeRO-1 (burn-zero's ZeroAdamW) on the ranks, burn's AdamW on one device; else Adam.
     zero: bool,
+    /// With `zero`, ZeRO-2: the optimizer reduce-scatters each rank's own gradients.
+    zero2: bool,
     /// Every rank checkpoints into its own directory.
     checkpoint_every_rank: bool,
 }
@@ -205,6 +207,7 @@ impl Setup {
             checkpoint: None,
             overlap: false,
             zero: false,
+            zero2: false,
             checkpoint_every_rank: false,
         }
     }
@@ -278,7 +281,8 @@ impl Setup {
     ) -> SupervisedTraining<Components<O>> {
         let strategy = DataParallelStrategy::new(comm.clone(), Default::default())
             .with_config(DdpConfig::new().with_bucket_cap_bytes(128))
-            .with_checkpoints_on_every_rank(self.checkpoint_every_rank);
+            .with_checkpoints_on_every_rank(self.checkpoint_every_rank)
+            .with_sharded_gradients(self.zero2);
         let training = self
             .training(dir, train)
             .with_data_parallel_strategy(strategy);
@@ -320,6 +324,10 @@ impl Setup {
             let model = if self.zero {
                 let optim =
                     ZeroAdamW::new(&AdamWConfig::new(), comm.clone()).map_err(|e| e.to_string())?;
+                let optim = match self.zero2 {
+                    true => optim.with_gradient_sharding(),
+                    false => optim,
+                };
                 self.rank_training(&dir, train, &comm, stop_after)
                     .launch(Self::learner(seed, optim))
             } else {
@@ -557,6 +565,59 @@ fn zero_adamw_on_the_ranks_trains_as_burn_s_adamw_on_one_device() {
     };
     check_parity(&setup, 2);
     check_parity(&setup, 4);
+}
+
+#[test]
+fn zero_2_on_the_ranks_trains_as_burn_s_adamw_on_one_device() {
+    let setup = Setup {
+        zero: true,
+        zero2: true,
+        accumulation: Some(2),
+        ..Setup::new()
+    };
+    check_parity(&setup, 2);
+    check_parity(
+        &Setup {
+            accumulation: None,
+            ..setup
+        },
+        4,
+    );
+}
+
+/// The strategy told that the optimizer averages, given one that does not (ZeRO-1, whose shards
+/// would each learn from their own rank's batch while the replicas stayed equal): the first step
+/// says so instead.
+#[test]
+fn sharded_gradients_with_an_optimizer_that_does_not_average_them_is_refused() {
+    let setup = Setup {
+        zero: true,
+        zero2: true,
+        ..Setup::new()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let errors: Vec<String> = launch(2, |ctx| {
+        let comm = ctx.world().clone();
+        let train = DistributedDataLoader::new(SampleBatcher, dataset(setup.samples), 4, &comm)
+            .map_err(|e| e.to_string())?
+            .into_arc();
+        // ZeRO-1 expects averaged gradients, and gets each rank's own.
+        let optim = ZeroAdamW::new(&AdamWConfig::new(), comm.clone()).map_err(|e| e.to_string())?;
+        setup
+            .rank_training(&rank_directory(dir.path(), &comm), train, &comm, None)
+            .launch(Setup::learner(ctx.rank() as u64, optim));
+        Ok::<_, String>(())
+    })
+    .into_iter()
+    .filter_map(|r| r.err().map(|e| e.to_string()))
+    .collect();
+    assert!(!errors.is_empty(), "the run was refused");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("but the optimizer's step did not")),
+        "{errors:?}"
+    );
 }
 
 #[test]

@@ -34,6 +34,6 @@ pub use fully_sharded::FullyShardedDataParallel;
 pub use memory::{ModelStateBytes, Precision, ZeroStage, estimate};
 pub use optimizer::ShardedAdamW;
 pub use precision::{LossScaleConfig, MixedPrecision, StepOutcome};
-pub use redundancy::{ZeroAdamW, ZeroAdamWRecord};
+pub use redundancy::{ZeroAdamW, ZeroAdamWRecord, gradient_sharding_steps};
 pub use sharded::{ShardedDataParallel, ZeroConfig, ZeroStepStats};
 pub use state::{LossScaleState, ParamRange, ShardState};

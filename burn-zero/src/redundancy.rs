@@ -3,6 +3,11 @@
 //! flat parameters only, so each rank holds 1/N of the moments, and all-gathers the updated
 //! shards into every replica. It drops into any loop that calls `Optimizer::step`: burn-train's
 //! `Learner` under burn-parallel-train's strategy, or a hand-written DDP loop.
+//!
+//! With [`ZeroAdamW::with_gradient_sharding`] it is ZeRO stage 2: it takes each rank's own
+//! gradients instead and reduce-scatters them, so a rank receives only the average of its
+//! shard; no rank ever holds the whole averaged gradient, and the reduction moves half the
+//! bytes of the all-reduce it replaces.
 
 use burn::module::AutodiffModule;
 use burn::optim::{
@@ -12,7 +17,7 @@ use burn::optim::{
 use burn::record::Record;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor};
-use burn_comm::Communicator;
+use burn_comm::{Communicator, ReduceOp};
 use burn_ddp::MissingGradient;
 use burn_ddp::params::{self, ParamSlot};
 
@@ -21,19 +26,34 @@ use crate::{FlatLayout, ZeroError};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 
+thread_local! {
+    static GRADIENT_SHARDING_STEPS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Steps taken on this thread by a [`ZeroAdamW`] with gradient sharding: a loop that hands an
+/// optimizer each rank's own gradients (burn-parallel-train's strategy under ZeRO-2) checks by
+/// it that the step did average them, rather than let every shard learn from one rank's batch.
+pub fn gradient_sharding_steps() -> u64 {
+    GRADIENT_SHARDING_STEPS.with(std::cell::Cell::get)
+}
+
 /// Parameters per flat unit, in bytes: units are all-gathered one by one after the step.
 const UNIT_CAP_BYTES: usize = 25 << 20;
 
-/// AdamW with its state sharded over a data-parallel group (ZeRO-1).
+/// AdamW with its state sharded over a data-parallel group (ZeRO-1, or ZeRO-2 with
+/// [`with_gradient_sharding`](Self::with_gradient_sharding)).
 ///
-/// Every rank must pass the same, already averaged, gradients (DDP's or the strategy's), and a
-/// gradient for every trainable parameter: the flat shard steps all of its elements.
+/// Every rank must pass a gradient for every trainable parameter (the flat shard steps all of
+/// its elements): under ZeRO-1 the same, already averaged, gradients (DDP's or the
+/// strategy's); under ZeRO-2 its own, which the step averages.
 #[derive(Clone)]
 pub struct ZeroAdamW<B: AutodiffBackend> {
     comm: Communicator,
     adamw: ShardedAdamW<Inner<B>>,
     /// Built from the module at the first step.
     layout: Option<FlatLayout>,
+    /// ZeRO-2: the step reduce-scatters each rank's own gradients.
+    shards_gradients: bool,
 }
 
 /// What [`ZeroAdamW`] checkpoints: this rank's shard of the moments, and whose shard it is.
@@ -55,7 +75,22 @@ impl<B: AutodiffBackend> ZeroAdamW<B> {
             comm,
             adamw: ShardedAdamW::new(config)?,
             layout: None,
+            shards_gradients: false,
         })
+    }
+
+    /// ZeRO-2: the step takes each rank's own (summed, not averaged) gradients and
+    /// reduce-scatters them unit by unit, averaging, so this rank receives its shard of the
+    /// average only. The loop must not average them first (burn-parallel-train's strategy:
+    /// `with_sharded_gradients`).
+    pub fn with_gradient_sharding(mut self) -> Self {
+        self.shards_gradients = true;
+        self
+    }
+
+    /// Whether the step averages the gradients itself (ZeRO-2).
+    pub fn shards_gradients(&self) -> bool {
+        self.shards_gradients
     }
 
     /// Bytes of optimizer state this rank holds (none before the first step).
@@ -106,7 +141,29 @@ impl<B: AutodiffBackend> ZeroAdamW<B> {
                     .collect(),
             )
         };
-        let grad = to_f32(shard(&grad));
+        let grad = match self.shards_gradients {
+            false => shard(&grad),
+            true => {
+                // Every unit's reduce-scatter in flight at once.
+                let scatters: Vec<_> = units
+                    .clone()
+                    .map(|u| {
+                        let parts = layout.units[u].params.iter().map(|&p| grad[p].clone());
+                        let flat = layout.flatten(u, parts.collect());
+                        self.comm.reduce_scatter_async(flat, ReduceOp::Avg, 0)
+                    })
+                    .collect();
+                let parts = scatters
+                    .into_iter()
+                    .map(|work| work.wait())
+                    .collect::<Result<Vec<_>, _>>()?;
+                params::concat(parts)
+            }
+        };
+        if self.shards_gradients {
+            GRADIENT_SHARDING_STEPS.with(|steps| steps.set(steps.get() + 1));
+        }
+        let grad = to_f32(grad);
         let weights = shard(&values);
         let updated = self.adamw.step(lr, grad, || weights);
 

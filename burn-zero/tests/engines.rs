@@ -669,6 +669,45 @@ fn zero_adamw_matches_burn_s_adamw_with_a_shard_of_the_state() {
     }
 }
 
+/// ZeroAdamW with gradient sharding (ZeRO-2) given each rank's own gradients reduce-scatters
+/// them itself and steps every replica as burn's AdamW does on the averaged gradients, bit for
+/// bit (averaged whole after backward, as `GradientSync::average` does: DDP's buckets average
+/// a weight used twice in two parts, which rounds otherwise).
+#[test]
+fn zero_adamw_with_gradient_sharding_averages_each_rank_s_own_gradients() {
+    for world in [2, 3] {
+        let results = launch(world, |ctx| {
+            let comm = ctx.world().clone();
+            let mut plain = adamw().init::<AD, Net<AD>>();
+            let mut zero2 = burn_zero::ZeroAdamW::new(&adamw(), comm.clone())
+                .unwrap()
+                .with_gradient_sharding();
+            let (mut averaged, mut own) = (Net::new(), Net::new());
+            let mut sync = burn_ddp::GradientSync::new(&averaged, comm.clone(), DdpConfig::new())?;
+            for step in 0..3 {
+                let loss = averaged.loss(batch(ctx.rank(), step), true);
+                let grads = GradientsParams::from_grads(loss.backward(), &averaged);
+                let grads = sync.average(&averaged, grads)?;
+                averaged = plain.step(1e-2, averaged, grads);
+                let loss = own.loss(batch(ctx.rank(), step), true);
+                let grads = GradientsParams::from_grads(loss.backward(), &own);
+                own = zero2.step(1e-2, own, grads);
+            }
+            Ok::<_, burn_ddp::DdpError>((weights(&averaged), weights(&own), zero2.state_bytes()))
+        });
+        let shard = 75usize.div_ceil(world);
+        for (rank, result) in results.into_iter().enumerate() {
+            let (want, got, state) = result.unwrap();
+            assert_eq!(got, want, "rank {rank} of {world}");
+            assert_eq!(
+                state,
+                2 * 4 * shard,
+                "rank {rank} of {world} holds its share"
+            );
+        }
+    }
+}
+
 /// Each parameter's whole fp32 weights, assembled from every rank's state (`unit_of` names the
 /// unit of each range, for engines whose names repeat across units).
 fn assemble(states: &[ShardState], unit_of: &[Vec<usize>]) -> Vec<((usize, String), Vec<f32>)> {

@@ -4,8 +4,9 @@
 //! rank, of the sizes it says, and receives the parts the others cut for it, of the sizes they
 //! said (which it must know: exchange the counts first, with an equal all-to-all).
 //!
-//! The parts travel as point-to-point messages (a part of size 0 is not sent), so it runs on
-//! every transport, NCCL included; its backward is the same exchange with the sizes swapped.
+//! The parts travel as point-to-point messages, one per pair of ranks (an empty one where a part
+//! has no rows, so the receiver checks every size), so it runs on every transport, NCCL
+//! included; its backward is the same exchange with the sizes swapped.
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -42,7 +43,8 @@ impl Communicator {
     /// and concatenates along `dim` the parts received, `sizes.recv[r]` rows from rank `r`, in
     /// rank order. Every rank of the group calls it; the sizes must agree (what rank `a` sends
     /// to `b` is what `b` expects from `a`), or the receiving rank fails with a sentence naming
-    /// the shapes. Not differentiated: see [`crate::parallel::all_to_all_split`].
+    /// the shapes. Parts may be empty. Not differentiated: see
+    /// [`crate::parallel::all_to_all_split`].
     pub fn all_to_all_split<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         &self,
         tensor: Tensor<B, D, K>,
@@ -86,37 +88,44 @@ fn exchange<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         )));
     }
     let me = comm.rank();
+    if sizes.send[me] != sizes.recv[me] {
+        return Err(invalid(format!(
+            "this rank sends itself {} rows but expects {}",
+            sizes.send[me], sizes.recv[me]
+        )));
+    }
     let (device, dtype) = (tensor.device(), tensor.dtype());
+    let part_shape = |rows: usize| {
+        let mut shape = dims;
+        shape[dim] = rows;
+        shape
+    };
+    // Every pair exchanges one message per call, empty parts included: the receiver checks
+    // each part's shape, so sizes that disagree fail here, naming them, and no message is left
+    // for a later call to take.
     let mut own = None;
     let mut sends = Vec::new();
     let mut start = 0;
     for (rank, &rows) in sizes.send.iter().enumerate() {
-        let part = tensor.clone().narrow(dim, start, rows);
+        let part = match rows {
+            0 => Tensor::empty(part_shape(0), (&device, dtype)),
+            rows => tensor.clone().narrow(dim, start, rows),
+        };
         start += rows;
         if rank == me {
             own = Some(part);
-        } else if rows > 0 {
+        } else {
             sends.push(comm.send_async(part, rank));
         }
     }
     let mut parts = Vec::new();
     for (rank, &rows) in sizes.recv.iter().enumerate() {
-        if rows == 0 {
-            continue;
-        }
-        if rank == me {
-            let own = own.take().expect("this rank's own part");
-            if own.dims()[dim] != rows {
-                return Err(invalid(format!(
-                    "this rank sends itself {} rows but expects {rows}",
-                    own.dims()[dim]
-                )));
-            }
-            parts.push(own);
-        } else {
-            let mut shape = dims;
-            shape[dim] = rows;
-            parts.push(comm.recv(rank, shape, (&device, dtype))?);
+        let part = match rank == me {
+            true => own.take().expect("this rank's own part"),
+            false => comm.recv(rank, part_shape(rows), (&device, dtype))?,
+        };
+        if rows > 0 {
+            parts.push(part);
         }
     }
     for send in sends {

@@ -9,9 +9,9 @@
 mod common;
 
 use burn::backend::Autodiff;
-use burn::tensor::{DType, Tensor};
-use burn_comm::Communicator;
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_comm::parallel::{self, CommBackend, RegionOp};
+use burn_comm::{Communicator, launch_with};
 use common::*;
 
 type AD = Autodiff<B>;
@@ -213,4 +213,84 @@ fn column_then_row_parallel_matmul_matches_the_dense_one() {
             burn::tensor::Tolerance::rel_abs(1e-5, 1e-6),
         );
     }
+}
+
+/// Rows rank `from` sends rank `to` in the uneven all-to-all below: some parts are empty.
+fn rows(from: usize, to: usize) -> usize {
+    (from + 2 * to) % 3
+}
+
+/// `all_to_all_split` with parts of every size, empty ones included: forward, rank `q` gets
+/// rank `r`'s part for it, in rank order; backward, each part's gradient goes back to its rank.
+#[test]
+fn an_uneven_all_to_all_moves_every_part_and_sends_its_gradient_back() {
+    for world in [1, 2, 3, 4] {
+        // Each rank's rows for each destination, in order, valued so a row says where it is.
+        let input = |r: usize| {
+            let values: Vec<f32> = (0..world)
+                .flat_map(|q| (0..rows(r, q)).map(move |i| (100 * r + 10 * q + i) as f32))
+                .collect();
+            let n = values.len();
+            Tensor::<B, 2>::from_data(TensorData::new(values, [n, 1]), &Default::default())
+        };
+        let results = run(world, |ctx| {
+            let (r, comm) = (ctx.rank(), ctx.world());
+            let sizes = parallel::SplitSizes {
+                send: (0..world).map(|q| rows(r, q)).collect(),
+                recv: (0..world).map(|q| rows(q, r)).collect(),
+            };
+            let x = Tensor::<AD, 2>::from_inner(input(r)).require_grad();
+            let y = parallel::all_to_all_split(x.clone(), 0, &sizes, comm)?;
+            // A weight per received row, its value: each source row's gradient is its own value.
+            let grads = (y.clone() * y.clone().detach()).sum().backward();
+            Ok((y.inner(), x.grad(&grads)))
+        });
+        for (q, (y, grad)) in results.into_iter().enumerate() {
+            let expected: Vec<f32> = (0..world)
+                .flat_map(|r| (0..rows(r, q)).map(move |i| (100 * r + 10 * q + i) as f32))
+                .collect();
+            let got: Vec<f32> = y.into_data().to_vec().unwrap();
+            assert_eq!(got, expected, "world {world}: rank {q} received");
+            let own: Vec<f32> = input(q).into_data().to_vec().unwrap();
+            match grad {
+                Some(grad) => {
+                    let grad: Vec<f32> = grad.into_data().to_vec().unwrap();
+                    assert_eq!(grad, own, "world {world}: rank {q}'s gradient");
+                }
+                None => assert!(own.is_empty(), "world {world}: rank {q} has a gradient"),
+            }
+        }
+    }
+}
+
+#[test]
+fn an_uneven_all_to_all_whose_sizes_disagree_fails_naming_them() {
+    let results = launch_with(
+        burn_comm::LaunchConfig::new(2).with_timeout(std::time::Duration::from_secs(20)),
+        |ctx| {
+            // Rank 0 sends rank 1 two rows, rank 1 expects one.
+            let sizes = match ctx.rank() {
+                0 => parallel::SplitSizes {
+                    send: vec![1, 2],
+                    recv: vec![1, 0],
+                },
+                _ => parallel::SplitSizes {
+                    send: vec![0, 1],
+                    recv: vec![1, 1],
+                },
+            };
+            let rows = sizes.send.iter().sum();
+            let x = Tensor::<B, 2>::zeros([rows, 3], &Default::default());
+            ctx.world().all_to_all_split(x, 0, &sizes).map(drop)
+        },
+    );
+    let text: Vec<String> = results
+        .into_iter()
+        .filter_map(|r| r.err().map(|e| e.to_string()))
+        .collect();
+    assert!(
+        text.iter()
+            .any(|e| e.contains("[2, 3]") && e.contains("[1, 3]")),
+        "{text:?}"
+    );
 }

@@ -281,6 +281,19 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
         let (a, b, s, d) = (a.wait()?, b.wait()?, s.wait()?, d.wait()?);
         Ok(Tensor::cat(vec![a, b, s, d], 1).into_data())
     })?;
+    // An all-to-all of uneven parts, some empty (zero-byte messages over MPI).
+    same_as_threads(ctx, "all_to_all_split", |c, r| {
+        let rows = |from: usize, to: usize| (from + 2 * to) % 3;
+        let sizes = burn_comm::parallel::SplitSizes {
+            send: (0..n).map(|q| rows(r, q)).collect(),
+            recv: (0..n).map(|q| rows(q, r)).collect(),
+        };
+        let total = sizes.send.iter().sum();
+        Ok(
+            c.all_to_all_split(input(17, r, [total, 3], DType::F32), 0, &sizes)?
+                .into_data(),
+        )
+    })?;
     // Sub-groups: even and odd ranks, and a mesh when the world allows one.
     same_as_threads(ctx, "split", |c, r| {
         let half = c.split("parity", r % 2)?;

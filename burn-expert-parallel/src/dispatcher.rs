@@ -113,7 +113,9 @@ pub struct DispatchStats {
 /// [`ExpertParallel::local_experts`]) on all the rows it received, `[rows, hidden]` to
 /// `[rows, hidden]`; the outputs come back, are multiplied by their routing weights and summed
 /// per token: `[tokens, hidden]`. With `capacity`, each expert keeps at most that many copies of
-/// this rank's tokens. Every rank of the expert-parallel group calls it, with the same `hidden`.
+/// this rank's tokens. Every rank of the expert-parallel group calls it, with the same `hidden`
+/// (and, padded, the same `capacity`: the size of every part); sizes that disagree fail on the
+/// rank that receives them, with a sentence naming the shapes.
 pub fn dispatch_combine<B: CommBackend>(
     x: Tensor<B, 2>,
     routing: &Routing<B>,
@@ -154,22 +156,17 @@ pub fn dispatch_combine<B: CommBackend>(
         let n = values.len();
         Tensor::<B, 1, Int>::from_data(TensorData::new(values, [n]), &device)
     };
-    let combined = Tensor::<B, 2>::zeros([tokens, hidden], &device);
-    if padded_capacity.is_none() && plan.kept.is_empty() && unpadded.recv.iter().all(|&r| r == 0) {
-        // Nothing to send or receive: no expert here runs, and no copy comes back.
-        return Ok((combined, plan.stats()));
-    }
+    // Every rank takes part in every exchange and keeps each in its graph, even with no copy to
+    // send or none received (its parts are empty): its backward then runs the reverse exchanges
+    // its peers wait for.
     // 2. This rank's kept copies, sorted by expert (padded: each in its expert's slots).
-    let sorted = gather_rows(&x, &plan.kept_tokens(), &ids, hidden);
+    let sorted = gather_rows(&x, &plan.kept_tokens(), &ids);
     let (sent, sizes) = match padded_capacity {
         None => (sorted, unpadded),
         Some(capacity) => {
             let slots = plan.padded_slots(capacity);
-            let padded = Tensor::<B, 2>::zeros([ep.experts() * capacity, hidden], &device);
-            let padded = match slots.is_empty() {
-                true => padded,
-                false => padded.select_assign(0, ids(&slots), sorted, IndexingUpdateOp::Add),
-            };
+            let padded = Tensor::<B, 2>::zeros([ep.experts() * capacity, hidden], &device)
+                .select_assign(0, ids(&slots), sorted, IndexingUpdateOp::Add);
             let part = vec![ep.local_count() * capacity; ep.size()];
             let sizes = SplitSizes {
                 send: part.clone(),
@@ -184,12 +181,10 @@ pub fn dispatch_combine<B: CommBackend>(
     let back = exchange(outputs, &sizes.reversed(), ep)?;
     let back = match padded_capacity {
         None => back,
-        Some(capacity) => gather_rows(&back, &plan.padded_slots(capacity), &ids, hidden),
+        Some(capacity) => gather_rows(&back, &plan.padded_slots(capacity), &ids),
     };
     // 4. Weighted, and summed into their tokens.
-    if plan.kept.is_empty() {
-        return Ok((combined, plan.stats()));
-    }
+    let combined = Tensor::<B, 2>::zeros([tokens, hidden], &device);
     let weights = routing.weights.clone().reshape([tokens * k]);
     let weights = weights
         .select(0, ids(&plan.kept))
@@ -203,16 +198,12 @@ pub fn dispatch_combine<B: CommBackend>(
     Ok((combined, plan.stats()))
 }
 
-/// Rows `at` of `x`, or an empty `[0, width]` when there are none.
+/// Rows `at` of `x` (none: `[0, width]`, still in `x`'s graph).
 fn gather_rows<B: Backend>(
     x: &Tensor<B, 2>,
     at: &[usize],
     ids: &impl Fn(&[usize]) -> Tensor<B, 1, Int>,
-    width: usize,
 ) -> Tensor<B, 2> {
-    if at.is_empty() {
-        return Tensor::empty([0, width], &x.device());
-    }
     x.clone().select(0, ids(at))
 }
 

@@ -87,7 +87,9 @@ impl<B: CommBackend> Moe<B> {
         })
     }
 
-    /// Sends the rows padded to the capacity (an equal all-to-all) instead of exactly.
+    /// Sends the rows padded to the capacity (an equal all-to-all) instead of exactly. The
+    /// capacity comes from a rank's token count, so every rank must then hold as many tokens
+    /// (and the router a capacity factor).
     pub fn with_dispatch(mut self, dispatch: Dispatch) -> Self {
         self.dispatch = dispatch;
         self

@@ -30,7 +30,9 @@ pub struct RouterConfig {
     /// Each expert takes at most `factor * tokens * top_k / experts` copies of a rank's tokens
     /// (rounded up), dropping the rest, as Megatron does; `None` drops nothing.
     pub capacity_factor: Option<f64>,
-    /// Divide each token's top-k probabilities by their sum (Mixtral, Qwen3-MoE), or keep them.
+    /// With top-k above 1, divide each token's k probabilities by their sum (Mixtral, Qwen3-MoE),
+    /// or keep them. Top-1 always keeps its probability (as Switch does): normalised it would be
+    /// 1, and the router would learn from the balancing losses alone.
     pub normalize_top_k: bool,
 }
 
@@ -95,8 +97,8 @@ pub struct Routed<B: Backend> {
     pub z_loss: Tensor<B, 1>,
 }
 
-/// Routes `tokens` tokens by their router logits `[tokens, experts]` (computed in fp32 whatever
-/// their dtype; the weights come back in fp32). `batch` is the group over whose ranks the batch
+/// Routes `tokens` tokens by their router logits `[tokens, experts]` (whatever their dtype, the
+/// softmax and the losses are computed in fp32, and the weights come back in fp32). `batch` is the group over whose ranks the batch
 /// is spread, if it is, for the load-balancing loss (every rank of it calls this, with as many
 /// tokens).
 pub fn route<B: Backend>(
@@ -122,7 +124,7 @@ pub fn route<B: Backend>(
     // The choice carries no gradient; the weights are the chosen probabilities.
     let (_, chosen) = probs.clone().detach().topk_with_indices(config.top_k, 1);
     let weights = probs.clone().gather(1, chosen.clone());
-    let weights = match config.normalize_top_k {
+    let weights = match config.normalize_top_k && config.top_k > 1 {
         true => weights.clone() / weights.sum_dim(1),
         false => weights,
     };

@@ -377,3 +377,53 @@ fn bad_input_is_refused_with_a_sentence() {
         assert!(padded.contains("give a capacity"), "{padded}");
     }
 }
+
+/// A rank with no tokens, and ranks whose copies all stay home, still take part in every
+/// exchange forward and backward (empty parts): nobody waits, and the gradients are right.
+#[test]
+fn a_rank_with_no_tokens_or_no_copies_for_a_peer_neither_hangs_nor_loses_gradients() {
+    let results = burn_comm::launch_with(
+        burn_comm::LaunchConfig::new(2).with_timeout(std::time::Duration::from_secs(20)),
+        |ctx| {
+            // Rank 0: no tokens at all. Rank 1: copies for both ranks' experts (0 and 7), and
+            // a token whose copies all go to its own (4 and 5).
+            let (tokens, ids) = match ctx.rank() {
+                0 => (0, vec![]),
+                _ => (3, vec![0i64, 7, 4, 5, 7, 0]),
+            };
+            let device = Default::default();
+            let routing = Routing::<B> {
+                experts: Tensor::from_data(TensorData::new(ids, [tokens, 2]), &device),
+                weights: Tensor::from_data(
+                    TensorData::new(vec![0.5f32; 2 * tokens], [tokens, 2]),
+                    &device,
+                ),
+            };
+            let x = random([tokens, HIDDEN], 90 + ctx.rank() as u64);
+            let r = random([tokens, HIDDEN], 95 + ctx.rank() as u64);
+            let leaf = Tensor::<B, 2>::from_inner(x.clone()).require_grad();
+            let (out, _) = dispatch_combine(
+                leaf.clone(),
+                &routing,
+                &group(&ctx, 2),
+                None,
+                Dispatch::Unpadded,
+                |_, rows| Ok(rows.clone() * 3.0),
+            )?;
+            let grads = (out.clone() * Tensor::from_inner(r.clone()))
+                .sum()
+                .backward();
+            Ok::<_, MoeError>((x, r, out.inner(), leaf.grad(&grads)))
+        },
+    );
+    for (rank, result) in results.into_iter().enumerate() {
+        let (x, r, out, grad) = result.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        // Two copies of weight 1/2 through experts that triple: 3x, and 3r backward.
+        if rank == 1 {
+            assert_close(&out, &(x * 3.0), "rank 1: output");
+            assert_close(&grad.expect("a gradient"), &(r * 3.0), "rank 1: gradient");
+        } else {
+            assert_eq!(out.dims(), [0, HIDDEN], "rank 0: no tokens, no output");
+        }
+    }
+}

@@ -60,7 +60,8 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
     /// The optimizer averages the gradients itself, reduce-scattering them (ZeRO-2: burn-zero's
     /// `ZeroAdamW::with_gradient_sharding`): the strategy hands it each rank's own (accumulated)
     /// gradients, and [`crate::backward`] is a plain backward. An optimizer step that did not
-    /// average them (any other optimizer) stops the run with a sentence. Use it with
+    /// average them (any other optimizer) stops the run after that step with a sentence. Use it
+    /// with
     /// [`with_checkpoints_on_every_rank`](Self::with_checkpoints_on_every_rank), as for ZeRO-1.
     pub fn with_sharded_gradients(mut self, sharded: bool) -> Self {
         self.sharded_gradients = sharded;

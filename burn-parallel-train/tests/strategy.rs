@@ -611,7 +611,7 @@ fn sharded_gradients_with_an_optimizer_that_does_not_average_them_is_refused() {
     .into_iter()
     .filter_map(|r| r.err().map(|e| e.to_string()))
     .collect();
-    assert!(!errors.is_empty(), "the run was refused");
+    assert!(!errors.is_empty(), "the run was not refused");
     assert!(
         errors
             .iter()

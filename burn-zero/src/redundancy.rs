@@ -16,7 +16,7 @@ use burn::optim::{
 };
 use burn::record::Record;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_comm::{Communicator, ReduceOp};
 use burn_ddp::MissingGradient;
 use burn_ddp::params::{self, ParamSlot};
@@ -126,6 +126,11 @@ impl<B: AutodiffBackend> ZeroAdamW<B> {
                 })
             })
             .collect();
+        if self.shards_gradients {
+            // The ranks' own gradients: one may lack one the others have. They agree first,
+            // so that all fail together rather than leave the others in the reduce-scatter.
+            missing = self.missing_anywhere(&slots, &missing)?;
+        }
         if !missing.is_empty() {
             return Err(ZeroError::MissingGradients(missing));
         }
@@ -190,6 +195,43 @@ impl<B: AutodiffBackend> ZeroAdamW<B> {
             .map(|(slot, new)| new.unwrap_or_else(|| slot.value.clone()))
             .collect();
         Ok(params::load::<B, M>(module, values))
+    }
+
+    /// Every rank's missing gradients, gathered from this rank's `missing`: the same list on
+    /// every rank.
+    fn missing_anywhere(
+        &self,
+        slots: &[&ParamSlot<B>],
+        missing: &[MissingGradient],
+    ) -> Result<Vec<MissingGradient>, ZeroError> {
+        let Some(first) = slots.first() else {
+            return Ok(Vec::new());
+        };
+        let lacks: Vec<f32> = slots
+            .iter()
+            .map(|s| f32::from(missing.iter().any(|m| m.name == s.name)))
+            .collect();
+        let n = lacks.len();
+        let mine = Tensor::<Inner<B>, 2>::from_data(TensorData::new(lacks, [1, n]), &first.device);
+        let all: Vec<f32> = self
+            .comm
+            .all_gather(mine, 0)?
+            .into_data()
+            .to_vec()
+            .map_err(|e| ZeroError::Config(format!("the missing gradients: {e:?}")))?;
+        Ok(slots
+            .iter()
+            .enumerate()
+            .filter_map(|(p, slot)| {
+                let ranks: Vec<usize> = (0..self.comm.size())
+                    .filter(|&r| all[r * n + p] > 0.0)
+                    .collect();
+                (!ranks.is_empty()).then(|| MissingGradient {
+                    name: slot.name.clone(),
+                    ranks,
+                })
+            })
+            .collect())
     }
 
     /// The layout of the first step, checked against this step's parameters.

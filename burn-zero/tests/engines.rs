@@ -708,6 +708,40 @@ fn zero_adamw_with_gradient_sharding_averages_each_rank_s_own_gradients() {
     }
 }
 
+/// Under ZeRO-2 a gradient one rank lacks fails every rank together, naming it, rather than
+/// leave the others waiting in the reduce-scatter.
+#[test]
+fn zero_2_with_a_gradient_missing_on_one_rank_fails_every_rank_naming_it() {
+    let config = burn_comm::LaunchConfig::new(2).with_timeout(std::time::Duration::from_secs(20));
+    let results = burn_comm::launch_with(config, |ctx| {
+        let comm = ctx.world().clone();
+        let mut zero2 = burn_zero::ZeroAdamW::new(&adamw(), comm)
+            .unwrap()
+            .with_gradient_sharding();
+        let net = Net::<AD>::new();
+        // Rank 1's batch does not use `extra`.
+        let loss = net.loss(batch(ctx.rank(), 0), ctx.rank() == 0);
+        let grads = GradientsParams::from_grads(loss.backward(), &net);
+        let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            zero2.step(1e-2, net, grads);
+        }));
+        Ok::<_, burn_comm::CommError>(
+            stepped
+                .err()
+                .map(|panic| panic.downcast_ref::<String>().cloned().unwrap_or_default()),
+        )
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let message = result
+            .unwrap()
+            .unwrap_or_else(|| panic!("rank {rank} stepped"));
+        assert!(
+            message.contains("extra") && message.contains("[1]"),
+            "rank {rank}: {message}"
+        );
+    }
+}
+
 /// Each parameter's whole fp32 weights, assembled from every rank's state (`unit_of` names the
 /// unit of each range, for engines whose names repeat across units).
 fn assemble(states: &[ShardState], unit_of: &[Vec<usize>]) -> Vec<((usize, String), Vec<f32>)> {

@@ -5,7 +5,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{DType, Tensor};
 use burn_comm::{CommError, launch};
-use burn_tensor_parallel::ContextParallel;
+use burn_tensor_parallel::{ContextParallel, CpAttention};
 use llama::data::MarkovSource;
 use llama::{Llama, LlamaConfig};
 
@@ -52,19 +52,21 @@ pub fn measured_activation_bytes(
 }
 
 /// What [`measured_activation_bytes`] measures, on each of `cp` context-parallel ranks (threads
-/// of this process, each counted in its own slot of [`crate::memory`]): the median rank's.
+/// of this process, each counted in its own slot of [`crate::memory`]), attention by
+/// `attention`: the median rank's.
 pub fn measured_context_parallel_activation_bytes(
     config: &LlamaConfig,
     micro_batch: usize,
     seq_len: usize,
     dtype: DType,
     cp: usize,
+    attention: CpAttention,
 ) -> usize {
     let data = MarkovSource::new(config.vocab_size.min(256), 3, seq_len, micro_batch, 1);
     let mut per_rank = launch(cp, |ctx| {
         let slot = ctx.rank() + 1;
         set_slot(slot);
-        let group = ContextParallel::new(ctx.world().clone(), true);
+        let group = ContextParallel::new(ctx.world().clone(), true).with_attention(attention);
         let model: Llama<B> = Llama::init(config, 1, &Default::default());
         let model = model.map(&mut Cast(dtype)).with_cp(Some(group));
         let forward = || {

@@ -5,8 +5,9 @@
 use benches::activations::{measured_activation_bytes, measured_context_parallel_activation_bytes};
 use benches::memory::CountingAllocator;
 use burn::tensor::DType;
+use burn_tensor_parallel::CpAttention;
 use llama::LlamaConfig;
-use llama::plan::activation_bytes;
+use llama::plan::{ContextSplit, activation_bytes};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -18,8 +19,15 @@ fn the_plans_activations_are_within_5_percent_of_what_a_forward_keeps() {
         for dtype in [DType::F32, DType::BF16] {
             let measured = measured_activation_bytes(&config, micro_batch, seq_len, dtype) as f64;
             let layers = config.num_hidden_layers;
-            let estimated =
-                activation_bytes(&config, micro_batch, seq_len, layers, 1, 1, dtype.size()) as f64;
+            let estimated = activation_bytes(
+                &config,
+                micro_batch,
+                seq_len,
+                layers,
+                1,
+                ContextSplit::WHOLE,
+                dtype.size(),
+            ) as f64;
             let off = (measured - estimated).abs() / estimated;
             assert!(
                 off < 0.05,
@@ -29,19 +37,26 @@ fn the_plans_activations_are_within_5_percent_of_what_a_forward_keeps() {
     }
     // Under context parallelism, per rank (each counted in its own slot).
     let (micro_batch, seq_len, layers) = (2, 256, config.num_hidden_layers);
-    for cp in [2, 4] {
+    let splits = [
+        (2, CpAttention::Ring),
+        (4, CpAttention::Ring),
+        (2, CpAttention::AllGather),
+    ];
+    for (ranks, attention) in splits {
         let measured = measured_context_parallel_activation_bytes(
             &config,
             micro_batch,
             seq_len,
             DType::F32,
-            cp,
+            ranks,
+            attention,
         ) as f64;
-        let estimated = activation_bytes(&config, micro_batch, seq_len, layers, 1, cp, 4) as f64;
+        let split = ContextSplit { ranks, attention };
+        let estimated = activation_bytes(&config, micro_batch, seq_len, layers, 1, split, 4) as f64;
         let off = (measured - estimated).abs() / estimated;
         assert!(
             off < 0.05,
-            "cp {cp}: measured {measured} bytes per rank, estimated {estimated}"
+            "cp {ranks} {attention:?}: measured {measured} bytes per rank, estimated {estimated}"
         );
     }
 }

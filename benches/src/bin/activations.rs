@@ -8,8 +8,9 @@
 use benches::activations::{measured_activation_bytes, measured_context_parallel_activation_bytes};
 use benches::{preset, write_json};
 use burn::tensor::DType;
+use burn_tensor_parallel::CpAttention;
 use clap::Parser;
-use llama::plan::activation_bytes;
+use llama::plan::{ContextSplit, activation_bytes};
 use serde::Serialize;
 
 #[global_allocator]
@@ -37,7 +38,7 @@ struct Row {
     model: String,
     micro_batch: usize,
     seq_len: usize,
-    cp: usize,
+    cp: String,
     dtype: String,
     measured_mb: f64,
     estimated_mb: f64,
@@ -58,20 +59,31 @@ fn main() {
     let args = Args::parse();
     let mut rows = Vec::new();
     println!(
-        "{:<7} {:>5} {:>5} {:>3} {:>5} {:>12} {:>12} {:>7}",
+        "{:<7} {:>5} {:>5} {:>9} {:>5} {:>12} {:>12} {:>7}",
         "model", "mb", "seq", "cp", "dtype", "measured MB", "estimate MB", "ratio"
     );
     for name in &args.models {
         let config = preset(name);
+        // One device, and each context-parallel size by the ring and by all-gather.
+        let splits: Vec<ContextSplit> = args
+            .cp
+            .iter()
+            .flat_map(|&ranks| match ranks {
+                1 => vec![ContextSplit::WHOLE],
+                ranks => [CpAttention::Ring, CpAttention::AllGather]
+                    .map(|attention| ContextSplit { ranks, attention })
+                    .to_vec(),
+            })
+            .collect();
         let layouts = args.shapes.iter().map(|s| shape(s)).flat_map(|shape| {
-            args.cp
+            splits
                 .iter()
-                .filter(move |&&cp| cp == 1 || shape.1.is_multiple_of(2 * cp))
-                .map(move |&cp| (shape, cp))
+                .filter(move |s| s.ranks == 1 || shape.1.is_multiple_of(2 * s.ranks))
+                .map(move |&split| (shape, split))
         });
-        for ((micro_batch, seq_len), cp) in layouts {
+        for ((micro_batch, seq_len), split) in layouts {
             for dtype in [DType::F32, DType::BF16] {
-                let measured = match cp {
+                let measured = match split.ranks {
                     1 => measured_activation_bytes(&config, micro_batch, seq_len, dtype),
                     cp => measured_context_parallel_activation_bytes(
                         &config,
@@ -79,23 +91,35 @@ fn main() {
                         seq_len,
                         dtype,
                         cp,
+                        split.attention,
                     ),
                 };
                 let layers = config.num_hidden_layers;
-                let estimated =
-                    activation_bytes(&config, micro_batch, seq_len, layers, 1, cp, dtype.size());
+                let estimated = activation_bytes(
+                    &config,
+                    micro_batch,
+                    seq_len,
+                    layers,
+                    1,
+                    split,
+                    dtype.size(),
+                );
                 let row = Row {
                     model: name.clone(),
                     micro_batch,
                     seq_len,
-                    cp,
+                    cp: match (split.ranks, split.attention) {
+                        (1, _) => "1".into(),
+                        (cp, CpAttention::Ring) => format!("{cp} ring"),
+                        (cp, CpAttention::AllGather) => format!("{cp} gather"),
+                    },
                     dtype: format!("{dtype:?}").to_lowercase(),
                     measured_mb: measured as f64 / 1e6,
                     estimated_mb: estimated as f64 / 1e6,
                     ratio: measured as f64 / estimated as f64,
                 };
                 println!(
-                    "{:<7} {:>5} {:>5} {:>3} {:>5} {:>12.2} {:>12.2} {:>7.3}",
+                    "{:<7} {:>5} {:>5} {:>9} {:>5} {:>12.2} {:>12.2} {:>7.3}",
                     row.model,
                     row.micro_batch,
                     row.seq_len,

@@ -68,10 +68,13 @@ struct PlanArgs {
     /// Data-parallel ranks, over which ZeRO shards.
     #[arg(long, default_value_t = 1)]
     dp: usize,
-    /// Context-parallel ranks (ring attention): each holds seq-len / cp tokens of a sequence;
-    /// ZeRO shards over dp x cp.
+    /// Context-parallel ranks: each holds seq-len / cp tokens of a sequence; ZeRO shards over
+    /// dp x cp.
     #[arg(long, default_value_t = 1)]
     cp: usize,
+    /// How context-parallel attention reaches the other ranks' keys (activations differ).
+    #[arg(long, value_enum, default_value_t = CpAttentionArg::Ring)]
+    cp_attention: CpAttentionArg,
     /// Tensor-parallel ranks.
     #[arg(long, default_value_t = 1)]
     tp: usize,
@@ -93,6 +96,15 @@ struct PlanArgs {
 enum CpAttentionArg {
     Ring,
     AllGather,
+}
+
+impl From<CpAttentionArg> for CpAttention {
+    fn from(arg: CpAttentionArg) -> Self {
+        match arg {
+            CpAttentionArg::Ring => CpAttention::Ring,
+            CpAttentionArg::AllGather => CpAttention::AllGather,
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -484,6 +496,7 @@ fn run_plan(args: PlanArgs) -> Result<(), String> {
         model,
         dp: args.dp,
         cp: args.cp,
+        cp_attention: args.cp_attention.into(),
         tp: args.tp,
         pp: args.pp,
         precision: match args.dtype {
@@ -556,10 +569,7 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
     config.dp = args.dp;
     config.tp = args.tp;
     config.cp = args.cp;
-    config.cp_attention = match args.cp_attention {
-        CpAttentionArg::Ring => CpAttention::Ring,
-        CpAttentionArg::AllGather => CpAttention::AllGather,
-    };
+    config.cp_attention = args.cp_attention.into();
     config.sequence_parallel = args.sp;
     config.tp_overlap = args.tp_overlap;
     config.pp = args.pp;

@@ -3,6 +3,7 @@
 //! Under context parallelism ZeRO shards over dp x cp, and a rank keeps the activations of
 //! its tokens only, its ring attention `O(tokens)` instead of the scores' `O(tokens^2)`.
 
+use burn_tensor_parallel::CpAttention;
 use burn_zero::{ModelStateBytes, Precision, ZeroStage, estimate};
 
 use crate::config::LlamaConfig;
@@ -18,6 +19,8 @@ pub struct Plan {
     pub dp: usize,
     /// Context-parallel ranks: each holds `seq_len / cp` tokens of every sequence.
     pub cp: usize,
+    /// How context-parallel attention reaches the other ranks' keys (with `cp` above 1).
+    pub cp_attention: CpAttention,
     /// Tensor-parallel ranks.
     pub tp: usize,
     /// Pipeline ranks.
@@ -57,7 +60,10 @@ impl Plan {
             self.seq_len,
             layers,
             self.tp,
-            self.cp,
+            ContextSplit {
+                ranks: self.cp,
+                attention: self.cp_attention,
+            },
             self.precision.param,
         ))
     }
@@ -127,20 +133,21 @@ impl Plan {
 /// SiLU, the up projection and the product (5f). The head keeps the final norm's three and
 /// the fp32 logits. Norms and the head's input are whole on every tensor-parallel rank.
 ///
-/// Split over `cp` context-parallel ranks (ring attention), a rank keeps this for its
-/// `seq_len / cp` tokens, and attention keeps no scores: the ring's backward recomputes them
-/// from the rotated queries and keys, the values, the context and each query's fp32
-/// log-sum-exp (`3h + 2 h_kv` and `a` fp32), besides the context the output projection keeps.
-/// Not counted: `--cp-attention all-gather`, which keeps its queries' scores against every key,
-/// and key/value heads copied on several tensor-parallel ranks (fewer heads than ranks), whose
-/// share is counted as if split.
+/// Split over `cp` context-parallel ranks, a rank keeps this for its `seq_len / cp` tokens.
+/// By the ring, attention keeps no scores: its backward recomputes them from the rotated queries
+/// and keys, the values, the context and each query's fp32 log-sum-exp (`3h + 2 h_kv` and `a`
+/// fp32), besides the context the output projection keeps. By all-gather, it keeps its queries
+/// and context, every token's keys and values repeated for the query heads (`2h` per token of
+/// the sequence, so `2h cp` per own token) and its queries' scores against every key.
+/// Not counted: key/value heads copied on several tensor-parallel ranks (fewer heads than
+/// ranks), whose share is counted as if split.
 pub fn activation_bytes(
     model: &LlamaConfig,
     micro_batch: usize,
     seq_len: usize,
     layers: usize,
     tp: usize,
-    cp: usize,
+    context: ContextSplit,
     compute_bytes: usize,
 ) -> u64 {
     const FP32: u64 = 4;
@@ -152,17 +159,38 @@ pub fn activation_bytes(
     );
     let kv = (model.num_key_value_heads * model.head_dim()) as u64;
     let (tp, p) = (tp as u64, compute_bytes as u64);
-    let s = (seq_len / cp.max(1)) as u64;
+    let cp = context.ranks.max(1) as u64;
+    // This rank's tokens, and the keys each of them attends to.
+    let (s, keys) = (seq_len as u64 / cp, seq_len as u64);
     let norm = (FP32 + 2 * p) * h;
-    let attention = if cp > 1 {
-        p * (3 * h + 2 * kv) + FP32 * a
-    } else {
-        4 * p * h + (2 * FP32 + p) * a * s
+    let scores = (2 * FP32 + p) * a * keys;
+    let attention = match (cp, context.attention) {
+        (1, _) => 4 * p * h + scores,
+        (_, CpAttention::Ring) => p * (3 * h + 2 * kv) + FP32 * a,
+        (cp, CpAttention::AllGather) => p * (2 * h + 2 * h * cp) + scores,
     };
     let mlp = 5 * p * f;
     let per_block = 2 * norm + (attention + mlp) / tp;
     let head = norm + FP32 * v / tp;
     micro_batch as u64 * s * (layers as u64 * per_block + head)
+}
+
+/// How the sequence is split for [`activation_bytes`]: over `ranks` context-parallel ranks
+/// (1: not split), their attention by `attention`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextSplit {
+    /// Context-parallel ranks.
+    pub ranks: usize,
+    /// How attention reaches the other ranks' keys.
+    pub attention: CpAttention,
+}
+
+impl ContextSplit {
+    /// One rank holds the whole sequence.
+    pub const WHOLE: Self = Self {
+        ranks: 1,
+        attention: CpAttention::Ring,
+    };
 }
 
 #[cfg(test)]
@@ -176,6 +204,7 @@ mod tests {
             model: None,
             dp: 64,
             cp: 1,
+            cp_attention: CpAttention::Ring,
             tp: 1,
             pp: 1,
             precision: Precision::HALF,
@@ -203,6 +232,7 @@ mod tests {
             model: Some(LlamaConfig::preset("tiny").unwrap()),
             dp: 2,
             cp: 1,
+            cp_attention: CpAttention::Ring,
             tp: 1,
             pp: 1,
             precision: Precision::F32,
@@ -229,6 +259,7 @@ mod tests {
             model: Some(LlamaConfig::preset("small").unwrap()),
             dp: 2,
             cp: 1,
+            cp_attention: CpAttention::Ring,
             tp: 1,
             pp: 1,
             precision: Precision::F32,

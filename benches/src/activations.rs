@@ -33,16 +33,35 @@ pub fn measured_activation_bytes(
     seq_len: usize,
     dtype: DType,
 ) -> usize {
-    let model: Llama<B> = Llama::init(config, 1, &Default::default());
-    let model = model.map(&mut Cast(dtype));
     let data = MarkovSource::new(config.vocab_size.min(256), 3, seq_len, micro_batch, 1);
+    least_kept(
+        &model(config, dtype),
+        &data,
+        micro_batch,
+        seq_len,
+        live_bytes,
+    )
+}
+
+/// `config`'s model drawn from seed 1, every parameter in `dtype`.
+fn model(config: &LlamaConfig, dtype: DType) -> Llama<B> {
+    Llama::<B>::init(config, 1, &Default::default()).map(&mut Cast(dtype))
+}
+
+/// The bytes `counted` grows by across a forward of `model` while its loss lives, after a first
+/// forward warms the backend's one-time allocations.
+fn least_kept(
+    model: &Llama<B>,
+    data: &MarkovSource,
+    micro_batch: usize,
+    seq_len: usize,
+    counted: impl Fn() -> usize,
+) -> usize {
     let forward = || {
-        let (inputs, targets) = token_batch::<B>(&data, 0, micro_batch, seq_len);
-        let before = live_bytes();
-        let loss = model
-            .loss(inputs, targets)
-            .expect("the whole model, unsplit");
-        (live_bytes() - before, loss)
+        let (inputs, targets) = token_batch::<B>(data, 0, micro_batch, seq_len);
+        let before = counted();
+        let loss = model.loss(inputs, targets).expect("every block");
+        (counted().saturating_sub(before), loss)
     };
     drop(forward());
     // The heap a forward leaves varies by about 1% from one forward to the next (the
@@ -67,17 +86,9 @@ pub fn measured_context_parallel_activation_bytes(
         let slot = ctx.rank() + 1;
         set_slot(slot);
         let group = ContextParallel::new(ctx.world().clone(), true).with_attention(attention);
-        let model: Llama<B> = Llama::init(config, 1, &Default::default());
-        let model = model.map(&mut Cast(dtype)).with_cp(Some(group));
-        let forward = || {
-            let (inputs, targets) = token_batch::<B>(&data, 0, micro_batch, seq_len);
-            let before = slot_live_bytes(slot);
-            let loss = model.loss(inputs, targets).expect("every block");
-            (slot_live_bytes(slot).saturating_sub(before), loss)
-        };
-        drop(forward());
-        let kept = (0..4).map(|_| forward().0).min().expect("a few forwards");
-        Ok::<_, CommError>(kept)
+        let model = model(config, dtype).with_cp(Some(group));
+        let counted = || slot_live_bytes(slot);
+        Ok::<_, CommError>(least_kept(&model, &data, micro_batch, seq_len, counted))
     })
     .into_iter()
     .map(|r| r.unwrap_or_else(|e| panic!("{e}")))

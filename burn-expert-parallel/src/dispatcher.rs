@@ -160,13 +160,13 @@ pub fn dispatch_combine<B: CommBackend>(
     // send or none received (its parts are empty): its backward then runs the reverse exchanges
     // its peers wait for.
     // 2. This rank's kept copies, sorted by expert (padded: each in its expert's slots).
-    let sorted = gather_rows(&x, &plan.kept_tokens(), &ids);
-    let (sent, sizes) = match padded_capacity {
-        None => (sorted, unpadded),
-        Some(capacity) => {
-            let slots = plan.padded_slots(capacity);
+    let kept_tokens = plan.kept_tokens();
+    let slots = padded_capacity.map(|capacity| plan.padded_slots(capacity));
+    let sorted = gather_rows(&x, &kept_tokens, &ids);
+    let (sent, sizes) = match (padded_capacity, &slots) {
+        (Some(capacity), Some(slots)) => {
             let padded = Tensor::<B, 2>::zeros([ep.experts() * capacity, hidden], &device)
-                .select_assign(0, ids(&slots), sorted, IndexingUpdateOp::Add);
+                .select_assign(0, ids(slots), sorted, IndexingUpdateOp::Add);
             let part = vec![ep.local_count() * capacity; ep.size()];
             let sizes = SplitSizes {
                 send: part.clone(),
@@ -174,14 +174,15 @@ pub fn dispatch_combine<B: CommBackend>(
             };
             (padded, sizes)
         }
+        _ => (sorted, unpadded),
     };
     // 3. To the experts' ranks, through them, and back.
     let received = exchange(sent, &sizes, ep)?;
     let outputs = run_experts(received, &rows, padded_capacity, ep, &ids, &mut expert)?;
     let back = exchange(outputs, &sizes.reversed(), ep)?;
-    let back = match padded_capacity {
+    let back = match &slots {
         None => back,
-        Some(capacity) => gather_rows(&back, &plan.padded_slots(capacity), &ids),
+        Some(slots) => gather_rows(&back, slots, &ids),
     };
     // 4. Weighted, and summed into their tokens.
     let combined = Tensor::<B, 2>::zeros([tokens, hidden], &device);
@@ -189,12 +190,8 @@ pub fn dispatch_combine<B: CommBackend>(
     let weights = weights
         .select(0, ids(&plan.kept))
         .reshape([plan.kept.len(), 1]);
-    let combined = combined.select_assign(
-        0,
-        ids(&plan.kept_tokens()),
-        back * weights,
-        IndexingUpdateOp::Add,
-    );
+    let combined =
+        combined.select_assign(0, ids(&kept_tokens), back * weights, IndexingUpdateOp::Add);
     Ok((combined, plan.stats()))
 }
 

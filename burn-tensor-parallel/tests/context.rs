@@ -7,6 +7,8 @@
 //! blocks' partial softmaxes merge in another order than one softmax sums, so float32 rounding
 //! differs: |a - b| <= 1e-5 max|b| + 1e-4 |b|.
 
+mod common;
+
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::activation::softmax;
 use burn::tensor::{DType, Int, Tensor, TensorData};
@@ -14,40 +16,15 @@ use burn_comm::parallel::{ContextLayout, RingAttention, ring_attention};
 use burn_comm::{CommStats, launch};
 use burn_tensor_parallel::context::repeat_kv;
 use burn_tensor_parallel::{ContextParallel, CpAttention};
-use rand::SeedableRng;
-use rand::rngs::StdRng;
-use rand_distr::{Distribution, Normal};
+
+use common::{Inner, assert_close, random};
 
 type B = Autodiff<Flex>;
-type Inner = Flex;
 
 const BATCH: usize = 2;
 const HEAD_DIM: usize = 8;
 /// Tokens per chunk: odd, so no block is a power of two.
 const CHUNK: usize = 3;
-
-fn random<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<Inner, D> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let normal = Normal::new(0.0f32, 1.0).unwrap();
-    let values: Vec<f32> = (0..shape.iter().product())
-        .map(|_| normal.sample(&mut rng))
-        .collect();
-    Tensor::from_data(TensorData::new(values, shape), &Default::default())
-}
-
-#[track_caller]
-fn assert_close(got: &Tensor<Inner, 4>, want: &Tensor<Inner, 4>, what: &str) {
-    assert_eq!(got.dims(), want.dims(), "{what}: shape");
-    let got: Vec<f32> = got.clone().into_data().to_vec().unwrap();
-    let want: Vec<f32> = want.clone().into_data().to_vec().unwrap();
-    let largest = want.iter().fold(0f32, |m, b| m.max(b.abs()));
-    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-        assert!(
-            (a - b).abs() <= 1e-5 * largest + 1e-4 * b.abs(),
-            "{what}: element {i} is {a}, dense attention gives {b}"
-        );
-    }
-}
 
 /// Attention over the whole sequence on one device, as the Llama model computes it.
 fn dense(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, causal: bool) -> Tensor<B, 4> {
@@ -159,8 +136,8 @@ fn context_parallel_attention_matches_one_device() {
                                     "{name} of rank {rank}, cp {cp}, {method:?}, load-balanced {load_balanced}, causal {causal}, {heads} heads over {kv_heads}"
                                 );
                                 assert_close(
-                                    &run.results[i],
-                                    &shard(&want[i], layout, rank),
+                                    run.results[i].clone(),
+                                    shard(&want[i], layout, rank),
                                     &what,
                                 );
                             }

@@ -11,6 +11,8 @@
 //! moves one such element by 1.5e-5 of 0.023 (float64 puts both float32 results 2e-5 and
 //! 3.6e-5 from the truth).
 
+mod common;
+
 use burn::backend::{Autodiff, Flex};
 use burn::module::Param;
 use burn::tensor::activation::{log_softmax, silu, softmax};
@@ -21,38 +23,13 @@ use burn_tensor_parallel::{
     ColumnParallelLinear, ParallelAttention, ParallelSwiGlu, RowParallelLinear, SEQ_DIM,
     TensorParallel, TpError, VocabParallelEmbedding, vocab_parallel_cross_entropy,
 };
-use rand::SeedableRng;
-use rand::rngs::StdRng;
-use rand_distr::{Distribution, Normal};
+
+use common::{Inner, assert_close, random};
 
 type B = Autodiff<Flex>;
-type Inner = Flex;
-
-fn random<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<Inner, D> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let normal = Normal::new(0.0f32, 1.0).unwrap();
-    let values: Vec<f32> = (0..shape.iter().product())
-        .map(|_| normal.sample(&mut rng))
-        .collect();
-    Tensor::from_data(TensorData::new(values, shape), &Default::default())
-}
 
 fn leaf<const D: usize>(t: &Tensor<Inner, D>) -> Tensor<B, D> {
     Tensor::from_inner(t.clone()).require_grad()
-}
-
-#[track_caller]
-fn assert_close<const D: usize>(got: Tensor<Inner, D>, want: Tensor<Inner, D>, what: &str) {
-    assert_eq!(got.dims(), want.dims(), "{what}: shape");
-    let got: Vec<f32> = got.into_data().to_vec().unwrap();
-    let want: Vec<f32> = want.into_data().to_vec().unwrap();
-    let largest = want.iter().fold(0f32, |m, b| m.max(b.abs()));
-    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-        assert!(
-            (a - b).abs() <= 1e-5 * largest + 1e-4 * b.abs(),
-            "{what}: element {i} is {a}, the dense layer gives {b}"
-        );
-    }
 }
 
 /// Runs `f` on `tp` ranks with sequence parallelism `sp`, once with the region ops and the

@@ -19,12 +19,26 @@ impl Buckets {
     /// most `cap` bytes (a larger parameter gets a bucket of its own), starting a new bucket
     /// whenever the dtype changes; no padding.
     pub fn packed(order: &[usize], numels: &[usize], dtypes: &[DType], cap: usize) -> Self {
+        Self::packed_apart(order, numels, dtypes, &vec![false; numels.len()], cap)
+    }
+
+    /// [`Self::packed`], starting a new bucket also wherever `apart` changes: parameters
+    /// marked apart (experts', reduced over other ranks) never share a bucket with others.
+    pub fn packed_apart(
+        order: &[usize],
+        numels: &[usize],
+        dtypes: &[DType],
+        apart: &[bool],
+        cap: usize,
+    ) -> Self {
         let bytes = |p: usize| numels[p] * dtypes[p].size();
         let mut members: Vec<Vec<usize>> = Vec::new();
         let mut filled = 0;
         for &param in order {
             let fits = members.last().is_some_and(|bucket| {
-                dtypes[bucket[0]] == dtypes[param] && filled + bytes(param) <= cap
+                dtypes[bucket[0]] == dtypes[param]
+                    && apart[bucket[0]] == apart[param]
+                    && filled + bytes(param) <= cap
             });
             if fits {
                 members.last_mut().unwrap().push(param);
@@ -52,5 +66,13 @@ mod tests {
         let buckets = Buckets::packed(&[3, 2, 1, 0], &[10, 10, 50, 7], &[f, f, DType::F16, f], 80);
         assert_eq!(buckets.members, vec![vec![3], vec![2], vec![1, 0]]);
         assert_eq!(buckets.lengths, vec![7, 50, 20]);
+        let apart = Buckets::packed_apart(
+            &[0, 1, 2, 3],
+            &[1; 4],
+            &[f; 4],
+            &[false, true, true, false],
+            80,
+        );
+        assert_eq!(apart.members, vec![vec![0], vec![1, 2], vec![3]]);
     }
 }

@@ -8,6 +8,7 @@ use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::Tensor;
 use burn_comm::Communicator;
 
+use crate::experts::ExpertGroup;
 use crate::hooks::BackwardHooks;
 use crate::params;
 use crate::replica::Replica;
@@ -30,8 +31,20 @@ pub struct DistributedDataParallel<B: BackwardHooks, M: AutodiffModule<B>> {
 impl<B: BackwardHooks, M: AutodiffModule<B>> DistributedDataParallel<B, M> {
     /// Wraps `module`, replacing its parameters by rank 0's so every replica starts equal.
     pub fn new(module: M, comm: Communicator, config: DdpConfig) -> Result<Self, DdpError> {
-        let module = params::broadcast::<B, M>(module, &comm, 0)?;
-        let sync = GradientSync::new(&module, comm, config)?;
+        Self::with_experts(module, comm, None, config)
+    }
+
+    /// [`Self::new`] for a module some of whose parameters only some ranks of `comm` hold (a
+    /// mixture of experts under expert parallelism, see [`ExpertGroup`]): those are made equal
+    /// among the ranks holding the same experts, and their gradients reduced over those.
+    pub fn with_experts(
+        module: M,
+        comm: Communicator,
+        experts: Option<ExpertGroup>,
+        config: DdpConfig,
+    ) -> Result<Self, DdpError> {
+        let module = params::broadcast_grouped::<B, M>(module, &comm, experts.as_ref())?;
+        let sync = GradientSync::with_experts(&module, comm, experts, config)?;
         Ok(Self {
             module: Replica::new(module),
             sync,

@@ -8,6 +8,8 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_comm::{CommError, Communicator};
 
+use crate::experts::ExpertGroup;
+
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 /// Takes a parameter's gradient out of a backward result, flattened.
 pub type Take<B> = Box<
@@ -192,6 +194,24 @@ pub fn broadcast<B: AutodiffBackend, M: AutodiffModule<B>>(
     let mut values = Vec::new();
     for slot in slots::<B, M>(&module) {
         values.push(comm.broadcast(slot.value, root)?);
+    }
+    Ok(load::<B, M>(module, values))
+}
+
+/// [`broadcast`] from rank 0 of `comm`, except that `experts`' parameters come from rank 0 of
+/// the ranks holding the same experts (see [`ExpertGroup`]).
+pub fn broadcast_grouped<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: M,
+    comm: &Communicator,
+    experts: Option<&ExpertGroup>,
+) -> Result<M, CommError> {
+    let mut values = Vec::new();
+    for slot in slots::<B, M>(&module) {
+        let from = match experts {
+            Some(experts) if experts.params.contains(&slot.id) => &experts.comm,
+            _ => comm,
+        };
+        values.push(from.broadcast(slot.value, 0)?);
     }
     Ok(load::<B, M>(module, values))
 }

@@ -16,6 +16,7 @@ use burn_comm::{CommError, Communicator, ReduceOp, Work};
 
 use crate::MissingGradient;
 pub use crate::bucket::Buckets;
+use crate::experts::ExpertGroup;
 use crate::hooks::BackwardHooks;
 use crate::params::{self, ParamSlot};
 
@@ -93,6 +94,8 @@ pub struct Reducer<B: AutodiffBackend> {
     reduction: Reduction,
     reduce_dtype: Option<DType>,
     comm: Communicator,
+    /// Where the experts' buckets are reduced (see [`ExpertGroup`]), and which buckets they are.
+    experts: Option<ExpertBuckets>,
     /// Parameters known to get late parts: taken only after backward.
     known_late: Vec<bool>,
     /// Gradients summed locally, added to the parameter's when it is taken.
@@ -128,6 +131,7 @@ impl<B: AutodiffBackend> Reducer<B> {
             reduction,
             reduce_dtype: None,
             comm,
+            experts: None,
             known_late: vec![false; n],
             accumulated: vec![None; n],
             grads: vec![None; n],
@@ -148,6 +152,57 @@ impl<B: AutodiffBackend> Reducer<B> {
     pub fn reduce_in(mut self, dtype: Option<DType>) -> Self {
         self.reduce_dtype = dtype;
         self
+    }
+
+    /// Reduces the buckets of `group`'s parameters over its ranks, scaled to the whole group's
+    /// average (see [`ExpertGroup`]); a bucket must hold experts' parameters only or none.
+    pub fn with_experts(mut self, group: Option<&ExpertGroup>) -> Result<Self, CommError> {
+        let Some(group) = group else {
+            return Ok(self);
+        };
+        let expert: Vec<bool> = self
+            .slots
+            .iter()
+            .map(|s| group.params.contains(&s.id))
+            .collect();
+        let mut buckets = Vec::with_capacity(self.buckets.members.len());
+        for (b, members) in self.buckets.members.iter().enumerate() {
+            let experts = members.iter().filter(|&&p| expert[p]).count();
+            if experts != 0 && experts != members.len() {
+                return Err(CommError::Config(format!(
+                    "invalid gradient buckets: bucket {b} mixes experts' parameters with others; they are reduced over different ranks"
+                )));
+            }
+            buckets.push(experts != 0);
+        }
+        self.experts = Some(ExpertBuckets {
+            comm: group.comm.clone(),
+            scale: group.scale(&self.comm),
+            buckets,
+        });
+        Ok(self)
+    }
+
+    /// The ranks `bucket` is reduced over.
+    fn comm_of(&self, bucket: usize) -> &Communicator {
+        match &self.experts {
+            Some(experts) if experts.buckets[bucket] => &experts.comm,
+            _ => &self.comm,
+        }
+    }
+
+    /// `bucket`'s reduction: averaged over its ranks, then scaled when it holds experts.
+    fn start(&self, bucket: usize, flat: Tensor<Inner<B>, 1>) -> Work<Tensor<Inner<B>, 1>> {
+        self.reduction
+            .start(self.comm_of(bucket), flat, self.reduce_dtype)
+    }
+
+    /// `reduced`, `bucket`'s averaged buffer, as the whole group's average.
+    fn rescale(&self, bucket: usize, reduced: Tensor<Inner<B>, 1>) -> Tensor<Inner<B>, 1> {
+        match &self.experts {
+            Some(experts) if experts.buckets[bucket] => reduced * experts.scale,
+            _ => reduced,
+        }
     }
 
     /// Parameters an earlier backward gave late parts: they are taken only after backward, or
@@ -249,8 +304,8 @@ impl<B: AutodiffBackend> Reducer<B> {
         while self.next_bucket < self.waiting.len() && self.waiting[self.next_bucket] == 0 {
             let flat = self.pack(self.next_bucket, |me, p| me.grads[p].take());
             self.bytes += flat.dims()[0] * self.reduce_dtype.unwrap_or(flat.dtype()).size();
-            self.in_flight
-                .push(self.reduction.start(&self.comm, flat, self.reduce_dtype));
+            let work = self.start(self.next_bucket, flat);
+            self.in_flight.push(work);
             self.next_bucket += 1;
         }
     }
@@ -299,8 +354,8 @@ impl<B: AutodiffBackend> Reducer<B> {
             )));
         }
         let mut buffers = Vec::with_capacity(self.in_flight.len());
-        for work in std::mem::take(&mut self.in_flight) {
-            buffers.push(work.wait()?);
+        for (bucket, work) in std::mem::take(&mut self.in_flight).into_iter().enumerate() {
+            buffers.push(self.rescale(bucket, work.wait()?));
         }
         // One exchange of per-parameter codes decides, identically on every rank, which
         // parameters lack a gradient somewhere (bit 0 clear) and which got late parts (bit 1).
@@ -321,10 +376,7 @@ impl<B: AutodiffBackend> Reducer<B> {
             .collect();
         for bucket in late_buckets {
             let flat = self.pack(bucket, |me, p| me.late_parts[p].take());
-            let extra = self
-                .reduction
-                .start(&self.comm, flat, self.reduce_dtype)
-                .wait()?;
+            let extra = self.rescale(bucket, self.start(bucket, flat).wait()?);
             buffers[bucket] = buffers[bucket].clone() + extra;
         }
         Ok(Reduced {
@@ -364,6 +416,14 @@ impl<B: BackwardHooks> Reducer<B> {
             .expect("only backward borrows the reducer");
         (reducer, grads)
     }
+}
+
+/// The buckets of an [`ExpertGroup`]'s parameters: reduced over its ranks and scaled.
+struct ExpertBuckets {
+    comm: Communicator,
+    scale: f64,
+    /// Whether each bucket holds experts' parameters.
+    buckets: Vec<bool>,
 }
 
 /// Adds `grad` to `sum`, either of which may be absent.

@@ -18,6 +18,7 @@ use burn::tensor::{DType, Device, Tensor};
 use burn_comm::Communicator;
 
 use crate::DdpError;
+use crate::experts::ExpertGroup;
 use crate::hooks::BackwardHooks;
 use crate::params;
 use crate::reducer::{Buckets, Reduced, Reducer, Reduction};
@@ -62,6 +63,10 @@ pub struct DdpStepStats {
 /// contributions, gradients accumulated without communication, and the last step's timings.
 pub struct GradientSync<B: AutodiffBackend> {
     comm: Communicator,
+    /// Parameters held by only some ranks of the group, reduced over those.
+    experts: Option<ExpertGroup>,
+    /// Whether each parameter is an expert's.
+    expert: Vec<bool>,
     config: DdpConfig,
     names: Vec<String>,
     numels: Vec<usize>,
@@ -85,6 +90,22 @@ impl<B: AutodiffBackend> GradientSync<B> {
         comm: Communicator,
         config: DdpConfig,
     ) -> Result<Self, DdpError> {
+        Self::with_experts(module, comm, None, config)
+    }
+
+    /// [`Self::new`], with `experts`' parameters held by only some ranks of `comm` (a mixture
+    /// of experts under expert parallelism): their gradients are reduced over the ranks
+    /// holding the same ones, as [`ExpertGroup`] says, in buckets of their own. Those ranks
+    /// must already hold the same experts ([`params::broadcast_grouped`]).
+    pub fn with_experts<M: AutodiffModule<B>>(
+        module: &M,
+        comm: Communicator,
+        experts: Option<ExpertGroup>,
+        config: DdpConfig,
+    ) -> Result<Self, DdpError> {
+        if let Some(experts) = &experts {
+            experts.check(&comm)?;
+        }
         if config.bucket_cap_bytes == 0 {
             return Err(DdpError::Config(
                 "bucket_cap_bytes is 0; give buckets at least one byte (PyTorch uses 25 MiB)"
@@ -101,11 +122,18 @@ impl<B: AutodiffBackend> GradientSync<B> {
         };
         let numels: Vec<usize> = slots.iter().map(|s| s.numel).collect();
         let dtypes: Vec<DType> = slots.iter().map(|s| s.dtype).collect();
+        let expert: Vec<bool> = slots
+            .iter()
+            .map(|s| experts.as_ref().is_some_and(|e| e.params.contains(&s.id)))
+            .collect();
         // Backward reaches the last parameters first: start with reverse module order.
         let order: Vec<usize> = (0..slots.len()).rev().collect();
-        let buckets = Buckets::packed(&order, &numels, &dtypes, config.bucket_cap_bytes);
+        let buckets =
+            Buckets::packed_apart(&order, &numels, &dtypes, &expert, config.bucket_cap_bytes);
         Ok(Self {
             comm,
+            experts,
+            expert,
             names: slots.iter().map(|s| s.name.clone()).collect(),
             numels,
             dtypes,
@@ -184,6 +212,7 @@ impl<B: AutodiffBackend> GradientSync<B> {
             Reduction::Whole,
             self.comm.clone(),
         )?
+        .with_experts(self.experts.as_ref())?
         .known_late(self.late.clone())
         .with_accumulated(std::mem::replace(
             &mut self.accumulated,
@@ -254,10 +283,11 @@ impl<B: AutodiffBackend> GradientSync<B> {
             .into_iter()
             .map(|i| i as usize)
             .collect();
-        self.buckets = Arc::new(Buckets::packed(
+        self.buckets = Arc::new(Buckets::packed_apart(
             &order,
             &self.numels,
             &self.dtypes,
+            &self.expert,
             self.config.bucket_cap_bytes,
         ));
         self.rebuilt = true;

@@ -343,3 +343,89 @@ fn finishing_a_step_before_every_gradient_is_in_names_the_missing_ones() {
         "{error}"
     );
 }
+
+/// dp 2 x ep 2: `extra` stands for an expert weight, held alike by the ranks of one colour
+/// (`rank % 2`) and differently by the others. It starts from its own group's first rank,
+/// and its gradient is the sum over its group divided by the whole group's size; the others
+/// are averaged over all four ranks.
+#[test]
+fn experts_are_synchronised_and_reduced_over_the_ranks_holding_them() {
+    let expert_value = |rank: usize| values::<AD>([6, 6], 50 + rank as u64, 0.5);
+    // Each rank's own gradient, from the weights it will hold once wrapped.
+    let local = |rank: usize| {
+        let mut net = Net::<AD>::new(1);
+        net.extra = Param::from_tensor(expert_value(rank % 2).require_grad());
+        let grads = GradientsParams::from_grads(
+            net.loss(batch(3, rank as u64), false, true).backward(),
+            &net,
+        );
+        flat(&grads, &net)
+    };
+    let locals: Vec<Vec<f32>> = (0..4).map(local).collect();
+    let n = 36;
+    for (overlap, cap) in [(true, 1), (false, 1 << 20)] {
+        let config = DdpConfig::new()
+            .with_overlap(overlap)
+            .with_bucket_cap_bytes(cap);
+        let results = launch(4, |ctx| {
+            let rank = ctx.rank();
+            let mut net = Net::<AD>::new(1);
+            net.extra = Param::from_tensor(expert_value(rank).require_grad());
+            let experts = burn_ddp::ExpertGroup {
+                comm: ctx.world().split("ep peers", rank % 2)?,
+                params: [net.extra.id].into_iter().collect(),
+            };
+            let mut ddp = DistributedDataParallel::with_experts(
+                net,
+                ctx.world().clone(),
+                Some(experts),
+                config.clone(),
+            )?;
+            let held = ddp.module().extra.val().into_data();
+            let grads = ddp.backward(ddp.module().loss(batch(3, rank as u64), false, true))?;
+            Ok::<_, DdpError>((held, flat(&grads, ddp.module())))
+        });
+        for (rank, result) in results.into_iter().enumerate() {
+            let (held, got) = result.unwrap();
+            assert_eq!(
+                held,
+                expert_value(rank % 2).into_data(),
+                "rank {rank}'s expert"
+            );
+            let dense = |i: usize| locals.iter().map(|l| l[i]).sum::<f32>() / 4.0;
+            let expert = |i: usize| (locals[rank % 2][i] + locals[rank % 2 + 2][i]) / 4.0;
+            let want: Vec<f32> = (0..3 * n)
+                .map(|i| if i >= 2 * n { expert(i) } else { dense(i) })
+                .collect();
+            assert_near(&got, &want);
+        }
+    }
+}
+
+#[test]
+fn an_expert_group_that_is_not_a_part_of_the_group_is_refused() {
+    let results = launch(5, |ctx| {
+        let net = Net::<AD>::new(1);
+        let experts = burn_ddp::ExpertGroup {
+            // Neither two ranks nor three are a part of five.
+            comm: ctx.world().split("odd", usize::from(ctx.rank() < 2))?,
+            params: [net.extra.id].into_iter().collect(),
+        };
+        let refused = DistributedDataParallel::with_experts(
+            net,
+            ctx.world().clone(),
+            Some(experts),
+            DdpConfig::new(),
+        )
+        .err()
+        .map(|e| e.to_string());
+        Ok::<_, burn_comm::CommError>(refused)
+    });
+    for result in results {
+        let error = result.unwrap().expect("refused");
+        assert!(
+            error.contains("not a part of the 5 data-parallel ranks"),
+            "{error}"
+        );
+    }
+}

@@ -49,8 +49,44 @@ pub trait PipelineStage<B: AutodiffBackend>: AutodiffModule<B> {
 pub enum StageOutput<B: Backend> {
     /// Activations for the next stage.
     Activation(Tensor<B, 3>),
+    /// Activations for the next stage, and a loss this stage adds to the model's itself (one
+    /// element, such as a mixture of experts' balancing losses): its gradient joins the
+    /// stage's backward, weighted as the last stage's loss is (micro-batches, loss scale).
+    ActivationAndLoss(Tensor<B, 3>, Tensor<B, 1>),
     /// The micro-batch's loss (one element), on the last stage.
     Loss(Tensor<B, 1>),
+}
+
+impl<B: Backend> StageOutput<B> {
+    /// The activations for the next stage and the loss this stage adds, if any; none for the
+    /// last stage's loss.
+    pub fn into_activation(self) -> Option<(Tensor<B, 3>, Option<Tensor<B, 1>>)> {
+        match self {
+            Self::Activation(y) => Some((y, None)),
+            Self::ActivationAndLoss(y, loss) => Some((y, Some(loss))),
+            Self::Loss(_) => None,
+        }
+    }
+
+    /// The scalar whose backward gives the stage's gradients: the loss times `weight`, or, for
+    /// activations whose gradient is `grad`, `sum(y * grad)` plus the stage's own loss times
+    /// `weight`. None for activations without a gradient.
+    pub fn backward_target(self, grad: Option<Tensor<B, 3>>, weight: f64) -> Option<Tensor<B, 1>> {
+        let output = match self {
+            Self::Loss(loss) => return Some(loss * weight),
+            output => output,
+        };
+        match (output.into_activation(), grad) {
+            (None, _) | (Some(_), None) => None,
+            (Some((y, own)), Some(g)) => {
+                let target = (y * g).sum();
+                Some(match own {
+                    Some(own) => target + own * weight,
+                    None => target,
+                })
+            }
+        }
+    }
 }
 
 /// What crosses between stages: every activation, and so every gradient of one, has this
@@ -262,15 +298,12 @@ impl PipelineExecutor {
             PipelineError::Schedule(format!("rank {rank} reached the {action} without {what}"))
         };
         // The scalar whose backward gives the stage's gradients.
-        let target = |output: StageOutput<B>,
-                      grad: Option<Tensor<Inner<B>, 3>>,
-                      action: &Action| match (output, grad) {
-            (StageOutput::Loss(loss), _) => Ok(loss * loss_scale / m as f64),
-            (StageOutput::Activation(y), Some(g)) => Ok((y * Tensor::from_inner(g)).sum()),
-            (StageOutput::Activation(_), None) => {
-                Err(missing(action, "the gradient of its output"))
-            }
-        };
+        let target =
+            |output: StageOutput<B>, grad: Option<Tensor<Inner<B>, 3>>, action: &Action| {
+                output
+                    .backward_target(grad.map(Tensor::from_inner), loss_scale / m as f64)
+                    .ok_or_else(|| missing(action, "the gradient of its output"))
+            };
 
         for (index, action) in actions.iter().enumerate() {
             let start = origin.elapsed().as_secs_f64();
@@ -347,7 +380,9 @@ impl PipelineExecutor {
                         (output, kept)
                     };
                     match output {
-                        StageOutput::Activation(y) if s < last => {
+                        StageOutput::Activation(y) | StageOutput::ActivationAndLoss(y, _)
+                            if s < last =>
+                        {
                             let value = y.inner();
                             if same_rank(s, s + 1) {
                                 inputs.insert((mb, s + 1), value);

@@ -263,7 +263,7 @@ where
         let leaf = x.map(|t| Tensor::from_inner(t.inner()).require_grad());
         let loss = match module.forward(leaf.clone(), batch)? {
             StageOutput::Loss(loss) => loss,
-            StageOutput::Activation(_) => return Err(order_error(last, last).into()),
+            _ => return Err(order_error(last, last).into()),
         };
         let value = loss.clone().into_scalar().elem::<f64>();
         let mut pending = Vec::with_capacity(last + 1);
@@ -275,11 +275,15 @@ where
             let leaf = inputs[u]
                 .take()
                 .map(|t| Tensor::from_inner(t).require_grad());
-            let y = activation(module.forward(leaf.clone(), batch)?, u, last)?;
+            let output = module.forward(leaf.clone(), batch)?;
             let output_grad = grad
                 .take()
                 .expect("every unit after the first has an input");
-            let target = (y * Tensor::from_inner(output_grad)).sum();
+            // The unit's own loss (a mixture of experts' balancing losses) is weighted as the
+            // last unit's.
+            let target = output
+                .backward_target(Some(Tensor::from_inner(output_grad)), scale)
+                .ok_or_else(|| order_error(u, last))?;
             grad = self.backward(u, module, leaf, target, &mut tied, &mut pending)?;
         }
         debug_assert!(tied.is_empty(), "every tied gradient reached its unit");
@@ -566,16 +570,17 @@ impl<B: burn::tensor::backend::Backend> Gathers<B> {
     }
 }
 
-/// The activations of unit `u`, which is not the last.
+/// The activations of unit `u`, which is not the last (its own loss, if any, joins its
+/// backward, when the forward is done again).
 fn activation<B: AutodiffBackend>(
     output: StageOutput<B>,
     u: usize,
     last: usize,
 ) -> Result<Tensor<B, 3>, ZeroError> {
-    match output {
-        StageOutput::Activation(y) => Ok(y),
-        StageOutput::Loss(_) => Err(order_error(u, last)),
-    }
+    output
+        .into_activation()
+        .map(|(y, _)| y)
+        .ok_or_else(|| order_error(u, last))
 }
 
 fn order_error(u: usize, last: usize) -> ZeroError {

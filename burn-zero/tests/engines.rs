@@ -290,6 +290,7 @@ fn chain_on_one_device(
             match layer.forward(input.take(), &x).unwrap() {
                 StageOutput::Activation(y) => input = Some(y),
                 StageOutput::Loss(l) => loss = Some(l),
+                StageOutput::ActivationAndLoss(..) => unreachable!("no layer adds a loss"),
             }
         }
         let grads = GradientsParams::from_grads(loss.unwrap().backward(), &chain);

@@ -21,7 +21,9 @@ use burn::tensor::IndexingUpdateOp;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_comm::Communicator;
-use burn_comm::parallel::{CommBackend, SplitSizes, all_to_all_split};
+use burn_comm::parallel::{
+    CommBackend, SplitSizes, all_to_all_split, copy_to_parallel_region, reduce_from_parallel_region,
+};
 
 use crate::MoeError;
 
@@ -38,11 +40,14 @@ pub enum Dispatch {
 }
 
 /// The experts of a layer and the ranks they are split over (the expert-parallel group, each
-/// rank holding `experts / size` consecutive experts), or all of them on this rank.
+/// rank holding `experts / size` consecutive experts), or all of them on this rank; and,
+/// optionally, the ranks each expert's linears are split over (Megatron's expert tensor
+/// parallelism).
 #[derive(Debug, Clone)]
 pub struct ExpertParallel {
     comm: Option<Communicator>,
     experts: usize,
+    tensor_parallel: Option<Communicator>,
 }
 
 impl ExpertParallel {
@@ -54,7 +59,46 @@ impl ExpertParallel {
                 "{experts} experts cannot be split evenly over {size} expert-parallel ranks; use an expert count that is a positive multiple of {size}"
             )));
         }
-        Ok(Self { comm, experts })
+        Ok(Self {
+            comm,
+            experts,
+            tensor_parallel: None,
+        })
+    }
+
+    /// All `experts` on this rank, unsplit.
+    pub fn unsplit(experts: usize) -> Self {
+        Self {
+            comm: None,
+            experts,
+            tensor_parallel: None,
+        }
+    }
+
+    /// Splits each expert's linears over `tp` as Megatron splits an MLP: gate and up by
+    /// columns, down by rows. Every rank of `tp` must hold the same tokens (tensor parallelism
+    /// without sequence parallelism), so they route alike and exchange the same rows with
+    /// their own expert-parallel peers; the rows enter the experts through Megatron's `f`
+    /// (identity forward, gradient summed over `tp` backward) and their outputs leave through
+    /// `g` (summed forward), once for all the local experts.
+    pub fn with_tensor_parallel(mut self, tp: Option<Communicator>) -> Self {
+        self.tensor_parallel = tp.filter(|tp| tp.size() > 1);
+        self
+    }
+
+    /// The ranks each expert's linears are split over, if they are.
+    pub fn tensor_parallel(&self) -> Option<&Communicator> {
+        self.tensor_parallel.as_ref()
+    }
+
+    /// Ranks each expert's linears are split over (1 when whole).
+    pub fn tensor_parallel_size(&self) -> usize {
+        self.tensor_parallel.as_ref().map_or(1, Communicator::size)
+    }
+
+    /// This rank's index among the ranks splitting each expert's linears.
+    pub fn tensor_parallel_rank(&self) -> usize {
+        self.tensor_parallel.as_ref().map_or(0, Communicator::rank)
     }
 
     /// Experts in the layer.
@@ -111,7 +155,10 @@ pub struct DispatchStats {
 /// `x` `[tokens, hidden]` through the experts `routing` chose: every kept copy of a token goes
 /// to its expert's rank, where `expert(j, rows)` runs local expert `j` (index into
 /// [`ExpertParallel::local_experts`]) on all the rows it received, `[rows, hidden]` to
-/// `[rows, hidden]`; the outputs come back, are multiplied by their routing weights and summed
+/// `[rows, hidden]` (every local expert, even on no rows: burn's autodiff loses an empty
+/// output's gradient on its way back, so a caller that needs every expert's weights to get
+/// one ties those outputs into its loss, as [`crate::Moe`] does; with expert tensor
+/// parallelism, its partial product from this rank's slice); the outputs come back, are multiplied by their routing weights and summed
 /// per token: `[tokens, hidden]`. With `capacity`, each expert keeps at most that many copies of
 /// this rank's tokens. Every rank of the expert-parallel group calls it, with the same `hidden`
 /// (and, padded, the same `capacity`: the size of every part); sizes that disagree fail on the
@@ -178,7 +225,15 @@ pub fn dispatch_combine<B: CommBackend>(
     };
     // 3. To the experts' ranks, through them, and back.
     let received = exchange(sent, &sizes, ep)?;
+    let received = match ep.tensor_parallel() {
+        Some(tp) => copy_to_parallel_region(received, tp)?,
+        None => received,
+    };
     let outputs = run_experts(received, &rows, padded_capacity, ep, &ids, &mut expert)?;
+    let outputs = match ep.tensor_parallel() {
+        Some(tp) => reduce_from_parallel_region(outputs, tp)?,
+        None => outputs,
+    };
     let back = exchange(outputs, &sizes.reversed(), ep)?;
     let back = match &slots {
         None => back,
@@ -216,8 +271,9 @@ fn exchange<B: CommBackend>(
     }
 }
 
-/// Runs each local expert on all the rows it received, and puts the outputs back in the
-/// order they came in (by source rank, then expert; padded: every block `capacity` rows).
+/// Runs each local expert on all the rows it received (none too), and puts the outputs back
+/// in the order they came in (by source rank, then expert; padded: every block `capacity`
+/// rows).
 fn run_experts<B: Backend>(
     received: Tensor<B, 2>,
     rows: &ReceivedRows,
@@ -243,9 +299,6 @@ fn run_experts<B: Backend>(
     let mut order = Vec::new();
     for j in 0..local {
         let at: Vec<usize> = (0..ep.size()).flat_map(|s| block(s, j)).collect();
-        if at.is_empty() {
-            continue;
-        }
         let output = expert(j, received.clone().select(0, ids(&at)))?;
         if output.dims() != [at.len(), hidden] {
             return Err(MoeError::Config(format!(
@@ -262,8 +315,9 @@ fn run_experts<B: Backend>(
         total,
         "every row received belongs to one local expert"
     );
-    if outputs.is_empty() {
-        // Nothing came: nothing goes back.
+    if total == 0 {
+        // Nothing came, nothing goes back: the received (empty) rows themselves, which keep
+        // the exchanges in this rank's graph (burn's autodiff drops an empty `cat`).
         return Ok(received);
     }
     // Row `order[i]` of the received is row `i` of the outputs: put them back in place.

@@ -246,6 +246,10 @@ type LayerRun = (
     [Tensor<Inner, 3>; 3],
 );
 
+/// The layer at `ep` expert-parallel ranks, each expert split over `etp` ranks (each group
+/// of `etp` neighbours holding the same tokens), against one device: every rank's output and
+/// input gradient, the mean of the balancing and z losses, the router's gradient summed over
+/// the ranks of distinct tokens, and each rank's slice of its experts' gradients.
 #[test]
 fn a_moe_layer_split_over_expert_parallel_ranks_matches_one_device() {
     let (tokens, intermediate) = (10, 12);
@@ -259,22 +263,52 @@ fn a_moe_layer_split_over_expert_parallel_ranks_matches_one_device() {
             random([EXPERTS, intermediate, HIDDEN], 4),
         ],
     );
-    // Each rank's tokens (expert parallelism is data-parallel for them), and their whole.
+    // Each expert-parallel rank's tokens (expert parallelism is data-parallel for them), and
+    // their whole.
     let x = |rank: usize| random([tokens, HIDDEN], 20 + rank as u64);
     let r = |rank: usize| random([tokens, HIDDEN], 40 + rank as u64);
-    let layer =
-        |ctx: &burn_comm::RankContext, ep: usize, x: Tensor<Inner, 2>, r: Tensor<Inner, 2>| {
-            let (router, experts) = full.clone();
-            let experts = experts.map(Tensor::<B, 3>::from_inner);
-            let moe = Moe::from_full(Tensor::from_inner(router), experts, config, group(ctx, ep))?;
-            let leaf = Tensor::<B, 2>::from_inner(x).require_grad();
-            let batch = (ep > 1).then(|| ctx.world().clone());
-            let out = moe.forward(leaf.clone(), batch.as_ref())?;
-            // The whole batch's loss is the sum of the ranks' outputs' and the mean of their
-            // balancing losses.
-            let share = 1.0 / ctx.world_size() as f64;
-            let loss = (out.output.clone() * Tensor::from_inner(r)).sum()
-                + (out.aux_loss.clone() + out.z_loss.clone()) * share;
+    let layer = |ctx: &burn_comm::RankContext, ep: usize, etp: usize| {
+        let world = ctx.world();
+        let (e, t) = (ctx.rank() / etp, ctx.rank() % etp);
+        let ep_comm = (ep > 1).then(|| world.split("ep", t)).transpose()?;
+        let etp_comm = (etp > 1).then(|| world.split("etp", e)).transpose()?;
+        let split = ExpertParallel::new(EXPERTS, ep_comm.clone())?.with_tensor_parallel(etp_comm);
+        let (router, experts) = full.clone();
+        let experts = experts.map(Tensor::<B, 3>::from_inner);
+        let moe = Moe::from_full(Tensor::from_inner(router), experts, config, split)?;
+        let leaf = Tensor::<B, 2>::from_inner(x(e)).require_grad();
+        let out = moe.forward(leaf.clone(), ep_comm.as_ref())?;
+        // The whole batch's loss is the sum of the ranks' outputs' and the mean of their
+        // balancing losses.
+        let share = 1.0 / ep as f64;
+        let loss = (out.output.clone() * Tensor::from_inner(r(e))).sum()
+            + (out.aux_loss.clone() + out.z_loss.clone()) * share;
+        let grads = loss.backward();
+        let grad = |p: &burn::module::Param<Tensor<B, 3>>| p.val().grad(&grads).unwrap();
+        Ok::<LayerRun, MoeError>((
+            out.output.inner(),
+            out.aux_loss.into_scalar(),
+            out.z_loss.into_scalar(),
+            leaf.grad(&grads).unwrap(),
+            moe.router.val().grad(&grads).unwrap(),
+            [grad(&moe.gate), grad(&moe.up), grad(&moe.down)],
+        ))
+    };
+    for (ep, etp) in [(2, 1), (4, 1), (1, 2), (2, 2)] {
+        let whole_x = Tensor::cat((0..ep).map(x).collect(), 0);
+        let whole_r = Tensor::cat((0..ep).map(r).collect(), 0);
+        let one = launch(1, |ctx| {
+            let moe = Moe::from_full(
+                Tensor::<B, 2>::from_inner(full.0.clone()),
+                full.1.clone().map(Tensor::from_inner),
+                config,
+                group(&ctx, 1),
+            )?;
+            let leaf = Tensor::<B, 2>::from_inner(whole_x.clone()).require_grad();
+            let out = moe.forward(leaf.clone(), None)?;
+            let loss = (out.output.clone() * Tensor::from_inner(whole_r.clone())).sum()
+                + out.aux_loss.clone()
+                + out.z_loss.clone();
             let grads = loss.backward();
             let grad = |p: &burn::module::Param<Tensor<B, 3>>| p.val().grad(&grads).unwrap();
             Ok::<LayerRun, MoeError>((
@@ -285,20 +319,18 @@ fn a_moe_layer_split_over_expert_parallel_ranks_matches_one_device() {
                 moe.router.val().grad(&grads).unwrap(),
                 [grad(&moe.gate), grad(&moe.up), grad(&moe.down)],
             ))
-        };
-    for ep in [2, 4] {
-        let whole_x = Tensor::cat((0..ep).map(x).collect(), 0);
-        let whole_r = Tensor::cat((0..ep).map(r).collect(), 0);
-        let one = launch(1, |ctx| layer(&ctx, 1, whole_x.clone(), whole_r.clone()))
-            .remove(0)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let split: Vec<LayerRun> = launch(ep, |ctx| layer(&ctx, ep, x(ctx.rank()), r(ctx.rank())))
+        })
+        .remove(0)
+        .unwrap_or_else(|e| panic!("{e}"));
+        let split: Vec<LayerRun> = launch(ep * etp, |ctx| layer(&ctx, ep, etp))
             .into_iter()
             .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
             .collect();
-        let rows = |t: &Tensor<Inner, 2>, rank: usize| t.clone().narrow(0, rank * tokens, tokens);
-        let mean = |f: fn(&LayerRun) -> f32| split.iter().map(f).sum::<f32>() / ep as f32;
-        let what = format!("ep {ep}");
+        // The first of each group of ranks holding the same tokens.
+        let distinct: Vec<&LayerRun> = split.iter().step_by(etp).collect();
+        let rows = |t: &Tensor<Inner, 2>, e: usize| t.clone().narrow(0, e * tokens, tokens);
+        let mean = |f: fn(&LayerRun) -> f32| distinct.iter().map(|s| f(s)).sum::<f32>() / ep as f32;
+        let what = format!("ep {ep} x etp {etp}");
         assert!(
             (mean(|s| s.1) - one.1).abs() <= 1e-5 * one.1.abs(),
             "{what}: aux loss"
@@ -307,33 +339,64 @@ fn a_moe_layer_split_over_expert_parallel_ranks_matches_one_device() {
             (mean(|s| s.2) - one.2).abs() <= 1e-5 * one.2.abs(),
             "{what}: z-loss"
         );
-        let router: Tensor<Inner, 2> = split
+        let router: Tensor<Inner, 2> = distinct
             .iter()
             .map(|s| s.4.clone())
             .reduce(|a, b| a + b)
             .unwrap();
         assert_close(&router, &one.4, &format!("{what}: router gradient"));
+        let (local, slice) = (EXPERTS / ep, intermediate / etp);
         for (rank, s) in split.iter().enumerate() {
-            assert_close(
-                &s.0,
-                &rows(&one.0, rank),
-                &format!("{what}: output of rank {rank}"),
-            );
-            assert_close(
-                &s.3,
-                &rows(&one.3, rank),
-                &format!("{what}: input gradient of rank {rank}"),
-            );
-            let local = EXPERTS / ep;
-            for (i, name) in ["gate", "up", "down"].iter().enumerate() {
-                let want = one.5[i].clone().narrow(0, rank * local, local);
-                assert_close(
-                    &s.5[i],
-                    &want,
-                    &format!("{what}: {name} gradient of rank {rank}"),
-                );
+            let (e, t) = (rank / etp, rank % etp);
+            let what = format!("{what}, rank {rank}");
+            assert_close(&s.0, &rows(&one.0, e), &format!("{what}: output"));
+            assert_close(&s.3, &rows(&one.3, e), &format!("{what}: input gradient"));
+            for (i, (name, dim)) in [("gate", 2), ("up", 2), ("down", 1)]
+                .into_iter()
+                .enumerate()
+            {
+                let want =
+                    one.5[i]
+                        .clone()
+                        .narrow(0, e * local, local)
+                        .narrow(dim, t * slice, slice);
+                assert_close(&s.5[i], &want, &format!("{what}: {name} gradient"));
             }
         }
+    }
+}
+
+/// Experts that receive no rows still run (on none), tied into the balancing loss, so their
+/// weights get a gradient, zero: a data-parallel reduction never misses it.
+#[test]
+fn experts_without_rows_get_zero_gradients() {
+    let moe = Moe::from_full(
+        Tensor::<B, 2>::from_inner(random([HIDDEN, EXPERTS], 1)),
+        [
+            random([EXPERTS, HIDDEN, 4], 2),
+            random([EXPERTS, HIDDEN, 4], 3),
+            random([EXPERTS, 4, HIDDEN], 4),
+        ]
+        .map(Tensor::from_inner),
+        RouterConfig::new(EXPERTS, 2),
+        ExpertParallel::unsplit(EXPERTS),
+    )
+    .unwrap();
+    let out = moe
+        .forward(
+            Tensor::<B, 2>::zeros([0, HIDDEN], &Default::default()),
+            None,
+        )
+        .unwrap();
+    assert_eq!(out.output.dims(), [0, HIDDEN]);
+    let grads = (out.output.sum() + out.aux_loss + out.z_loss).backward();
+    for (name, weight) in [("gate", &moe.gate), ("up", &moe.up), ("down", &moe.down)] {
+        let grad = weight
+            .val()
+            .grad(&grads)
+            .unwrap_or_else(|| panic!("{name}: no gradient"));
+        assert_eq!(grad.dims(), weight.dims());
+        assert_eq!(grad.abs().max().into_scalar(), 0.0, "{name}");
     }
 }
 

@@ -281,6 +281,7 @@ fn run_processes(name: &str, ranks: usize) -> Vec<StepMetrics> {
                 skipped: false,
                 grad_norm: None,
                 checkpoint_s: None,
+                moe: None,
             }
         })
         .collect()

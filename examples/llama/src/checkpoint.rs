@@ -17,14 +17,13 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_checkpoint::{Checkpoint, Region, Shard};
 use burn_ddp::params::{ParamVisitor, visit_params};
-use burn_tensor_parallel::TensorParallel;
 use burn_zero::{LossScaleState, ParamRange, ShardState};
 use serde_json::{Value, json};
 
 use crate::hf;
 use crate::hf_config::{hf_config, parse_hf_config};
 use crate::model::Llama;
-use crate::parallel_plan::{ParallelPlan, whole_path};
+use crate::parallel_plan::{ParallelPlan, Slices, whole_path};
 use crate::train::{TrainConfig, TrainError};
 use crate::weights::{Block, Loaded, ParamSource, Weights};
 
@@ -56,10 +55,11 @@ fn moment_name(which: u8, path: &str) -> String {
 
 /// The box of `block` in its parameter.
 fn region(block: &Block<'_>) -> Region {
-    match &block.split {
-        None => Region::whole(block.whole),
-        Some((dim, range)) => Region::block(block.whole, *dim, range.clone()),
-    }
+    let dims = 0..block.whole.len();
+    Region::new(
+        dims.clone().map(|d| block.range(d).start).collect(),
+        dims.map(|d| block.range(d).len()).collect(),
+    )
 }
 
 /// A rank's part of the training state, as an engine hands it in.
@@ -215,7 +215,7 @@ impl ParamSource for Resumed {
 pub(crate) struct Held<'a> {
     plan: &'a ParallelPlan,
     first_layers: Vec<usize>,
-    tp: Option<&'a TensorParallel>,
+    at: Slices<'a>,
     indexed: bool,
 }
 
@@ -228,21 +228,17 @@ impl<'a> Held<'a> {
         Self {
             plan,
             first_layers: vec![model.part().layers.start],
-            tp: model.part().tp.as_ref(),
+            at: model.part().slices(),
             indexed: false,
         }
     }
 
     /// The parameters of parts starting at `first_layers`, paths led by the part's index.
-    pub(crate) fn parts(
-        plan: &'a ParallelPlan,
-        first_layers: Vec<usize>,
-        tp: Option<&'a TensorParallel>,
-    ) -> Self {
+    pub(crate) fn parts(plan: &'a ParallelPlan, first_layers: Vec<usize>, at: Slices<'a>) -> Self {
         Self {
             plan,
             first_layers,
-            tp,
+            at,
             indexed: true,
         }
     }
@@ -277,17 +273,17 @@ impl<'a> Held<'a> {
                 "`{path}` names part {part}, which this rank does not hold"
             ))
         })?;
-        held_block(self.plan, local, *first, self.tp)
+        held_block(self.plan, local, *first, self.at)
     }
 }
 
-/// The parameter at `local` in a part whose blocks start at `first_layer`, held over `tp`: its
+/// The parameter at `local` in a part whose blocks start at `first_layer`, held at `at`: its
 /// path in the whole model, its whole shape, and this rank's box of it.
 fn held_block(
     plan: &ParallelPlan,
     local: &str,
     first_layer: usize,
-    tp: Option<&TensorParallel>,
+    at: Slices<'_>,
 ) -> Result<(String, Vec<usize>, Region), TrainError> {
     let rule = plan.rule(local).ok_or_else(|| {
         TrainError::Config(format!(
@@ -295,7 +291,7 @@ fn held_block(
         ))
     })?;
     let path = whole_path(local, first_layer);
-    let split = rule.block_of(tp)?;
+    let split = rule.block_of(at)?;
     let block = Block {
         path: &path,
         whole: &rule.shape,

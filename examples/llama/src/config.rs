@@ -1,6 +1,7 @@
 //! Model shapes: the presets and the arithmetic that follows from them.
 
 use burn::config::Config;
+use burn_expert_parallel::RouterConfig;
 
 use crate::rope::{Rope, RopeScaling};
 
@@ -11,7 +12,7 @@ pub struct LlamaConfig {
     pub vocab_size: usize,
     /// Width of the residual stream.
     pub hidden_size: usize,
-    /// Width of the SwiGLU hidden layer.
+    /// Width of the SwiGLU hidden layer (of each expert's, in a mixture of experts).
     pub intermediate_size: usize,
     /// Transformer blocks.
     pub num_hidden_layers: usize,
@@ -38,18 +39,50 @@ pub struct LlamaConfig {
     /// Llama 3.2 1B and 3B do.
     #[config(default = false)]
     pub tie_word_embeddings: bool,
+    /// Experts in each block's mixture of experts, which replaces its MLP (Mixtral's name);
+    /// 0: a dense MLP.
+    #[config(default = 0)]
+    pub num_local_experts: usize,
+    /// Experts each token is routed to.
+    #[config(default = 2)]
+    pub num_experts_per_tok: usize,
+    /// Weight of the Switch/GShard load-balancing loss (per block).
+    #[config(default = 0.01)]
+    pub router_aux_loss_coef: f64,
+    /// Weight of the router z-loss (ST-MoE; per block); 0 turns it off.
+    #[config(default = 0.0)]
+    pub router_z_loss_coef: f64,
+    /// Each expert takes at most `factor * tokens * top-k / experts` copies of a rank's
+    /// tokens, dropping the rest (Megatron's capacity factor); none: dropless.
+    #[config(default = "None")]
+    pub expert_capacity_factor: Option<f64>,
 }
 
 /// The presets `--model` accepts.
-pub const PRESETS: [&str; 4] = ["tiny", "small", "llama-1b", "llama-7b"];
+pub const PRESETS: [&str; 6] = [
+    "tiny",
+    "small",
+    "tiny-moe",
+    "small-moe",
+    "llama-1b",
+    "llama-7b",
+];
 
 impl LlamaConfig {
-    /// A preset by name: `tiny` (~1M parameters, tests), `small` (~25M, CPU runs), `llama-1b`
-    /// (Llama 3.2 1B's shape) and `llama-7b` (Llama 2 7B's shape).
+    /// A preset by name: `tiny` (~1M parameters, tests), `small` (~25M, CPU runs), their
+    /// mixtures of experts `tiny-moe` and `small-moe` (8 experts, top-2, each a quarter of the
+    /// dense MLP, so a token uses half its MLP's weights), `llama-1b` (Llama 3.2 1B's shape)
+    /// and `llama-7b` (Llama 2 7B's shape).
     pub fn preset(name: &str) -> Option<Self> {
         let config = match name {
             "tiny" => Self::new(256, 128, 512, 4, 4, 2).with_max_position_embeddings(256),
             "small" => Self::new(256, 512, 1408, 8, 8, 4).with_max_position_embeddings(1024),
+            "tiny-moe" => Self::new(256, 128, 128, 4, 4, 2)
+                .with_max_position_embeddings(256)
+                .with_num_local_experts(8),
+            "small-moe" => Self::new(256, 512, 352, 8, 8, 4)
+                .with_max_position_embeddings(1024)
+                .with_num_local_experts(8),
             "llama-1b" => Self::new(128_256, 2048, 8192, 16, 32, 8)
                 .with_max_position_embeddings(131_072)
                 .with_rope_theta(500_000.0)
@@ -70,6 +103,35 @@ impl LlamaConfig {
     /// Width of one attention head.
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_attention_heads
+    }
+
+    /// Whether `other` is this model's shape, whatever its routers' training settings (their
+    /// losses' weights and capacity, which a run may change).
+    pub fn same_model(&self, other: &Self) -> bool {
+        let training = |c: &Self| {
+            c.clone()
+                .with_router_aux_loss_coef(0.0)
+                .with_router_z_loss_coef(0.0)
+                .with_expert_capacity_factor(None)
+        };
+        training(self) == training(other)
+    }
+
+    /// Whether each block's MLP is a mixture of experts.
+    pub fn is_moe(&self) -> bool {
+        self.num_local_experts > 0
+    }
+
+    /// The router of each block's mixture of experts.
+    pub fn router(&self) -> RouterConfig {
+        RouterConfig {
+            experts: self.num_local_experts,
+            top_k: self.num_experts_per_tok,
+            aux_loss_coeff: self.router_aux_loss_coef,
+            z_loss_coeff: self.router_z_loss_coef,
+            capacity_factor: self.expert_capacity_factor,
+            normalize_top_k: true,
+        }
     }
 
     /// The rotary settings.
@@ -120,16 +182,39 @@ impl LlamaConfig {
                 self.initializer_range
             ));
         }
+        if self.is_moe() {
+            self.router().validate().map_err(|e| {
+                format!(
+                    "num_local_experts {}, num_experts_per_tok {}: {e}",
+                    self.num_local_experts, self.num_experts_per_tok
+                )
+            })?;
+        }
         self.rope_scaling.validate()
     }
 
     /// Parameters of the model: embedding, blocks, final norm and head (none of its own when
     /// tied).
     pub fn num_params(&self) -> usize {
+        self.params_using(self.num_local_experts)
+    }
+
+    /// Parameters a token's forward uses: [`num_params`](Self::num_params) with only its
+    /// `num_experts_per_tok` experts of each block (and the router).
+    pub fn num_active_params(&self) -> usize {
+        self.params_using(self.num_experts_per_tok.min(self.num_local_experts))
+    }
+
+    /// The parameter count with `experts` experts per block (the router's counted whole).
+    fn params_using(&self, experts: usize) -> usize {
         let (v, h, f) = (self.vocab_size, self.hidden_size, self.intermediate_size);
         let kv = self.num_key_value_heads * self.head_dim();
         let attention = 2 * h * h + 2 * h * kv;
-        let block = attention + 3 * h * f + 2 * h;
+        let mlp = match self.is_moe() {
+            false => 3 * h * f,
+            true => h * self.num_local_experts + experts * 3 * h * f,
+        };
+        let block = attention + mlp + 2 * h;
         let head = if self.tie_word_embeddings { 0 } else { v * h };
         v * h + head + self.num_hidden_layers * block + h
     }
@@ -159,5 +244,29 @@ mod tests {
         for name in PRESETS {
             LlamaConfig::preset(name).unwrap().validate().unwrap();
         }
+        // 8 experts of a quarter of the dense MLP, 2 per token: half its MLP weights active.
+        for (dense, moe) in [("tiny", "tiny-moe"), ("small", "small-moe")] {
+            let (dense, moe) = (
+                LlamaConfig::preset(dense).unwrap(),
+                LlamaConfig::preset(moe).unwrap(),
+            );
+            let (h, layers) = (moe.hidden_size, moe.num_hidden_layers);
+            let dense_mlp = 3 * h * dense.intermediate_size * layers;
+            let router = h * 8 * layers;
+            assert_eq!(moe.num_params(), dense.num_params() + dense_mlp + router);
+            assert_eq!(
+                moe.num_active_params(),
+                dense.num_params() - dense_mlp / 2 + router
+            );
+        }
+    }
+
+    #[test]
+    fn a_router_that_cannot_work_is_refused() {
+        let bad = LlamaConfig::preset("tiny-moe")
+            .unwrap()
+            .with_num_experts_per_tok(9);
+        let error = bad.validate().unwrap_err();
+        assert!(error.contains("top-9 of 8 experts"), "{error}");
     }
 }

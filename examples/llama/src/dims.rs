@@ -1,22 +1,30 @@
 //! The parallel dimensions of a run and the one place that builds its device mesh and groups.
 
 use burn_comm::{Communicator, DeviceMesh};
+use burn_expert_parallel::ExpertParallel;
 use burn_tensor_parallel::{ContextParallel, TensorParallel};
 
 use burn_zero::ZeroStage;
 
 use crate::engine::CHECKPOINTED_LAYOUTS;
-use crate::parallel_plan::check_split;
+use crate::experts::{MoeRecord, PartExperts};
+use crate::model::Llama;
+use crate::parallel_plan::{Slices, check_split};
 use crate::pipeline::Balance;
 use crate::train::{Strategy, TrainConfig, TrainError};
 
-/// How many ranks each parallel dimension has. Ranks are laid out `dp x pp x cp x tp`, tp
-/// fastest: the tensor-parallel peers are neighbours, then the context-parallel ones, then the
-/// stages of a pipeline.
+/// How many ranks each parallel dimension has. Ranks are laid out `dp x ep x pp x cp x tp`,
+/// tp fastest: the tensor-parallel peers are neighbours, then the context-parallel ones, then
+/// the stages of a pipeline, then the expert-parallel ranks, which are data-parallel too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParallelDims {
-    /// Data-parallel replicas.
+    /// Data-parallel replicas of each expert: with expert parallelism, `dp x ep` ranks read
+    /// their own samples (Megatron's data-parallel size), `dp` of them holding each expert
+    /// (its expert-data-parallel size).
     pub dp: usize,
+    /// Expert-parallel ranks: each holds `experts / ep` of every mixture of experts' experts
+    /// and reads its own samples, whose tokens travel to their experts' ranks and back.
+    pub ep: usize,
     /// Pipeline stages per replica.
     pub pp: usize,
     /// Context-parallel ranks per stage: each holds a part of every sequence.
@@ -30,10 +38,16 @@ impl ParallelDims {
     pub fn of(config: &TrainConfig) -> Self {
         Self {
             dp: config.dp,
+            ep: config.ep,
             pp: config.pp,
             cp: config.cp,
             tp: config.tp,
         }
+    }
+
+    /// Ranks each reading their own samples: `dp x ep`.
+    pub fn data_ranks(&self) -> usize {
+        self.dp * self.ep
     }
 
     /// Refuses, with a sentence saying what to change, a layout that `config` cannot run:
@@ -134,12 +148,16 @@ impl ParallelDims {
             ));
         }
         if config.max_grad_norm.is_some()
-            && (self.tp > 1 || self.pp > 1 || config.strategy == Strategy::ParameterServer)
+            && (self.tp > 1
+                || self.pp > 1
+                || self.ep > 1
+                || config.strategy == Strategy::ParameterServer)
         {
             return Err(TrainError::Config(
-                "--clip-grad-norm needs the whole gradient's norm on every rank, which this run only has with one device, DDP or ZeRO; drop --tp, --pp or the parameter server to clip".into(),
+                "--clip-grad-norm needs the whole gradient's norm on every rank, which this run only has with one device, DDP or ZeRO; drop --tp, --pp, --ep or the parameter server to clip".into(),
             ));
         }
+        self.validate_experts(config)?;
         if config.zero_config.offload && config.zero == ZeroStage::Replicated {
             return Err(TrainError::Config(
                 "--offload moves ZeRO's sharded optimizer state to host memory; add --zero 1, 2 or 3"
@@ -149,22 +167,66 @@ impl ParallelDims {
         Ok(())
     }
 
+    /// Refuses what a mixture of experts or expert parallelism cannot run with.
+    fn validate_experts(&self, config: &TrainConfig) -> Result<(), TrainError> {
+        let model = &config.model;
+        if model.is_moe() && config.sequence_parallel {
+            return Err(TrainError::Config(
+                "--sp splits a block's tokens over the tensor-parallel ranks, but their mixture of experts splits each expert over them, which needs every rank to hold the same tokens; drop --sp (tensor parallelism without it splits the experts)".into(),
+            ));
+        }
+        if self.ep == 1 {
+            return Ok(());
+        }
+        if !model.is_moe() {
+            return Err(TrainError::Config(format!(
+                "--ep {} splits a mixture of experts' experts over ranks, but this model has none; use --model tiny-moe or small-moe (or a config with num_local_experts)",
+                self.ep
+            )));
+        }
+        let experts = model.num_local_experts;
+        if !experts.is_multiple_of(self.ep) {
+            return Err(TrainError::Config(format!(
+                "--ep {} does not divide the {experts} experts of each block; choose --ep among {}",
+                self.ep,
+                burn_tensor_parallel::group::divisors(experts)
+            )));
+        }
+        if config.strategy != Strategy::Ddp {
+            return Err(TrainError::Config(
+                "--ep makes every expert-parallel rank read its own samples, as data parallelism does; use --strategy ddp (the default with --ep)".into(),
+            ));
+        }
+        if config.zero != ZeroStage::Replicated {
+            return Err(TrainError::Config(format!(
+                "--zero {} shards the model state over one data-parallel group, but under --ep each expert is held by its dp ranks only; drop --zero (ZeRO with expert parallelism is not built yet)",
+                config.zero.number()
+            )));
+        }
+        Ok(())
+    }
+
     /// Ranks in all.
     pub fn ranks(&self) -> usize {
-        self.dp * self.pp * self.cp * self.tp
+        self.dp * self.ep * self.pp * self.cp * self.tp
     }
 
-    /// The layout's name for messages: `dp 2 x pp 2 x tp 2`, with `x cp N` before tp when the
-    /// sequences are split.
+    /// The layout's name for messages: `dp 2 x pp 2 x tp 2`, with `x ep N` after dp when the
+    /// experts are split and `x cp N` before tp when the sequences are.
     pub fn describe(&self) -> String {
-        match self.cp {
-            1 => format!("dp {} x pp {} x tp {}", self.dp, self.pp, self.tp),
-            cp => format!("dp {} x pp {} x cp {cp} x tp {}", self.dp, self.pp, self.tp),
+        let mut name = format!("dp {}", self.dp);
+        if self.ep > 1 {
+            name += &format!(" x ep {}", self.ep);
         }
+        name += &format!(" x pp {}", self.pp);
+        if self.cp > 1 {
+            name += &format!(" x cp {}", self.cp);
+        }
+        name + &format!(" x tp {}", self.tp)
     }
 
-    /// Whether `rank` holds the first copy of its stages: the first replica's, and the first of
-    /// its context- and tensor-parallel peers.
+    /// Whether `rank` holds the first copy of its stages: the first replica's (and expert
+    /// group's), and the first of its context- and tensor-parallel peers.
     pub fn is_first_copy(&self, rank: usize) -> bool {
         let in_stage = self.cp * self.tp;
         rank.is_multiple_of(in_stage) && rank < self.pp * in_stage
@@ -176,6 +238,7 @@ impl ParallelDims {
         // too); the others have one rank, so leaving them out keeps every rank's place.
         let wanted = [
             ("dp", self.dp, config.strategy != Strategy::Single),
+            ("ep", self.ep, self.ep > 1),
             ("pp", self.pp, self.pp > 1),
             ("cp", self.cp, self.cp > 1),
             ("tp", self.tp, self.tp > 1),
@@ -197,25 +260,41 @@ impl ParallelDims {
                 _ => Ok(None),
             }
         };
-        let dp = group("dp")?;
-        // The ranks holding the same weights: the same stage and tensor-parallel slice.
-        let replicas = match self.cp {
-            1 => dp.clone(),
-            cp => {
-                let rank = world.rank();
-                let stage = rank / (cp * self.tp) % self.pp;
-                Some(world.split("dp x cp", stage * self.tp + rank % self.tp)?)
-            }
+        let rank = world.rank();
+        let (cp, tp) = (self.cp, self.tp);
+        let stage = rank / (cp * tp) % self.pp;
+        let expert_rank = rank / (self.pp * cp * tp) % self.ep;
+        // The ranks reading their own samples: every dp and ep index of this place in a replica.
+        let dp = match self.ep {
+            1 => group("dp")?,
+            _ => Some(world.split("dp x ep", rank % (self.pp * cp * tp))?),
+        };
+        // The ranks holding the same weights: the same stage and tensor-parallel slice (the same
+        // dense weights, under expert parallelism).
+        let replicas = match (self.ep, cp) {
+            (1, 1) => dp.clone(),
+            (1, _) => Some(world.split("dp x cp", stage * tp + rank % tp)?),
+            _ => Some(world.split("dp x ep x cp", stage * tp + rank % tp)?),
+        };
+        // The ranks holding the same experts: the same expert-parallel index too.
+        let expert_replicas = match (self.ep, cp) {
+            (1, _) => None,
+            (_, 1) => group("dp")?,
+            _ => Some(world.split("dp x cp", (expert_rank * self.pp + stage) * tp + rank % tp)?),
         };
         // The ranks computing one stage of one replica together, whose backwards run
-        // collectives over them.
-        let stage_peers = match (self.cp, self.tp) {
-            (1, 1) => None,
-            (1, _) => group("tp")?,
-            (_, 1) => group("cp")?,
-            (cp, tp) => Some(world.split("cp x tp", world.rank() / (cp * tp))?),
+        // collectives over them (the experts' exchanges too).
+        let stage_peers = match (self.ep, cp, tp) {
+            (1, 1, 1) => None,
+            (1, 1, _) => group("tp")?,
+            (1, _, 1) => group("cp")?,
+            (1, cp, tp) => Some(world.split("cp x tp", rank / (cp * tp))?),
+            (ep, cp, tp) => {
+                let data_index = rank / (ep * self.pp * cp * tp);
+                Some(world.split("ep x cp x tp", data_index * self.pp + stage)?)
+            }
         };
-        Ok(Groups {
+        let groups = Groups {
             world: Some(world.clone()),
             dp,
             replicas,
@@ -223,7 +302,11 @@ impl ParallelDims {
             pp: group("pp")?,
             cp: group("cp")?.map(|cp| config.context_parallel(cp)),
             tp: group("tp")?.map(|tp| config.tensor_parallel(&tp)),
-        })
+            ep: group("ep")?,
+            expert_replicas,
+            experts: None,
+        };
+        groups.with_experts(config)
     }
 }
 
@@ -249,9 +332,50 @@ pub struct Groups {
     pub stage_peers: Option<Communicator>,
     /// The ranks splitting this rank's weights.
     pub tp: Option<TensorParallel>,
+    /// The ranks splitting every mixture of experts' experts; each reads its own samples.
+    pub ep: Option<Communicator>,
+    /// Every rank holding this rank's experts, which average their gradients (the ranks of
+    /// `replicas` with this rank's expert-parallel index: Megatron's expert-data-parallel
+    /// group).
+    pub expert_replicas: Option<Communicator>,
+    /// How this rank's mixtures of experts are split and where they note their figures; none
+    /// for a dense model.
+    pub experts: Option<PartExperts>,
 }
 
 impl Groups {
+    /// These groups with their mixtures of experts' split (over `ep`, each expert over `tp`)
+    /// when `config`'s model has experts.
+    pub fn with_experts(mut self, config: &TrainConfig) -> Result<Self, TrainError> {
+        if !config.model.is_moe() {
+            return Ok(self);
+        }
+        let ep = ExpertParallel::new(config.model.num_local_experts, self.ep.clone())
+            .map_err(|e| TrainError::Config(e.to_string()))?
+            .with_tensor_parallel(self.tp.as_ref().map(|tp| tp.comm().clone()));
+        self.experts = Some(PartExperts {
+            ep,
+            batch: self.replicas.clone(),
+            record: MoeRecord::default(),
+        });
+        Ok(self)
+    }
+
+    /// Where this rank sits in the groups the plan splits parameters over.
+    pub fn slices(&self) -> Slices<'_> {
+        Slices {
+            tp: self.tp.as_ref(),
+            ep: self.experts.as_ref().map(|experts| &experts.ep),
+        }
+    }
+
+    /// `part` set up for this rank: computing on its share of each sequence, its mixtures of
+    /// experts split and noting their figures.
+    pub fn set_up<B: burn::tensor::backend::Backend>(&self, part: Llama<B>) -> Llama<B> {
+        part.with_cp(self.cp.clone())
+            .with_experts(self.experts.clone())
+    }
+
     /// Whether this is the first rank of every group.
     pub fn is_first(&self) -> bool {
         self.dp.as_ref().is_none_or(|dp| dp.rank() == 0)

@@ -19,7 +19,7 @@ use crate::hf_config::{hf_config, parse_hf_config};
 use crate::model::Llama;
 use crate::parallel_plan::parameters;
 use crate::safetensors_files::{self, Checkpoint};
-use crate::weights::{Block, Loaded, ParamSource, Weights};
+use crate::weights::{Block, Loaded, ParamSource, Weights, stack};
 
 /// File of the burn record inside a weights directory (the recorder adds `.mpk`).
 pub const RECORD: &str = "model";
@@ -29,9 +29,10 @@ pub const CONFIG: &str = "config.json";
 /// Every tensor of `model` (whole, or the part of it that it is, unsplit) under its Hugging
 /// Face name, in Hugging Face's layout, as f32.
 pub fn export<B: Backend>(model: &Llama<B>) -> Vec<(String, TensorData)> {
+    let split_experts = (model.part().experts.as_ref()).is_some_and(|e| e.ep.size() > 1);
     assert!(
-        model.part().tp.is_none(),
-        "a tensor-parallel part holds slices; gather it with its plan before exporting"
+        model.part().tp.is_none() && !split_experts,
+        "a tensor- or expert-parallel part holds slices; gather it with its plan before exporting"
     );
     let matrix = |p: &Param<Tensor<B, 2>>| p.val().transpose().into_data().convert::<f32>();
     let vector = |p: &Param<Tensor<B, 1>>| p.val().into_data().convert::<f32>();
@@ -58,10 +59,30 @@ pub fn export<B: Backend>(model: &Llama<B>) -> Vec<(String, TensorData)> {
                 name("post_attention_layernorm"),
                 vector(&layer.post_attention_layernorm.weight),
             ),
-            (name("mlp.gate_proj"), matrix(&layer.mlp.gate_proj)),
-            (name("mlp.up_proj"), matrix(&layer.mlp.up_proj)),
-            (name("mlp.down_proj"), matrix(&layer.mlp.down_proj)),
         ]);
+        if let Some(mlp) = &layer.mlp {
+            out.extend([
+                (name("mlp.gate_proj"), matrix(&mlp.gate_proj)),
+                (name("mlp.up_proj"), matrix(&mlp.up_proj)),
+                (name("mlp.down_proj"), matrix(&mlp.down_proj)),
+            ]);
+        }
+        if let Some(moe) = &layer.moe {
+            let path = |part: &str| format!("layers.{i}.moe.{part}");
+            out.push((self::name(&path("router")), matrix(&moe.router)));
+            for (which, experts) in [("gate", &moe.gate), ("up", &moe.up), ("down", &moe.down)] {
+                // Each expert's matrix, transposed as the others are.
+                let stacked = experts.val().swap_dims(1, 2);
+                for j in 0..stacked.dims()[0] {
+                    let [_, rows, columns] = stacked.dims();
+                    let one = stacked.clone().narrow(0, j, 1).reshape([rows, columns]);
+                    out.push((
+                        expert_name(&path(which), j),
+                        one.into_data().convert::<f32>(),
+                    ));
+                }
+            }
+        }
     }
     if let Some(norm) = &model.norm {
         out.push(("model.norm.weight".into(), vector(&norm.weight)));
@@ -74,8 +95,13 @@ pub fn export<B: Backend>(model: &Llama<B>) -> Vec<(String, TensorData)> {
 }
 
 /// The Hugging Face name of the parameter at `path` in the whole model (burn's visitors'
-/// path, such as `layers.5.mlp.up_proj`); `Llama::init` draws each matrix by this name.
+/// path, such as `layers.5.mlp.up_proj`); `Llama::init` draws each matrix by this name. A
+/// mixture of experts is named as Mixtral's: its router (`layers.5.moe.router`) is
+/// `block_sparse_moe.gate`; its stacked experts are one tensor per expert ([`expert_name`]).
 pub fn name(path: &str) -> String {
+    if let Some(block) = path.strip_suffix(".moe.router") {
+        return format!("model.{block}.block_sparse_moe.gate.weight");
+    }
     match path {
         "lm_head" => "lm_head.weight".into(),
         path if path.ends_with(".weight") => format!("model.{path}"),
@@ -83,10 +109,35 @@ pub fn name(path: &str) -> String {
     }
 }
 
+/// Mixtral's names of the experts' matrices stacked at `path` (`layers.5.moe.gate`, `up`,
+/// `down`): `w1`, `w3` and `w2` of each expert.
+const EXPERT_MATRICES: [(&str, &str); 3] = [("gate", "w1"), ("up", "w3"), ("down", "w2")];
+
+/// Whether the parameter at `path` holds a block's experts stacked, one matrix per expert.
+pub fn is_experts(path: &str) -> bool {
+    EXPERT_MATRICES.iter().any(|(which, _)| {
+        path.strip_suffix(which)
+            .is_some_and(|p| p.ends_with(".moe."))
+    })
+}
+
+/// The Hugging Face name of expert `expert`'s matrix in the stacked experts at `path` (see
+/// [`is_experts`]).
+pub fn expert_name(path: &str, expert: usize) -> String {
+    let (block, which) = path
+        .rsplit_once(".moe.")
+        .expect("a stacked experts' path names its block's moe");
+    let (_, w) = EXPERT_MATRICES
+        .iter()
+        .find(|(name, _)| *name == which)
+        .expect("gate, up or down");
+    format!("model.{block}.block_sparse_moe.experts.{expert}.{w}.weight")
+}
+
 /// Whether Hugging Face stores the parameter at `path`, of `rank` dimensions, transposed:
-/// every matrix but the embedding.
+/// every matrix but the embedding (each expert's matrix of stacked experts too).
 fn transposed(path: &str, rank: usize) -> bool {
-    rank == 2 && path != "embed_tokens"
+    (rank == 2 && path != "embed_tokens") || (rank == 3 && is_experts(path))
 }
 
 /// A Hugging Face checkpoint of a model shaped as a config, read a block at a time.
@@ -102,20 +153,17 @@ impl HfCheckpoint {
         let checkpoint = Checkpoint::open(dir)?;
         let mut unused: BTreeSet<&str> = checkpoint.names().into_iter().collect();
         for (path, shape) in parameters(config) {
-            let name = name(&path);
-            let mut want = shape;
-            if transposed(&path, want.len()) {
-                want.reverse();
+            for (name, want) in stored(&path, &shape) {
+                let have = checkpoint
+                    .shape(&name)
+                    .ok_or_else(|| format!("the checkpoint has no tensor `{name}`"))?;
+                if have != want.as_slice() {
+                    return Err(format!(
+                        "`{name}` has shape {have:?}, but the config asks for {want:?}"
+                    ));
+                }
+                unused.remove(name.as_str());
             }
-            let have = checkpoint
-                .shape(&name)
-                .ok_or_else(|| format!("the checkpoint has no tensor `{name}`"))?;
-            if have != want.as_slice() {
-                return Err(format!(
-                    "`{name}` has shape {have:?}, but the config asks for {want:?}"
-                ));
-            }
-            unused.remove(name.as_str());
         }
         if config.tie_word_embeddings && unused.remove("lm_head.weight") {
             check_tied_copy(&checkpoint)?;
@@ -137,22 +185,71 @@ impl HfCheckpoint {
     }
 }
 
+/// The tensors Hugging Face keeps the parameter at `path`, shaped `shape` in burn's layout, as:
+/// its name and stored shape, or, for stacked experts, each expert's.
+fn stored(path: &str, shape: &[usize]) -> Vec<(String, Vec<usize>)> {
+    let reversed = |shape: &[usize]| {
+        let mut shape = shape.to_vec();
+        if transposed(path, shape.len()) {
+            shape.reverse();
+        }
+        shape
+    };
+    match shape {
+        [experts, matrix @ ..] if is_experts(path) => (0..*experts)
+            .map(|j| (expert_name(path, j), reversed(matrix)))
+            .collect(),
+        _ => vec![(name(path), reversed(shape))],
+    }
+}
+
+impl HfCheckpoint {
+    /// The rows and columns `block` holds of the matrix `name`, whose last two dimensions are
+    /// the block's `matrix` and `matrix + 1` (stored transposed when `transposed`).
+    fn read_matrix(
+        &self,
+        name: &str,
+        block: &Block<'_>,
+        matrix: usize,
+        transposed: bool,
+    ) -> Result<TensorData, String> {
+        let split: Vec<(usize, std::ops::Range<usize>)> = block
+            .split
+            .iter()
+            .filter(|(dim, _)| *dim >= matrix)
+            .map(|(dim, range)| (dim - matrix, range.clone()))
+            .collect();
+        match split.as_slice() {
+            [] => self.checkpoint.read(name),
+            [(dim, range)] => {
+                let stored_dim = if transposed { 1 - dim } else { *dim };
+                self.checkpoint.read_block(name, stored_dim, range.clone())
+            }
+            _ => Err(format!(
+                "`{name}` would be read split along two dimensions; the plan splits a matrix along one"
+            )),
+        }
+    }
+}
+
 impl ParamSource for HfCheckpoint {
     fn block(&self, block: &Block<'_>) -> Result<Option<Loaded>, String> {
-        let name = name(block.path);
         let transposed = transposed(block.path, block.whole.len());
-        let data = match &block.split {
-            None => self.checkpoint.read(&name)?,
-            Some((dim, range)) => {
-                let stored_dim = if transposed { 1 - dim } else { *dim };
-                self.checkpoint
-                    .read_block(&name, stored_dim, range.clone())?
-            }
+        let data = if is_experts(block.path) {
+            let experts = block
+                .range(0)
+                .map(|j| {
+                    let matrix =
+                        self.read_matrix(&expert_name(block.path, j), block, 1, transposed);
+                    matrix.map(|m| m.convert::<f32>())
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            stack(experts)
+        } else {
+            self.read_matrix(&name(block.path), block, 0, transposed)?
+                .convert::<f32>()
         };
-        Ok(Some(Loaded {
-            data: data.convert::<f32>(),
-            transposed,
-        }))
+        Ok(Some(Loaded { data, transposed }))
     }
 }
 

@@ -29,9 +29,13 @@ pub fn hf_config(config: &LlamaConfig) -> Value {
         _ => Map::from_iter([("rope_type".to_string(), json!("default"))]),
     };
     rope_parameters.insert("rope_theta".into(), json!(config.rope_theta));
-    json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    let (architecture, model_type) = match config.is_moe() {
+        false => ("LlamaForCausalLM", "llama"),
+        true => ("MixtralForCausalLM", "mixtral"),
+    };
+    let mut json = json!({
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_act": "silu",
         "torch_dtype": "float32",
         "tie_word_embeddings": config.tie_word_embeddings,
@@ -50,19 +54,53 @@ pub fn hf_config(config: &LlamaConfig) -> Value {
         "rope_parameters": rope_parameters,
         "rms_norm_eps": config.rms_norm_eps,
         "initializer_range": config.initializer_range,
-    })
+    });
+    if config.is_moe() {
+        let fields = json.as_object_mut().expect("an object");
+        for (key, value) in [
+            ("num_local_experts", json!(config.num_local_experts)),
+            ("num_experts_per_tok", json!(config.num_experts_per_tok)),
+            ("router_aux_loss_coef", json!(config.router_aux_loss_coef)),
+            ("router_jitter_noise", json!(0.0)),
+            ("output_router_logits", json!(false)),
+            ("sliding_window", Value::Null),
+            // Training settings transformers does not read, kept for this trainer.
+            ("router_z_loss_coef", json!(config.router_z_loss_coef)),
+            (
+                "expert_capacity_factor",
+                json!(config.expert_capacity_factor),
+            ),
+        ] {
+            fields.insert(key.into(), value);
+        }
+    }
+    json
 }
 
 /// Reads the shape from a Hugging Face `config.json`, refusing what this model cannot express.
 pub fn parse_hf_config(json: &Value) -> Result<LlamaConfig, String> {
     let fields = json.as_object().ok_or("config.json is not a JSON object")?;
     let config = Fields(fields);
-    if let Some(kind) = config.string("model_type")?
-        && kind != "llama"
-    {
-        return Err(format!(
-            "config.json is for model_type `{kind}`; only `llama` loads"
-        ));
+    let moe = match config.string("model_type")? {
+        None | Some("llama") => false,
+        Some("mixtral") => true,
+        Some(kind) => {
+            return Err(format!(
+                "config.json is for model_type `{kind}`; `llama` and `mixtral` load"
+            ));
+        }
+    };
+    if moe {
+        config.refuse_unless(
+            "router_jitter_noise",
+            &json!(0.0),
+            "this trainer's router adds no noise",
+        )?;
+        if let Some(window) = config.optional_size("sliding_window")? {
+            return Err(format!(
+                "config.json sets sliding_window {window}; this model's attention sees every earlier token (set it to null)"
+            ));
+        }
     }
     for (key, want, why) in [
         (
@@ -116,6 +154,16 @@ pub fn parse_hf_config(json: &Value) -> Result<LlamaConfig, String> {
     .with_tie_word_embeddings(config.boolean("tie_word_embeddings")?.unwrap_or(false))
     .with_rms_norm_eps(config.float("rms_norm_eps")?.unwrap_or(1e-6))
     .with_initializer_range(config.float("initializer_range")?.unwrap_or(0.02));
+    let model = match moe {
+        false => model,
+        // transformers' Mixtral defaults where the file says nothing.
+        true => model
+            .with_num_local_experts(config.optional_size("num_local_experts")?.unwrap_or(8))
+            .with_num_experts_per_tok(config.optional_size("num_experts_per_tok")?.unwrap_or(2))
+            .with_router_aux_loss_coef(config.float("router_aux_loss_coef")?.unwrap_or(0.001))
+            .with_router_z_loss_coef(config.float("router_z_loss_coef")?.unwrap_or(0.0))
+            .with_expert_capacity_factor(config.float("expert_capacity_factor")?),
+    };
     // Before head_dim, which divides by the heads.
     model.validate().map_err(|e| format!("config.json: {e}"))?;
     if let Some(head_dim) = config

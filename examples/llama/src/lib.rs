@@ -11,6 +11,7 @@ pub mod config;
 pub mod data;
 pub mod dims;
 pub mod engine;
+pub mod experts;
 pub mod hf;
 pub mod hf_config;
 pub mod interrupt;

@@ -164,6 +164,24 @@ struct TrainArgs {
     /// Data-parallel ranks (threads of this process).
     #[arg(long, default_value_t = 1)]
     dp: usize,
+    /// Expert-parallel ranks (a model with experts, such as --model tiny-moe): each holds
+    /// experts / ep of every block's experts and reads its own samples, its tokens travelling
+    /// to their experts' ranks and back; the run uses dp x ep x pp x cp x tp threads, and each
+    /// expert's gradient is averaged over the dp ranks holding it.
+    #[arg(long, default_value_t = 1)]
+    ep: usize,
+    /// Weight of each block's load-balancing loss, for a model with experts (its config's
+    /// router_aux_loss_coef otherwise).
+    #[arg(long)]
+    moe_aux_coef: Option<f64>,
+    /// Weight of each block's router z-loss, for a model with experts (its config's otherwise).
+    #[arg(long)]
+    moe_z_coef: Option<f64>,
+    /// Each expert takes at most this factor times its even share of a rank's token copies,
+    /// dropping the rest (Megatron's capacity factor); its config's otherwise (the presets
+    /// drop nothing).
+    #[arg(long)]
+    moe_capacity_factor: Option<f64>,
     /// Tensor-parallel ranks per replica (Megatron: attention heads, MLP features and the
     /// vocabulary split); the run uses dp x tp threads.
     #[arg(long, default_value_t = 1)]
@@ -531,7 +549,7 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
     })?;
     if let Some(dir) = &args.init_from {
         let stored = hf::load_config(dir)?;
-        if args.model.is_some() && stored != model {
+        if args.model.is_some() && !stored.same_model(&model) {
             return Err(format!(
                 "{} holds another shape than --model {name}; drop --model to use the stored shape",
                 dir.display()
@@ -539,6 +557,28 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
             .into());
         }
         model = stored;
+    }
+    let router = [
+        ("--moe-aux-coef", args.moe_aux_coef),
+        ("--moe-z-coef", args.moe_z_coef),
+        ("--moe-capacity-factor", args.moe_capacity_factor),
+    ];
+    if let Some((flag, _)) = router.iter().find(|(_, v)| v.is_some())
+        && !model.is_moe()
+    {
+        return Err(format!(
+            "{flag} sets a mixture of experts' router, but this model has none; use --model tiny-moe or small-moe"
+        )
+        .into());
+    }
+    if let Some(coef) = args.moe_aux_coef {
+        model.router_aux_loss_coef = coef;
+    }
+    if let Some(coef) = args.moe_z_coef {
+        model.router_z_loss_coef = coef;
+    }
+    if let Some(factor) = args.moe_capacity_factor {
+        model.expert_capacity_factor = Some(factor);
     }
     let tokenizer = args
         .tokenizer
@@ -553,7 +593,9 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
         }
     }
     let strategy = match args.strategy {
-        StrategyArg::Auto if args.dp == 1 && args.cp == 1 && args.zero == 0 => Strategy::Single,
+        StrategyArg::Auto if args.dp == 1 && args.ep == 1 && args.cp == 1 && args.zero == 0 => {
+            Strategy::Single
+        }
         StrategyArg::Auto | StrategyArg::Ddp => Strategy::Ddp,
         StrategyArg::Single => Strategy::Single,
         StrategyArg::ParameterServer => Strategy::ParameterServer,
@@ -567,6 +609,7 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
     config.warmup_steps = args.warmup;
     config.seed = args.seed;
     config.dp = args.dp;
+    config.ep = args.ep;
     config.tp = args.tp;
     config.cp = args.cp;
     config.cp_attention = args.cp_attention.into();
@@ -812,6 +855,18 @@ fn train_on<B: TrainBackend>(
     let mut write_error = None;
     let mut on_step = |m: &StepMetrics| {
         let mut line = format!("loss {:.4} | lr {:.2e}", m.loss, m.lr);
+        if let Some(moe) = &m.moe {
+            line += &format!(
+                " | aux {:.4} | tokens/expert {}-{} (mean {:.0})",
+                moe.aux_loss + moe.z_loss,
+                moe.tokens_per_expert_min,
+                moe.tokens_per_expert_max,
+                moe.tokens_per_expert_mean
+            );
+            if moe.dropped > 0 {
+                line += &format!(" | dropped {}", moe.dropped);
+            }
+        }
         if let Some(norm) = m.grad_norm {
             line += &format!(" | grad norm {norm:.3}");
         }

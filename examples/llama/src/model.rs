@@ -20,8 +20,9 @@ use std::ops::Range;
 use burn::module::{Module, Param};
 use burn::tensor::activation::{log_softmax, silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, ElementConversion, Int, Tensor, TensorData};
 use burn_comm::parallel::copy_to_parallel_region;
+use burn_expert_parallel::{ExpertParallel, Moe, MoeError};
 use burn_pipeline::StageOutput;
 use burn_tensor_parallel::context::{causal_mask, repeat_kv};
 use burn_tensor_parallel::linear::matmul;
@@ -34,6 +35,8 @@ use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
 
 use crate::config::LlamaConfig;
+use crate::experts::PartExperts;
+use crate::hf;
 use crate::rope::{self, Rope};
 
 /// Root-mean-square normalisation with a learned scale.
@@ -280,22 +283,68 @@ pub struct Block<B: Backend> {
     pub self_attn: Attention<B>,
     /// Norm before the MLP.
     pub post_attention_layernorm: RmsNorm<B>,
-    /// MLP.
-    pub mlp: Mlp<B>,
+    /// The SwiGLU MLP; none where a mixture of experts replaces it.
+    pub mlp: Option<Mlp<B>>,
+    /// The mixture of experts (router `[hidden, experts]`, this rank's experts stacked,
+    /// Mixtral's SwiGLU experts), when the config has experts.
+    pub moe: Option<Moe<B>>,
 }
 
 impl<B: TpBackend> Block<B> {
-    /// Residual attention, then residual MLP.
+    /// Residual attention, then residual MLP (or mixture of experts, whose routers' losses come
+    /// back beside the output, weighted). `experts` says how a mixture of experts is split and
+    /// where it notes its figures (none: all here, unnoted); `index` is the block's place in
+    /// the whole model.
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         positions: &Positions<B>,
         tp: Option<&TensorParallel>,
-    ) -> Result<Tensor<B, 3>, TpError> {
+        experts: Option<&PartExperts>,
+        index: usize,
+    ) -> Result<(Tensor<B, 3>, Option<Tensor<B, 1>>), TpError> {
         let normed = self.input_layernorm.forward_in(x.clone(), tp)?;
         let x = x + self.self_attn.forward(normed, positions, tp)?;
         let normed = self.post_attention_layernorm.forward_in(x.clone(), tp)?;
-        Ok(x + self.mlp.forward(normed, tp)?)
+        match (&self.mlp, &self.moe) {
+            (Some(mlp), None) => Ok((x + mlp.forward(normed, tp)?, None)),
+            (None, Some(moe)) => {
+                let [batch, seq, hidden] = normed.dims();
+                let unsplit;
+                let (ep, group) = match experts {
+                    Some(experts) => (&experts.ep, experts.batch.as_ref()),
+                    None => {
+                        unsplit = ExpertParallel::unsplit(moe.config().experts);
+                        (&unsplit, None)
+                    }
+                };
+                let out = moe
+                    .forward_in(normed.reshape([batch * seq, hidden]), ep, group)
+                    .map_err(moe_error)?;
+                if let Some(experts) = experts
+                    && moe.router.val().is_require_grad()
+                {
+                    experts
+                        .record
+                        .block(index, &out.aux_loss, &out.z_loss, out.stats);
+                }
+                let own = out.aux_loss + out.z_loss;
+                Ok((x + out.output.reshape([batch, seq, hidden]), Some(own)))
+            }
+            _ => Err(TpError::Config(format!(
+                "block {index} holds {} MLP and {} mixture of experts; it holds one of them",
+                if self.mlp.is_some() { "an" } else { "no" },
+                if self.moe.is_some() { "a" } else { "no" },
+            ))),
+        }
+    }
+}
+
+/// A mixture of experts' failure as the model's.
+fn moe_error(error: MoeError) -> TpError {
+    match error {
+        MoeError::Config(why) => TpError::Config(why),
+        MoeError::Comm(error) => TpError::Comm(error),
     }
 }
 
@@ -310,6 +359,19 @@ pub struct Part {
     pub tp: Option<TensorParallel>,
     /// The context-parallel group its sequences are split over; none when each is whole.
     pub cp: Option<ContextParallel>,
+    /// How its mixtures of experts are split and where they note their figures; none: every
+    /// expert here, nothing noted.
+    pub experts: Option<PartExperts>,
+}
+
+impl Part {
+    /// Where this part sits in the groups its parameters are split over.
+    pub fn slices(&self) -> crate::parallel_plan::Slices<'_> {
+        crate::parallel_plan::Slices {
+            tp: self.tp.as_ref(),
+            ep: self.experts.as_ref().map(|experts| &experts.ep),
+        }
+    }
 }
 
 /// The decoder, or a part of it (see [`Part`]).
@@ -336,29 +398,43 @@ impl<B: Backend> Llama<B> {
     /// `seed` and the tensor's name, so the weights do not depend on the backend, the device,
     /// the order of construction or the parallel layout.
     pub fn init(config: &LlamaConfig, seed: u64, device: &B::Device) -> Self {
-        Self::build(config, device, |name, shape| {
-            Tensor::from_data(seeded_matrix(config, seed, name, shape), device)
+        let matrix =
+            |name: &str, shape| Tensor::from_data(seeded_matrix(config, seed, name, shape), device);
+        Self::build(config, device, matrix, |names, shape| {
+            Tensor::stack(names.iter().map(|name| matrix(name, shape)).collect(), 0)
         })
     }
 
     /// The model's structure with empty matrices (its norms' ones), to fill part by part
     /// (`weights.rs`): a rank builds no matrix it does not hold.
     pub fn shell(config: &LlamaConfig, device: &B::Device) -> Self {
-        Self::build(config, device, |_, _| Tensor::empty([0, 0], device))
+        Self::build(
+            config,
+            device,
+            |_, _| Tensor::empty([0, 0], device),
+            |_, _| Tensor::empty([0, 0, 0], device),
+        )
     }
 
     /// The model's structure with zero matrices, to load weights into (drawing random ones
     /// first would take a minute for `llama-7b`).
     pub fn skeleton(config: &LlamaConfig, device: &B::Device) -> Self {
-        Self::build(config, device, |_, shape| Tensor::zeros(shape, device))
+        Self::build(
+            config,
+            device,
+            |_, shape| Tensor::zeros(shape, device),
+            |names, [rows, columns]| Tensor::zeros([names.len(), rows, columns], device),
+        )
     }
 
     /// Builds every block; `matrix(name, shape)` gives each matrix, named as Hugging Face names
-    /// it.
+    /// it, and `experts(names, shape)` the matrices of every expert of a block, one per name,
+    /// stacked.
     fn build(
         config: &LlamaConfig,
         device: &B::Device,
         matrix: impl Fn(&str, [usize; 2]) -> Tensor<B, 2>,
+        experts: impl Fn(&[String], [usize; 2]) -> Tensor<B, 3>,
     ) -> Self {
         let (h, f, v) = (
             config.hidden_size,
@@ -387,11 +463,33 @@ impl<B: Backend> Llama<B> {
                         rope: config.rope(),
                     },
                     post_attention_layernorm: norm(),
-                    mlp: Mlp {
+                    mlp: (!config.is_moe()).then(|| Mlp {
                         gate_proj: normal(&name("mlp.gate_proj"), [h, f]),
                         up_proj: normal(&name("mlp.up_proj"), [h, f]),
                         down_proj: normal(&name("mlp.down_proj"), [f, h]),
-                    },
+                    }),
+                    moe: config.is_moe().then(|| {
+                        let stacked = |which: &str, shape| {
+                            let path = format!("layers.{i}.moe.{which}");
+                            let names: Vec<String> = (0..config.num_local_experts)
+                                .map(|j| hf::expert_name(&path, j))
+                                .collect();
+                            Param::from_tensor(experts(&names, shape))
+                        };
+                        let router = normal(
+                            &hf::name(&format!("layers.{i}.moe.router")),
+                            [h, config.num_local_experts],
+                        );
+                        Moe::from_parts(
+                            router,
+                            [
+                                stacked("gate", [h, f]),
+                                stacked("up", [h, f]),
+                                stacked("down", [f, h]),
+                            ],
+                            config.router(),
+                        )
+                    }),
                 }
             })
             .collect();
@@ -405,6 +503,7 @@ impl<B: Backend> Llama<B> {
                 layers: 0..config.num_hidden_layers,
                 tp: None,
                 cp: None,
+                experts: None,
             },
         }
     }
@@ -439,6 +538,23 @@ impl<B: Backend> Llama<B> {
     /// this rank's tokens of them, its loss the mean over those tokens.
     pub fn with_cp(mut self, cp: Option<ContextParallel>) -> Self {
         self.part.cp = cp;
+        self
+    }
+
+    /// The ids of this part's experts' weights (not the routers'): under expert parallelism,
+    /// each held by some ranks only.
+    pub fn expert_params(&self) -> Vec<burn::module::ParamId> {
+        self.layers
+            .iter()
+            .filter_map(|block| block.moe.as_ref())
+            .flat_map(|moe| [moe.gate.id, moe.up.id, moe.down.id])
+            .collect()
+    }
+
+    /// This part with its mixtures of experts split and noting their figures as `experts`
+    /// says (none: every expert here, nothing noted).
+    pub fn with_experts(mut self, experts: Option<PartExperts>) -> Self {
+        self.part.experts = experts;
         self
     }
 
@@ -520,9 +636,12 @@ impl<B: TpBackend> Llama<B> {
             Some(cp) => (cp.shard(inputs.clone(), 1)?, cp.shard(targets.clone(), 1)?),
         };
         let (inputs, targets) = (&inputs, &targets);
-        let x = self.blocks_forward(input, inputs, seq)?;
+        let (x, own) = self.blocks_forward(input, inputs, seq)?;
         let Some(norm) = &self.norm else {
-            return Ok(StageOutput::Activation(x));
+            return Ok(match own {
+                Some(own) => StageOutput::ActivationAndLoss(x, own),
+                None => StageOutput::Activation(x),
+            });
         };
         let weight = self.head_weight()?;
         let loss = match self.part.tp.as_ref() {
@@ -539,17 +658,28 @@ impl<B: TpBackend> Llama<B> {
                 .mean()
             }
         };
-        Ok(StageOutput::Loss(loss))
+        if let Some(experts) = &self.part.experts
+            && norm.weight.val().is_require_grad()
+        {
+            experts
+                .record
+                .lm_loss(loss.clone().into_scalar().elem::<f64>());
+        }
+        Ok(StageOutput::Loss(match own {
+            Some(own) => loss + own,
+            None => loss,
+        }))
     }
 
     /// This part up to its head: the embedded `inputs` on the part holding the embedding,
-    /// `input` on every other, through its blocks, for sequences of `seq` tokens.
+    /// `input` on every other, through its blocks, for sequences of `seq` tokens; and the
+    /// losses its mixtures of experts add, if it has any.
     fn blocks_forward(
         &self,
         input: Option<Tensor<B, 3>>,
         inputs: &Tensor<B, 2, Int>,
         seq: usize,
-    ) -> Result<Tensor<B, 3>, TpError> {
+    ) -> Result<(Tensor<B, 3>, Option<Tensor<B, 1>>), TpError> {
         let tp = self.part.tp.as_ref();
         let config = &self.part.config;
         // A later part's embedding is a tied head's copy, not the input's.
@@ -571,10 +701,17 @@ impl<B: TpBackend> Llama<B> {
         };
         // The whole sequence: under sequence parallelism `x` holds this rank's part of it.
         let positions = Positions::new(config, seq, &x, self.part.cp.as_ref())?;
-        for layer in &self.layers {
-            x = layer.forward(x, &positions, tp)?;
+        let experts = self.part.experts.as_ref();
+        let mut own: Option<Tensor<B, 1>> = None;
+        for (index, layer) in self.part.layers.clone().zip(&self.layers) {
+            let (y, added) = layer.forward(x, &positions, tp, experts, index)?;
+            x = y;
+            own = match (own, added) {
+                (Some(sum), Some(added)) => Some(sum + added),
+                (sum, added) => sum.or(added),
+            };
         }
-        Ok(x)
+        Ok((x, own))
     }
 
     /// Mean next-token cross-entropy (nats) of `targets` given `inputs`, both `[batch, seq]`,
@@ -588,7 +725,7 @@ impl<B: TpBackend> Llama<B> {
     ) -> Result<Tensor<B, 1>, TpError> {
         match self.forward_part(None, &inputs, &targets)? {
             StageOutput::Loss(loss) => Ok(loss),
-            StageOutput::Activation(_) => Err(TpError::Config(
+            _ => Err(TpError::Config(
                 "this part of the model ends before the head; the loss needs every block".into(),
             )),
         }
@@ -625,7 +762,7 @@ impl<B: TpBackend> Llama<B> {
             ));
         }
         let seq = tokens.dims()[1];
-        let x = self.blocks_forward(None, &tokens, seq)?;
+        let (x, _) = self.blocks_forward(None, &tokens, seq)?;
         Ok(head(
             self.norm.as_ref().expect("whole"),
             self.head_weight()?,

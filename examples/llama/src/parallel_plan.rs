@@ -10,6 +10,7 @@ use std::ops::Range;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn_expert_parallel::ExpertParallel;
 use burn_tensor_parallel::TensorParallel;
 use burn_tensor_parallel::attention::check_heads;
 use burn_tensor_parallel::group::divisors;
@@ -43,6 +44,13 @@ pub enum Placement {
     /// Vocab-parallel head: its columns, one per token id, split over the group; the loss
     /// never gathers the logits.
     VocabColumns,
+    /// A block's experts stacked along dimension 0, split over the expert-parallel ranks; each
+    /// expert's matrix split along `tp_dim` over the tensor-parallel group (gate and up by
+    /// columns, down by rows, as an MLP's).
+    Experts {
+        /// The dimension of the stacked tensor split over the tensor-parallel group.
+        tp_dim: usize,
+    },
 }
 
 impl Placement {
@@ -53,14 +61,19 @@ impl Placement {
             Self::Columns { shared_by } => Some((1, tp / shared_by)),
             Self::Rows | Self::VocabRows => Some((0, tp)),
             Self::VocabColumns => Some((1, tp)),
+            Self::Experts { tp_dim } => Some((tp_dim, tp)),
         }
     }
 
-    /// The shape each of `tp` ranks holds of a parameter shaped `whole`.
-    pub fn shape_per_rank(self, whole: &[usize], tp: usize) -> Vec<usize> {
+    /// The shape each rank holds of a parameter shaped `whole`, split over `tp`
+    /// tensor-parallel and `ep` expert-parallel ranks.
+    pub fn shape_per_rank(self, whole: &[usize], tp: usize, ep: usize) -> Vec<usize> {
         let mut shape = whole.to_vec();
         if let Some((dim, blocks)) = self.split(tp) {
             shape[dim] /= blocks;
+        }
+        if let Self::Experts { .. } = self {
+            shape[0] /= ep;
         }
         shape
     }
@@ -73,7 +86,25 @@ impl Placement {
             Self::Rows => "row-parallel".into(),
             Self::VocabRows => "vocab-parallel rows".into(),
             Self::VocabColumns => "vocab-parallel columns".into(),
+            Self::Experts { tp_dim: 2 } => "experts over ep, columns over tp".into(),
+            Self::Experts { .. } => "experts over ep, rows over tp".into(),
         }
+    }
+}
+
+/// Where this rank sits in the groups the plan splits parameters over.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Slices<'a> {
+    /// The tensor-parallel group; none when matrices are whole.
+    pub tp: Option<&'a TensorParallel>,
+    /// How the experts are split; none when every expert is here.
+    pub ep: Option<&'a ExpertParallel>,
+}
+
+impl<'a> Slices<'a> {
+    /// Split over `tp` only.
+    pub fn tp(tp: Option<&'a TensorParallel>) -> Self {
+        Self { tp, ep: None }
     }
 }
 
@@ -90,17 +121,21 @@ pub struct Rule {
 }
 
 impl Rule {
-    /// The dimension and elements of this parameter a rank of `tp` holds; none when it holds
-    /// it whole.
-    pub fn block_of(
-        &self,
-        tp: Option<&TensorParallel>,
-    ) -> Result<Option<(usize, Range<usize>)>, TrainError> {
-        let Some(tp) = tp else { return Ok(None) };
-        let Some((dim, blocks)) = self.placement.split(tp.size()) else {
-            return Ok(None);
-        };
-        Ok(Some((dim, tp.block_range(self.shape[dim], blocks)?)))
+    /// The elements of this parameter a rank at `at` holds along each dimension it does not
+    /// hold whole; empty when it holds it all.
+    pub fn block_of(&self, at: Slices<'_>) -> Result<Vec<(usize, Range<usize>)>, TrainError> {
+        let mut split = Vec::new();
+        if let (Placement::Experts { .. }, Some(ep)) = (self.placement, at.ep)
+            && ep.size() > 1
+        {
+            split.push((0, ep.local_experts()));
+        }
+        if let Some(tp) = at.tp
+            && let Some((dim, blocks)) = self.placement.split(tp.size())
+        {
+            split.push((dim, tp.block_range(self.shape[dim], blocks)?));
+        }
+        Ok(split)
     }
 }
 
@@ -170,6 +205,7 @@ impl ParallelPlan {
             return Ok(model);
         };
         self.make_groups(tp)?;
+        // Every expert is kept: a rank's experts are picked when its parts are loaded.
         let mut mapper = PathMapper::new(self, SplitOp::Cut(tp));
         let model = model.map(&mut mapper);
         mapper.finish()?;
@@ -177,27 +213,40 @@ impl ParallelPlan {
     }
 
     /// `part` (of a `Llama::shell`) with every parameter read from `source`: of a split
-    /// parameter, this rank's block over `tp` only. What [`shard`](Self::shard) gives of the
-    /// whole model, without it.
+    /// parameter, this rank's block at `at` only (its tensor-parallel slice, its experts).
+    /// What [`shard`](Self::shard) gives of the whole model, without it.
     pub fn load<B: Backend>(
         &self,
         part: Llama<B>,
-        tp: Option<&TensorParallel>,
+        at: Slices<'_>,
         source: &dyn ParamSource,
     ) -> Result<Llama<B>, TrainError> {
-        if let Some(tp) = tp {
+        if let Some(tp) = at.tp {
             self.make_groups(tp)?;
         }
+        self.check_experts(at.ep)?;
         let first_layer = part.part().layers.start;
         let op = SplitOp::Load {
             source,
-            tp,
+            at,
             first_layer,
         };
         let mut mapper = PathMapper::new(self, op);
         let part = part.map(&mut mapper);
         mapper.finish()?;
-        Ok(part.with_tp(tp.cloned()))
+        Ok(part.with_tp(at.tp.cloned()))
+    }
+
+    /// Fails unless `ep` splits the experts over the plan's expert-parallel ranks.
+    fn check_experts(&self, ep: Option<&ExpertParallel>) -> Result<(), TrainError> {
+        let size = ep.map_or(1, ExpertParallel::size);
+        if size != self.dims.ep {
+            return Err(TrainError::Config(format!(
+                "the plan splits the experts over {} expert-parallel ranks, but the group has {size}",
+                self.dims.ep
+            )));
+        }
+        Ok(())
     }
 
     /// Checks `tp` against the plan and makes the groups of ranks sharing a block, in the same
@@ -219,14 +268,27 @@ impl ParallelPlan {
     /// computing on whole sequences (context-parallel ranks hold the same weights).
     pub fn gather<B: Backend>(&self, model: Llama<B>) -> Result<Llama<B>, TrainError> {
         let model = model.with_cp(None);
-        let Some(tp) = model.part().tp.clone() else {
-            return Ok(model);
+        let tp = model.part().tp.clone();
+        let ep = model
+            .part()
+            .experts
+            .as_ref()
+            .map(|experts| experts.ep.clone())
+            .filter(|ep| ep.size() > 1);
+        if tp.is_none() && ep.is_none() {
+            return Ok(model.with_experts(None));
+        }
+        if let Some(tp) = &tp {
+            self.check_group(tp)?;
+        }
+        let at = Slices {
+            tp: tp.as_ref(),
+            ep: ep.as_ref(),
         };
-        self.check_group(&tp)?;
-        let mut mapper = PathMapper::new(self, SplitOp::Gather(&tp));
+        let mut mapper = PathMapper::new(self, SplitOp::Gather(at));
         let model = model.map(&mut mapper);
         mapper.finish()?;
-        Ok(model.with_tp(None))
+        Ok(model.with_tp(None).with_experts(None))
     }
 
     /// Fails unless `tp` has the plan's tensor-parallel ranks.
@@ -243,7 +305,7 @@ impl ParallelPlan {
 
     /// The plan as `--print-plan` prints it.
     pub fn describe(&self, model: &LlamaConfig) -> String {
-        let ParallelDims { dp, pp, cp, tp } = self.dims;
+        let ParallelDims { dp, pp, cp, tp, ep } = self.dims;
         let mut out = match cp {
             1 => format!(
                 "parallel plan: dp {dp} x pp {pp} x tp {tp} = {} ranks (tp fastest, then pp)\n",
@@ -272,7 +334,21 @@ impl ParallelPlan {
                 rule.path,
                 rule.placement.name(),
                 format!("{:?}", rule.shape),
-                format!("{:?}", rule.placement.shape_per_rank(&rule.shape, tp)),
+                format!("{:?}", rule.placement.shape_per_rank(&rule.shape, tp, ep)),
+            );
+        }
+        if model.is_moe() {
+            let router = model.router();
+            let capacity = match router.capacity_factor {
+                Some(factor) => format!("capacity factor {factor}"),
+                None => "dropless".into(),
+            };
+            let _ = writeln!(
+                out,
+                "\nexpert parallelism: {} experts per block over {ep} rank(s), {} each; top-{} routing, {capacity}; experts' gradients averaged over the dp {dp} ranks holding them, the rest over dp x ep",
+                router.experts,
+                router.experts / ep,
+                router.top_k,
             );
         }
         if model.tie_word_embeddings {
@@ -371,11 +447,35 @@ fn rules(model: &LlamaConfig, tp: usize) -> Vec<Rule> {
             &[h],
             Placement::Replicated,
         ),
-        rule("layers.*.mlp.gate_proj", &[h, f], columns),
-        rule("layers.*.mlp.up_proj", &[h, f], columns),
-        rule("layers.*.mlp.down_proj", &[f, h], Placement::Rows),
         rule("norm.weight", &[h], Placement::Replicated),
     ];
+    if model.is_moe() {
+        let e = model.num_local_experts;
+        rules.extend([
+            rule("layers.*.moe.router", &[h, e], Placement::Replicated),
+            rule(
+                "layers.*.moe.gate",
+                &[e, h, f],
+                Placement::Experts { tp_dim: 2 },
+            ),
+            rule(
+                "layers.*.moe.up",
+                &[e, h, f],
+                Placement::Experts { tp_dim: 2 },
+            ),
+            rule(
+                "layers.*.moe.down",
+                &[e, f, h],
+                Placement::Experts { tp_dim: 1 },
+            ),
+        ]);
+    } else {
+        rules.extend([
+            rule("layers.*.mlp.gate_proj", &[h, f], columns),
+            rule("layers.*.mlp.up_proj", &[h, f], columns),
+            rule("layers.*.mlp.down_proj", &[f, h], Placement::Rows),
+        ]);
+    }
     if !model.tie_word_embeddings {
         rules.push(rule("lm_head", &[h, v], Placement::VocabColumns));
     }
@@ -430,38 +530,53 @@ pub fn check_split(
     Ok(())
 }
 
-/// What is done to each split parameter, over the tensor-parallel group.
+/// What is done to each split parameter, over the groups it is split over.
 #[derive(Clone, Copy)]
 enum SplitOp<'a> {
-    /// Keep this rank's block.
+    /// Keep this rank's tensor-parallel block.
     Cut(&'a TensorParallel),
-    /// All-gather the blocks into the whole.
-    Gather(&'a TensorParallel),
+    /// All-gather the blocks into the whole: the tensor-parallel blocks, then the experts.
+    Gather(Slices<'a>),
     /// Read every parameter (this rank's block of a split one) from `source`, into a part
     /// whose blocks start at `first_layer`.
     Load {
         source: &'a dyn ParamSource,
-        tp: Option<&'a TensorParallel>,
+        at: Slices<'a>,
         first_layer: usize,
     },
 }
 
 impl SplitOp<'_> {
-    /// `tensor`, split along `dim` into `blocks`, cut or gathered.
+    /// `tensor`, placed as `placement` says over `tp` ranks, cut or gathered.
     fn apply<B: Backend, const D: usize>(
         self,
         tensor: Tensor<B, D>,
-        dim: usize,
-        blocks: usize,
+        placement: Placement,
+        tp: usize,
     ) -> Result<Tensor<B, D>, TrainError> {
+        let split = placement.split(tp);
         Ok(match self {
-            Self::Cut(tp) => {
+            Self::Cut(group) => {
+                let Some((dim, blocks)) = split else {
+                    return Ok(tensor);
+                };
                 // The block is a leaf of its own, tracked as the whole was.
                 let tracked = tensor.is_require_grad();
-                let block = tp.block_of(tensor, dim, blocks)?;
+                let block = group.block_of(tensor, dim, blocks)?;
                 if tracked { block.require_grad() } else { block }
             }
-            Self::Gather(tp) => tp.gather_blocks(tensor.detach(), dim, blocks)?,
+            Self::Gather(at) => {
+                let mut tensor = tensor.detach();
+                if let (Some(group), Some((dim, blocks))) = (at.tp, split) {
+                    tensor = group.gather_blocks(tensor, dim, blocks)?;
+                }
+                if let (Placement::Experts { .. }, Some(comm)) =
+                    (placement, at.ep.and_then(ExpertParallel::comm))
+                {
+                    tensor = comm.all_gather(tensor, 0)?;
+                }
+                tensor
+            }
             Self::Load { .. } => unreachable!("a load reads, it does not split"),
         })
     }
@@ -528,17 +643,20 @@ impl<B: Backend> ModuleMapper<B> for PathMapper<'_> {
         };
         if let SplitOp::Load {
             source,
-            tp,
+            at,
             first_layer,
         } = self.op
         {
             let path = whole_path(&path, first_layer);
-            return load(param, rule, &path, source, tp, &mut self.failed);
+            return load(param, rule, &path, source, at, &mut self.failed);
         }
         // Cut from the whole; gathered from this rank's part.
         let expected = match self.op {
             SplitOp::Cut(_) => rule.shape.clone(),
-            SplitOp::Gather(_) => rule.placement.shape_per_rank(&rule.shape, tp),
+            SplitOp::Gather(at) => {
+                let ep = at.ep.map_or(1, ExpertParallel::size);
+                rule.placement.shape_per_rank(&rule.shape, tp, ep)
+            }
             SplitOp::Load { .. } => unreachable!("loaded above"),
         };
         if param.dims().as_slice() != expected.as_slice() {
@@ -548,17 +666,15 @@ impl<B: Backend> ModuleMapper<B> for PathMapper<'_> {
             )));
             return param;
         }
-        let split = rule.placement.split(tp);
-        let Some((dim, blocks)) = split else {
-            return param;
-        };
-        param.map(|tensor| match self.op.apply(tensor.clone(), dim, blocks) {
-            Ok(done) => done,
-            Err(error) => {
-                self.failed = Some(error);
-                tensor
-            }
-        })
+        param.map(
+            |tensor| match self.op.apply(tensor.clone(), rule.placement, tp) {
+                Ok(done) => done,
+                Err(error) => {
+                    self.failed = Some(error);
+                    tensor
+                }
+            },
+        )
     }
 }
 
@@ -570,10 +686,10 @@ fn load<B: Backend, const D: usize>(
     rule: &Rule,
     path: &str,
     source: &dyn ParamSource,
-    tp: Option<&TensorParallel>,
+    at: Slices<'_>,
     failed: &mut Option<TrainError>,
 ) -> Param<Tensor<B, D>> {
-    let block = match rule.block_of(tp) {
+    let block = match rule.block_of(at) {
         Ok(split) => Block {
             path,
             whole: &rule.shape,
@@ -584,9 +700,11 @@ fn load<B: Backend, const D: usize>(
             return param;
         }
     };
-    let want = rule
-        .placement
-        .shape_per_rank(&rule.shape, tp.map_or(1, TensorParallel::size));
+    let want = rule.placement.shape_per_rank(
+        &rule.shape,
+        at.tp.map_or(1, TensorParallel::size),
+        at.ep.map_or(1, ExpertParallel::size),
+    );
     let loaded = match source.block(&block) {
         Ok(Some(loaded)) => loaded,
         // Kept as built: only what the shell built whole (a norm's ones) can be.

@@ -127,13 +127,13 @@ impl StageCosts {
         let blocks = model
             .layers
             .iter()
-            .map(|block| {
+            .enumerate()
+            .map(|(index, block)| {
                 time(&|| {
-                    block
-                        .forward(x.clone().require_grad(), &positions, None)
-                        .expect("a block held whole makes no collective that could fail")
-                        .sum()
-                        .backward();
+                    let (y, _) = block
+                        .forward(x.clone().require_grad(), &positions, None, None, index)
+                        .expect("a block held whole makes no collective that could fail");
+                    y.sum().backward();
                 })
             })
             .collect::<Result<_, _>>()?;

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn_checkpoint::BackgroundSaver;
 use burn_comm::{Communicator, ReduceOp};
 
@@ -12,6 +12,7 @@ use crate::checkpoint;
 use crate::data::Dataset;
 use crate::dims::{Groups, ParallelDims};
 use crate::engine::{Engine, Finished, TrainBackend, choose};
+use crate::experts::{Counting, MoeRecord};
 use crate::interrupt;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::{StepMetrics, Strategy, TrainConfig, TrainError, reduce_scalar};
@@ -31,6 +32,7 @@ pub fn train_rank<B: TrainBackend>(
 ) -> Result<Finished<B::InnerBackend>, TrainError> {
     with_rank::<B, _>(config, data, world, weights, device, |mut rank| {
         let mut saver = Saver::new(config, rank.groups.world.as_ref())?;
+        let moe = MoeReport::of(config, &rank.groups, rank.batches.micro_batches());
         train_loop(
             config,
             rank.engine.as_mut(),
@@ -39,6 +41,7 @@ pub fn train_rank<B: TrainBackend>(
             on_step,
             rank.start,
             &mut saver,
+            moe.as_ref(),
         )?;
         rank.engine.finish()
     })
@@ -91,7 +94,9 @@ fn with_rank<B: TrainBackend, T>(
     let dims = ParallelDims::of(config);
     let groups = match world {
         Some(world) => dims.groups(world, config)?,
-        None if dims.ranks() == 1 && config.strategy == Strategy::Single => Groups::default(),
+        None if dims.ranks() == 1 && config.strategy == Strategy::Single => {
+            Groups::default().with_experts(config)?
+        }
         None => {
             return Err(TrainError::Config(format!(
                 "this layout ({}, strategy {:?}) needs a communicator of its {} rank(s); run it through `train`",
@@ -276,6 +281,47 @@ impl<'a> Saver<'a> {
     }
 }
 
+/// Where a rank's mixtures of experts note their figures, and how they count in the job's.
+struct MoeReport<'a> {
+    record: &'a MoeRecord,
+    counting: Counting,
+    world: Option<&'a Communicator>,
+}
+
+impl<'a> MoeReport<'a> {
+    /// The report of a rank of `config` with `groups`; none for a dense model.
+    fn of(config: &TrainConfig, groups: &'a Groups, micro_batches: usize) -> Option<Self> {
+        let experts = groups.experts.as_ref()?;
+        let dims = ParallelDims::of(config);
+        Some(Self {
+            record: &experts.record,
+            counting: Counting {
+                blocks: config.model.num_hidden_layers,
+                experts: config.model.num_local_experts,
+                data_ranks: dims.data_ranks() * dims.cp,
+                micro_batches,
+                counts: groups.tp.as_ref().is_none_or(|tp| tp.rank() == 0),
+            },
+            world: groups.world.as_ref(),
+        })
+    }
+
+    /// Puts the step's figures in `metrics`: the language-model loss as its loss, and the
+    /// experts' own (a collective over the job).
+    fn fill<B: Backend>(
+        &self,
+        metrics: &mut StepMetrics,
+        device: &B::Device,
+    ) -> Result<(), TrainError> {
+        let step = self
+            .record
+            .step_metrics::<B>(self.counting, self.world, device)?;
+        metrics.loss = step.lm_loss;
+        metrics.moe = Some(step.metrics);
+        Ok(())
+    }
+}
+
 /// A rank's state copied aside for a checkpoint, not yet written.
 struct Staged {
     step: usize,
@@ -284,8 +330,10 @@ struct Staged {
 }
 
 /// The one training loop: every step's learning rate, forward and backward, optimizer step,
-/// the loss over the whole global batch, the metrics and the checkpoints; then the last
-/// checkpoint committed, so that an interrupted run says it was checkpointed only once it is.
+/// the loss over the whole global batch, the metrics (a mixture of experts' from `moe`) and
+/// the checkpoints; then the last checkpoint committed, so that an interrupted run says it
+/// was checkpointed only once it is.
+#[allow(clippy::too_many_arguments)]
 fn train_loop<B: AutodiffBackend>(
     config: &TrainConfig,
     engine: &mut dyn Engine<B>,
@@ -294,6 +342,7 @@ fn train_loop<B: AutodiffBackend>(
     on_step: &mut dyn FnMut(&StepMetrics),
     start: usize,
     saver: &mut Saver<'_>,
+    moe: Option<&MoeReport<'_>>,
 ) -> Result<(), TrainError> {
     let mut steps = || -> Result<(), TrainError> {
         let schedule = config.schedule();
@@ -317,6 +366,9 @@ fn train_loop<B: AutodiffBackend>(
             }
             let mut metrics = StepMetrics::measure(step, loss, lr, tokens, (begun, started));
             stepped.fill(&mut metrics);
+            if let Some(moe) = moe {
+                moe.fill::<B::InnerBackend>(&mut metrics, device)?;
+            }
             // Reported even when its checkpoint fails: the step was trained.
             let stop = saver.after(engine, &mut metrics, device, on_step)?;
             // A stop asked during the last step changes nothing: the run ends as it would.
@@ -393,6 +445,7 @@ mod tests {
                 &mut |m| seen.push(m.loss),
                 0,
                 &mut Saver::new(&config, None).unwrap(),
+                None,
             )
             .unwrap_err()
             .to_string();
@@ -436,6 +489,7 @@ mod tests {
             &mut |m| seen.push(m.step),
             0,
             &mut saver,
+            None,
         )
         .unwrap_err()
         .to_string();
@@ -471,6 +525,7 @@ mod tests {
                 &mut |_| steps += 1,
                 0,
                 &mut saver,
+                None,
             )
             .map(|()| steps)
         });

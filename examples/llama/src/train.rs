@@ -20,6 +20,7 @@ use crate::config::LlamaConfig;
 use crate::data::Dataset;
 use crate::dims::ParallelDims;
 use crate::engine::TrainBackend;
+use crate::experts::MoeMetrics;
 use crate::launch::{check_processes, launch_ranks};
 use crate::model::Llama;
 use crate::run::{resave_rank, train_rank};
@@ -59,8 +60,11 @@ pub struct TrainConfig {
     pub warmup_steps: usize,
     /// Seed of the weights and of the data order.
     pub seed: u64,
-    /// Data-parallel ranks.
+    /// Data-parallel ranks (of each expert, under expert parallelism: see `ep`).
     pub dp: usize,
+    /// Expert-parallel ranks: each holds its share of every mixture of experts' experts and
+    /// reads its own samples, so `dp x ep` ranks share the batch.
+    pub ep: usize,
     /// Tensor-parallel ranks per replica.
     pub tp: usize,
     /// Context-parallel ranks per replica: each holds `seq_len / cp` tokens of every sequence,
@@ -126,6 +130,7 @@ impl TrainConfig {
             warmup_steps: 10,
             seed: 42,
             dp: 1,
+            ep: 1,
             tp: 1,
             cp: 1,
             cp_attention: CpAttention::Ring,
@@ -177,6 +182,7 @@ impl TrainConfig {
             ("--seq-len", Some(self.seq_len)),
             ("--batch-size", Some(self.batch_size)),
             ("--dp", Some(self.dp)),
+            ("--ep", Some(self.ep)),
             ("--tp", Some(self.tp)),
             ("--cp", Some(self.cp)),
             ("--pp", Some(self.pp)),
@@ -194,8 +200,9 @@ impl TrainConfig {
                 "--clip-grad-norm {max}: clip to a positive finite norm (1.0 is usual)"
             )));
         }
-        ParallelDims::of(self).validate(self)?;
-        let per_rank = per_rank_batch(self.batch_size, self.dp)?;
+        let dims = ParallelDims::of(self);
+        dims.validate(self)?;
+        let per_rank = per_rank_batch(self.batch_size, dims.data_ranks())?;
         let (micro, accum) = match (self.micro_batch_size, self.grad_accum) {
             (Some(_), Some(_)) => {
                 return Err(TrainError::Config(
@@ -209,7 +216,7 @@ impl TrainConfig {
         if micro == 0 || accum == 0 || micro * accum != per_rank {
             return Err(TrainError::Config(format!(
                 "each of the {} rank(s) gets {per_rank} samples per step, which is not {accum} micro-batch(es) of {micro}; pick a micro-batch size that divides {per_rank}",
-                self.dp
+                dims.data_ranks()
             )));
         }
         if self.strategy == Strategy::ParameterServer && accum != 1 {
@@ -354,7 +361,8 @@ impl TrainError {
 pub struct StepMetrics {
     /// Step number, from 1.
     pub step: usize,
-    /// Mean cross-entropy over the whole global batch (nats per token).
+    /// Mean cross-entropy over the whole global batch (nats per token); for a mixture of
+    /// experts, without its routers' losses (see `moe`).
     pub loss: f64,
     /// Learning rate used for this step.
     pub lr: f64,
@@ -382,6 +390,9 @@ pub struct StepMetrics {
     /// How long the run stalled after this step to hand its state to a checkpoint (written in
     /// the background); absent after steps that do not checkpoint.
     pub checkpoint_s: Option<f64>,
+    /// A mixture of experts' figures (its routers' losses, which `loss` leaves out, and how
+    /// evenly the experts were used); absent for a dense model.
+    pub moe: Option<MoeMetrics>,
 }
 
 impl StepMetrics {
@@ -409,6 +420,7 @@ impl StepMetrics {
             skipped: false,
             grad_norm: None,
             checkpoint_s: None,
+            moe: None,
         }
     }
 }

@@ -7,13 +7,12 @@ use std::ops::Range;
 
 use burn::tensor::TensorData;
 use burn::tensor::backend::Backend;
-use burn_tensor_parallel::TensorParallel;
 
 use crate::checkpoint::{Resumed, check_resumable};
 use crate::config::LlamaConfig;
 use crate::hf::{self, HfCheckpoint};
 use crate::model::{Llama, seeded_matrix};
-use crate::parallel_plan::ParallelPlan;
+use crate::parallel_plan::{ParallelPlan, Slices};
 use crate::train::{TrainConfig, TrainError};
 
 /// What a rank holds of one parameter.
@@ -24,8 +23,19 @@ pub struct Block<'a> {
     pub path: &'a str,
     /// The whole parameter's shape, in burn's layout.
     pub whole: &'a [usize],
-    /// The elements along one dimension this rank holds; none when it holds them all.
-    pub split: Option<(usize, Range<usize>)>,
+    /// The elements this rank holds along each dimension it does not hold whole (a
+    /// tensor-parallel slice, a rank's experts); empty when it holds them all.
+    pub split: Vec<(usize, Range<usize>)>,
+}
+
+impl Block<'_> {
+    /// The elements this rank holds along `dim`.
+    pub fn range(&self, dim: usize) -> Range<usize> {
+        self.split
+            .iter()
+            .find(|(d, _)| *d == dim)
+            .map_or(0..self.whole[dim], |(_, range)| range.clone())
+    }
 }
 
 /// A block's values, f32: in burn's layout, or in its transpose's (Hugging Face stores
@@ -49,18 +59,23 @@ pub struct Seeded<'a> {
 
 impl ParamSource for Seeded<'_> {
     fn block(&self, block: &Block<'_>) -> Result<Option<Loaded>, String> {
-        let &[rows, columns] = block.whole else {
-            return Ok(None);
+        let drawn = |name: &str, [rows, columns]: [usize; 2]| {
+            let whole = seeded_matrix(self.config, self.seed, name, [rows, columns]);
+            // This rank's rows and columns: the block's last two dimensions.
+            let last = block.whole.len() - 2;
+            let whole = narrow(whole, 0, block.range(last));
+            narrow(whole, 1, block.range(last + 1))
         };
-        let whole = seeded_matrix(
-            self.config,
-            self.seed,
-            &hf::name(block.path),
-            [rows, columns],
-        );
-        let data = match &block.split {
-            None => whole,
-            Some((dim, range)) => narrow(whole, *dim, range.clone()),
+        let data = match *block.whole {
+            [rows, columns] => drawn(&hf::name(block.path), [rows, columns]),
+            // Stacked experts, each drawn by its own name.
+            [_, rows, columns] if hf::is_experts(block.path) => stack(
+                block
+                    .range(0)
+                    .map(|j| drawn(&hf::expert_name(block.path, j), [rows, columns]))
+                    .collect(),
+            ),
+            _ => return Ok(None),
         };
         Ok(Some(Loaded {
             data,
@@ -69,9 +84,23 @@ impl ParamSource for Seeded<'_> {
     }
 }
 
+/// f32 matrices of one shape, stacked along a new first dimension.
+pub(crate) fn stack(matrices: Vec<TensorData>) -> TensorData {
+    let mut shape = vec![matrices.len()];
+    shape.extend(matrices.first().map_or(vec![0, 0], |m| m.shape.to_vec()));
+    let values: Vec<f32> = matrices
+        .into_iter()
+        .flat_map(|m| m.to_vec::<f32>().expect("matrices read as f32"))
+        .collect();
+    TensorData::new(values, shape)
+}
+
 /// The elements `range` along `dim` of an f32 matrix.
 fn narrow(matrix: TensorData, dim: usize, range: Range<usize>) -> TensorData {
     let [rows, columns] = [matrix.shape[0], matrix.shape[1]];
+    if range == (0..matrix.shape[dim]) {
+        return matrix;
+    }
     let values = matrix.to_vec::<f32>().expect("a drawn matrix is f32");
     let (kept, shape) = if dim == 0 {
         let kept = values[range.start * columns..range.end * columns].to_vec();
@@ -125,7 +154,10 @@ impl<'a> Weights<'a> {
                 seed: config.seed,
             }));
         };
-        if hf::load_config(dir).map_err(TrainError::Config)? != config.model {
+        if !hf::load_config(dir)
+            .map_err(TrainError::Config)?
+            .same_model(&config.model)
+        {
             return Err(TrainError::Config(format!(
                 "{} holds a model of another shape than the one asked for; drop --model or pick the matching preset",
                 dir.display()
@@ -159,17 +191,17 @@ impl<'a> Weights<'a> {
     }
 
     /// The parts `keep` of the model of `plan` cut at `ranges` (as `Llama::cut` cuts), each
-    /// holding this rank's `tp` slices; no other part and no other slice is built or read.
+    /// holding this rank's slices at `at`; no other part and no other slice is built or read.
     pub fn parts<B: Backend>(
         &self,
         model: &LlamaConfig,
         plan: &ParallelPlan,
         ranges: &[Range<usize>],
         keep: &[usize],
-        tp: Option<&TensorParallel>,
+        at: Slices<'_>,
         device: &B::Device,
     ) -> Result<Vec<Llama<B>>, TrainError> {
-        self.each_part(model, plan, ranges, keep, tp, device)
+        self.each_part(model, plan, ranges, keep, at, device)
             .collect()
     }
 
@@ -180,7 +212,7 @@ impl<'a> Weights<'a> {
         plan: &'s ParallelPlan,
         ranges: &[Range<usize>],
         keep: &'s [usize],
-        tp: Option<&'s TensorParallel>,
+        at: Slices<'s>,
         device: &B::Device,
     ) -> impl Iterator<Item = Result<Llama<B>, TrainError>> + 's {
         let mut parts: Vec<Option<Llama<B>>> = Llama::shell(model, device)
@@ -190,7 +222,7 @@ impl<'a> Weights<'a> {
             .collect();
         keep.iter().map(move |&s| {
             let part = parts[s].take().expect("each part is kept once");
-            plan.load(part, tp, self.source())
+            plan.load(part, at, self.source())
         })
     }
 
@@ -202,7 +234,7 @@ impl<'a> Weights<'a> {
     ) -> Result<Llama<B>, TrainError> {
         let plan = ParallelPlan::new(&TrainConfig::new(model.clone(), 1))?;
         let all = 0..model.num_hidden_layers;
-        let mut parts = self.parts(model, &plan, &[all], &[0], None, device)?;
+        let mut parts = self.parts(model, &plan, &[all], &[0], Slices::default(), device)?;
         Ok(parts.remove(0))
     }
 }
@@ -212,6 +244,7 @@ mod tests {
     use burn::backend::{Autodiff, Flex};
     use burn_comm::launch;
     use burn_ddp::params::slots;
+    use burn_tensor_parallel::TensorParallel;
 
     use super::*;
 
@@ -259,8 +292,14 @@ mod tests {
                         HfCheckpoint::open(&dir, &config).map_err(TrainError::Config)?;
                     let read = Weights::Checkpoint(checkpoint);
                     for weights in [&seeded, &read] {
-                        let parts: Vec<_> =
-                            weights.parts(&config, &plan, &ranges, &[0, 1, 2], group, &device)?;
+                        let parts: Vec<_> = weights.parts(
+                            &config,
+                            &plan,
+                            &ranges,
+                            &[0, 1, 2],
+                            Slices::tp(group),
+                            &device,
+                        )?;
                         assert_eq!(parts.len(), expected.len());
                         for (part, want) in parts.iter().zip(&expected) {
                             assert_eq!(part.part().layers, want.part().layers);
@@ -271,7 +310,7 @@ mod tests {
                     let checkpoint =
                         HfCheckpoint::open(&dir, &config).map_err(TrainError::Config)?;
                     let shell = Llama::<AD>::shell(&config, &device).cut(&ranges).remove(2);
-                    let last = plan.load(shell, group, &checkpoint)?;
+                    let last = plan.load(shell, Slices::tp(group), &checkpoint)?;
                     let held: usize = slots::<AD, Llama<AD>>(&last)
                         .iter()
                         .map(|s| s.bytes())
@@ -289,7 +328,7 @@ mod tests {
                     .iter()
                     .map(|slot| {
                         let rule = plan.rule(&slot.name).unwrap();
-                        let shape = rule.placement.shape_per_rank(&rule.shape, tp);
+                        let shape = rule.placement.shape_per_rank(&rule.shape, tp, 1);
                         shape.iter().product::<usize>() * 4
                     })
                     .sum();

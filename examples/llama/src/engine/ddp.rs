@@ -6,7 +6,7 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsParams};
 use burn_checkpoint::Checkpoint;
 use burn_comm::{Communicator, ReduceOp};
-use burn_ddp::DistributedDataParallel;
+use burn_ddp::{DistributedDataParallel, ExpertGroup};
 
 use super::{Engine, Finished, Stepped, TrainBackend};
 use crate::batches::Batches;
@@ -25,16 +25,18 @@ pub(crate) struct DdpEngine<'a, B: TrainBackend> {
 }
 
 impl<'a, B: TrainBackend> DdpEngine<'a, B> {
+    /// DDP of `model` over `dp`; `experts` are the weights held by some of its ranks only.
     pub fn new(
         config: &'a TrainConfig,
         plan: &'a ParallelPlan,
         model: Llama<B>,
         dp: Communicator,
+        experts: Option<ExpertGroup>,
     ) -> Result<Self, TrainError> {
         Ok(Self {
             config,
             plan,
-            ddp: DistributedDataParallel::new(model, dp, config.ddp.clone())?,
+            ddp: DistributedDataParallel::with_experts(model, dp, experts, config.ddp.clone())?,
             optimizer: config.optimizer().init::<B, Llama<B>>(),
             grads: None,
         })

@@ -12,7 +12,7 @@ use super::{Engine, Finished, Stepped, TrainBackend, ZeroStep};
 use crate::batches::Batches;
 use crate::checkpoint::{self, TrainingState};
 use crate::model::Llama;
-use crate::parallel_plan::ParallelPlan;
+use crate::parallel_plan::{ParallelPlan, Slices};
 use crate::train::{TrainConfig, TrainError};
 use crate::weights::Weights;
 
@@ -34,15 +34,14 @@ impl<'a, B: TrainBackend> FullyShardedEngine<'a, B> {
         dp: Communicator,
         device: &B::Device,
     ) -> Result<Self, TrainError> {
-        let tp = groups.tp.as_ref();
         let ranges = plan.units.as_ref().expect("ZeRO-3's plan has its units");
         let every: Vec<usize> = (0..ranges.len()).collect();
         // Built one unit at a time: a rank never holds every unit whole.
         let mut failed = None;
         let units = weights
-            .each_part(&config.model, plan, ranges, &every, tp, device)
+            .each_part(&config.model, plan, ranges, &every, groups.slices(), device)
             .map_while(|unit| unit.map_err(|error| failed = Some(error)).ok())
-            .map(|unit| unit.with_cp(groups.cp.clone()));
+            .map(|unit| groups.set_up(unit));
         let fsdp = FullyShardedDataParallel::new(
             units,
             dp.clone(),
@@ -78,7 +77,7 @@ impl<B: TrainBackend> FullyShardedEngine<'_, B> {
             .as_ref()
             .expect("ZeRO-3's plan has its units");
         let first_layers = units.iter().map(|unit| unit.start).collect();
-        checkpoint::Held::parts(self.plan, first_layers, self.tp.as_ref())
+        checkpoint::Held::parts(self.plan, first_layers, Slices::tp(self.tp.as_ref()))
     }
 
     /// This rank's ranges, each named with its unit's index first.

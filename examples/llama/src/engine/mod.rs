@@ -155,6 +155,17 @@ pub trait TrainBackend: BackwardHooks<InnerBackend: TpBackend> + TpBackend {}
 
 impl<B: BackwardHooks<InnerBackend: TpBackend> + TpBackend> TrainBackend for B {}
 
+/// The experts' weights of `parts` and the ranks holding the same ones, when the experts are
+/// split (their gradients are averaged over those ranks only); none otherwise.
+pub(crate) fn expert_group<'p, B: burn::tensor::backend::Backend>(
+    groups: &Groups,
+    parts: impl IntoIterator<Item = &'p Llama<B>>,
+) -> Option<burn_ddp::ExpertGroup> {
+    let comm = groups.expert_replicas.clone()?;
+    let params = parts.into_iter().flat_map(Llama::expert_params).collect();
+    Some(burn_ddp::ExpertGroup { comm, params })
+}
+
 /// The engine of `config` for this rank, over `groups`, starting from `model` (whole, the same
 /// on every rank), cut as `plan` says.
 pub(crate) fn choose<'a, B: TrainBackend>(
@@ -176,21 +187,22 @@ pub(crate) fn choose<'a, B: TrainBackend>(
             .clone()
             .expect("a data-parallel strategy has its group")
     };
-    let tp = groups.tp.as_ref();
     if config.zero == ZeroStage::Parameters {
         let engine =
             fully_sharded::FullyShardedEngine::new(config, plan, weights, groups, dp(), device)?;
         return Ok(Box::new(engine));
     }
     let all = 0..config.model.num_hidden_layers;
-    let replica = weights
-        .parts(&config.model, plan, &[all], &[0], tp, device)?
-        .remove(0)
-        .with_cp(groups.cp.clone());
+    let replica = groups.set_up(
+        weights
+            .parts(&config.model, plan, &[all], &[0], groups.slices(), device)?
+            .remove(0),
+    );
     Ok(match (config.strategy, config.zero) {
         (Strategy::Single, _) => Box::new(single::SingleEngine::new(config, plan, replica)),
         (Strategy::Ddp, ZeroStage::Replicated) => {
-            Box::new(ddp::DdpEngine::new(config, plan, replica, dp())?)
+            let experts = expert_group(groups, [&replica]);
+            Box::new(ddp::DdpEngine::new(config, plan, replica, dp(), experts)?)
         }
         (Strategy::Ddp, _) => Box::new(sharded::ShardedEngine::new(
             config,

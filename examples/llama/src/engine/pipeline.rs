@@ -14,7 +14,7 @@ use burn::tensor::DType;
 use burn::tensor::backend::AutodiffBackend;
 use burn_checkpoint::Checkpoint;
 use burn_comm::{Communicator, ReduceOp};
-use burn_ddp::{BackwardHooks, GradientSync};
+use burn_ddp::{BackwardHooks, ExpertGroup, GradientSync};
 use burn_pipeline::{
     Accumulate, Message, PipelineExecutor, PipelineStage, Schedule, Span, StepRun,
 };
@@ -83,17 +83,11 @@ impl<'a, B: TrainBackend> PipelineEngine<'a, B> {
         let mine = executor.stages();
         // The stages trained elsewhere are never built.
         let chunks = weights
-            .parts(
-                &config.model,
-                plan,
-                &ranges,
-                &mine,
-                groups.tp.as_ref(),
-                device,
-            )?
+            .parts(&config.model, plan, &ranges, &mine, groups.slices(), device)?
             .into_iter()
-            .map(|chunk| chunk.with_cp(groups.cp.clone()))
+            .map(|chunk| groups.set_up(chunk))
             .collect::<Vec<_>>();
+        let experts = super::expert_group(groups, &chunks);
         // Each context-parallel rank sends its part of the sequence, and under sequence
         // parallelism each tensor-parallel rank its part of that.
         let sequence_parts = config.cp
@@ -120,7 +114,7 @@ impl<'a, B: TrainBackend> PipelineEngine<'a, B> {
             config,
             plan,
             executor,
-            stepper: Stepper::new(chunks, config, groups, tied)?,
+            stepper: Stepper::new(chunks, config, groups, tied, experts)?,
             pp,
             dp: groups.replicas.clone(),
             mine,
@@ -246,18 +240,22 @@ enum Stepper<B: BackwardHooks, S: AutodiffModule<B>> {
 }
 
 impl<B: BackwardHooks, S: PipelineStage<B, Error = TrainError>> Stepper<B, S> {
+    /// `experts`: the chunks' weights held by some replicas only (expert parallelism).
     fn new(
         chunks: Vec<S>,
         config: &TrainConfig,
         groups: &Groups,
         tied: Option<TiedEmbedding>,
+        experts: Option<ExpertGroup>,
     ) -> Result<Self, TrainError> {
         Ok(match (config.zero, groups.replicas.as_ref()) {
             (ZeroStage::Replicated, _) => {
                 let sync = groups
                     .replicas
                     .as_ref()
-                    .map(|dp| GradientSync::new(&chunks, dp.clone(), config.ddp.clone()))
+                    .map(|dp| {
+                        GradientSync::with_experts(&chunks, dp.clone(), experts, config.ddp.clone())
+                    })
                     .transpose()?
                     .map(Box::new);
                 Self::Replicated {
@@ -394,8 +392,11 @@ impl<B: TrainBackend> Stepper<B, Llama<B>> {
     /// Where this rank's chunks sit in the whole model.
     fn held<'a>(plan: &'a ParallelPlan, chunks: &'a [Llama<B>]) -> checkpoint::Held<'a> {
         let first_layers = chunks.iter().map(|c| c.part().layers.start).collect();
-        let tp = chunks.first().and_then(|c| c.part().tp.as_ref());
-        checkpoint::Held::parts(plan, first_layers, tp)
+        let at = chunks
+            .first()
+            .map(|c| c.part().slices())
+            .unwrap_or_default();
+        checkpoint::Held::parts(plan, first_layers, at)
     }
 
     /// This rank's pieces of the training state: its chunks' parameters and moments.

@@ -4,7 +4,8 @@
 # for the export as written (sharded, with its index), for the same weights in bf16 shards
 # written here, and for those under Llama 3's rotary scaling written as transformers 5 writes it
 # (only `rope_parameters`), linear scaling as transformers 4 writes it (`rope_theta` and
-# `rope_scaling`), and with the head tied to the embedding.
+# `rope_scaling`), and with the head tied to the embedding; and `tiny-moe`, trained with its
+# experts split over 2 ranks, as Mixtral.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
@@ -14,6 +15,11 @@ trap 'rm -rf "$work"' EXIT
 cargo run --release --quiet -p llama -- train --steps 30 --batch-size 8 --seq-len 32 \
     --save "$work/weights" --max-shard-size 1MB > /dev/null 2>&1
 test -f "$work/weights/model.safetensors.index.json"
+# The mixture of experts, saved without its burn record so `llama eval` reads the safetensors.
+cargo run --release --quiet -p llama -- train --model tiny-moe --ep 2 --steps 30 --batch-size 8 \
+    --seq-len 32 --save "$work/moe" > /dev/null 2>&1
+rm "$work/moe/model.mpk"
+grep -q '"model_type": "mixtral"' "$work/moe/config.json"
 python3 - "$work/tokens.txt" <<'PY'
 import random, sys
 random.seed(7)
@@ -119,7 +125,7 @@ json.dump(index, open(index_path, "w"))
 PY
 
 sharp=""
-for dir in weights sharp llama3-v5 linear-v4 tied; do
+for dir in weights sharp llama3-v5 linear-v4 tied moe; do
     ours=$(cargo run --release --quiet -p llama -- eval --weights "$work/$dir" --tokens "$work/tokens.txt")
     theirs=$(python3 scripts/hf_llama_reference.py "$work/$dir" "$work/tokens.txt")
     echo "$dir: llama eval $ours"
@@ -133,7 +139,7 @@ a, b, sharp = (json.loads(s)["mean_cross_entropy"] for s in sys.argv[2:5])
 tolerance = 1e-6 * abs(b)
 assert abs(a - b) <= tolerance, f"{name}: llama eval {a} vs reference {b}"
 # A variant that changed nothing could not catch a model that ignored it.
-if name not in ("weights", "sharp"):
+if name not in ("weights", "sharp", "moe"):
     assert abs(b - sharp) > 10 * tolerance, f"{name}: the variant moves the loss by only {abs(b - sharp)}"
 print(f"hf check ({name}): agree to {abs(a - b) / abs(b):.1e} relative")
 PY

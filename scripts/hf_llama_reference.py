@@ -88,6 +88,31 @@ def inverse_frequencies(cfg, head_dim):
     sys.exit(f"rope_type {kind} is not in this reference")
 
 
+def swiglu(h, gate, up, down):
+    gate, up = h @ gate.T, h @ up.T
+    return (gate / (1.0 + np.exp(-gate)) * up) @ down.T
+
+
+def sparse_moe(h, p, cfg):
+    """Mixtral's block: each token's top-k experts by router probability, their weights
+    renormalised to sum to one, their outputs summed so weighted."""
+    logits = h @ p("block_sparse_moe.gate").T
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg["num_experts_per_tok"]]
+    weights = np.take_along_axis(probs, top, axis=-1)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    out = np.zeros_like(h)
+    for e in range(cfg["num_local_experts"]):
+        rows, slot = np.nonzero(top == e)
+        if len(rows) == 0:
+            continue
+        expert = lambda name: p(f"block_sparse_moe.experts.{e}.{name}")
+        y = swiglu(h[rows], expert("w1"), expert("w3"), expert("w2"))
+        out[rows] += weights[rows, slot][:, None] * y
+    return out
+
+
 def forward(w, cfg, ids):
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads", heads)
@@ -112,8 +137,10 @@ def forward(w, cfg, ids):
         attn = (scores / scores.sum(axis=-1, keepdims=True)) @ v
         x = x + attn.transpose(1, 0, 2).reshape(n, hidden) @ p("self_attn.o_proj").T
         h = rms_norm(x, p("post_attention_layernorm"), eps)
-        gate, up = h @ p("mlp.gate_proj").T, h @ p("mlp.up_proj").T
-        x = x + (gate / (1.0 + np.exp(-gate)) * up) @ p("mlp.down_proj").T
+        if cfg.get("num_local_experts"):
+            x = x + sparse_moe(h, p, cfg)
+        else:
+            x = x + swiglu(h, p("mlp.gate_proj"), p("mlp.up_proj"), p("mlp.down_proj"))
     x = rms_norm(x, w["model.norm.weight"].astype(np.float64), eps)
     # Tied, the head is the embedding, whatever the file holds under the head's name.
     head = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"

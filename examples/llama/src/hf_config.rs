@@ -96,6 +96,9 @@ pub fn parse_hf_config(json: &Value) -> Result<LlamaConfig, String> {
             &json!(0.0),
             "this trainer's router adds no noise",
         )?;
+        if config.optional_size("num_experts_per_tok")? == Some(1) {
+            return Err("config.json routes each token to one expert (num_experts_per_tok 1): Mixtral then weighs it by 1, where this model keeps its router probability (as Switch does); route to 2 or more".into());
+        }
         if let Some(window) = config.optional_size("sliding_window")? {
             return Err(format!(
                 "config.json sets sliding_window {window}; this model's attention sees every earlier token (set it to null)"

@@ -970,12 +970,11 @@ fn eval_on<B: burn_tensor_parallel::TpBackend>(
         }
         let n = ids.len();
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), device);
-        let loss = model
-            .loss(
-                tokens.clone().narrow(1, 0, n - 1),
-                tokens.narrow(1, 1, n - 1),
-            )
+        // The cross-entropy alone: a mixture of experts' routers' losses are for training.
+        let logits = model
+            .forward(tokens.clone().narrow(1, 0, n - 1))
             .map_err(|e| e.to_string())?;
+        let loss = llama::model::next_token_loss(logits, tokens.narrow(1, 1, n - 1));
         total += loss.into_scalar().elem::<f64>() * (n - 1) as f64;
         count += n - 1;
         sequences_read += 1;

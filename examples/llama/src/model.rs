@@ -714,8 +714,9 @@ impl<B: TpBackend> Llama<B> {
         Ok((x, own))
     }
 
-    /// Mean next-token cross-entropy (nats) of `targets` given `inputs`, both `[batch, seq]`,
-    /// of a model holding every block (split over a tensor-parallel group or not): the same on
+    /// The training objective of `targets` given `inputs`, both `[batch, seq]`, of a model
+    /// holding every block (split over a tensor-parallel group or not): the mean next-token
+    /// cross-entropy (nats), plus the routers' losses of a mixture of experts; the same on
     /// every rank of the tensor-parallel group; under context parallelism, the mean over this
     /// rank's tokens.
     pub fn loss(

@@ -189,7 +189,8 @@ pub fn dispatch_combine<B: CommBackend>(
             ));
         }
     };
-    let device = x.device();
+    // The rows' buffers take the input's dtype (bf16 or f16 under mixed precision).
+    let (device, dtype) = (x.device(), x.dtype());
     let chosen: Vec<i64> = routing
         .experts
         .to_data()
@@ -212,7 +213,7 @@ pub fn dispatch_combine<B: CommBackend>(
     let sorted = gather_rows(&x, &kept_tokens, &ids);
     let (sent, sizes) = match (padded_capacity, &slots) {
         (Some(capacity), Some(slots)) => {
-            let padded = Tensor::<B, 2>::zeros([ep.experts() * capacity, hidden], &device)
+            let padded = Tensor::<B, 2>::zeros([ep.experts() * capacity, hidden], (&device, dtype))
                 .select_assign(0, ids(slots), sorted, IndexingUpdateOp::Add);
             let part = vec![ep.local_count() * capacity; ep.size()];
             let sizes = SplitSizes {
@@ -240,7 +241,7 @@ pub fn dispatch_combine<B: CommBackend>(
         Some(slots) => gather_rows(&back, slots, &ids),
     };
     // 4. Weighted, and summed into their tokens.
-    let combined = Tensor::<B, 2>::zeros([tokens, hidden], &device);
+    let combined = Tensor::<B, 2>::zeros([tokens, hidden], (&device, dtype));
     let weights = routing.weights.clone().reshape([tokens * k]);
     let weights = weights
         .select(0, ids(&plan.kept))

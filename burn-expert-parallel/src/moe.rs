@@ -192,20 +192,23 @@ impl<B: CommBackend> Moe<B> {
         let mut routing = routed.routing;
         routing.weights = routing.weights.cast(dtype);
         let capacity = self.config.capacity(x.dims()[0]);
-        // An expert given no rows still ran on none: burn's autodiff loses the gradient of an
-        // empty tensor through `select` and `cat`, so its (zero) output is tied into the
-        // balancing loss instead, and its weights always get their gradient, zero.
+        // An expert given no rows runs on none: burn's autodiff loses the gradient of an
+        // empty tensor through `select` and `cat`, so its weights are tied into the balancing
+        // loss instead (times zero), and always get their gradient, zero.
         let mut idle = Vec::new();
         let (output, stats) =
             dispatch_combine(x, &routing, ep, capacity, self.dispatch, |j, rows| {
-                let output = self.expert(j, rows);
-                if output.dims()[0] == 0 {
-                    idle.push(output.clone().sum());
+                if rows.dims()[0] == 0 {
+                    idle.push(self.weights_sum(j));
+                    return Ok(rows);
                 }
-                Ok(output)
+                Ok(self.expert(j, rows))
             })?;
         let aux_loss = match idle.into_iter().reduce(|a, b| a + b) {
-            Some(idle) => routed.aux_loss + idle * 0.0,
+            Some(idle) => {
+                let dtype = routed.aux_loss.dtype();
+                routed.aux_loss + idle.cast(dtype) * 0.0
+            }
             None => routed.aux_loss,
         };
         Ok(MoeOutput {
@@ -216,14 +219,31 @@ impl<B: CommBackend> Moe<B> {
         })
     }
 
-    /// Local expert `j` on `rows` `[n, hidden]`: `down(silu(gate(x)) * up(x))`.
+    /// Local expert `j` on `rows` `[n, hidden]`, `n` at least 1: `down(silu(gate(x)) * up(x))`.
+    /// The matmuls take the expert's weights as a `[1, .., ..]` view of the stack: reshaped to
+    /// a matrix, burn would copy them, and its autodiff keep the copies until backward.
     fn expert(&self, j: usize, rows: Tensor<B, 2>) -> Tensor<B, 2> {
-        let weight = |w: &Param<Tensor<B, 3>>| {
-            let [_, a, b] = w.dims();
-            w.val().narrow(0, j, 1).reshape([a, b])
-        };
-        let gate = rows.clone().matmul(weight(&self.gate));
-        let up = rows.matmul(weight(&self.up));
-        (silu(gate) * up).matmul(weight(&self.down))
+        let [n, hidden] = rows.dims();
+        let rows = rows.unsqueeze::<3>();
+        let gate = rows.clone().matmul(self.weights(&self.gate, j));
+        let up = rows.matmul(self.weights(&self.up, j));
+        (silu(gate) * up)
+            .matmul(self.weights(&self.down, j))
+            .reshape([n, hidden])
+    }
+
+    /// Local expert `j`'s matrix of the stack `w`, `[1, .., ..]` (a view).
+    fn weights(&self, w: &Param<Tensor<B, 3>>, j: usize) -> Tensor<B, 3> {
+        w.val().narrow(0, j, 1)
+    }
+
+    /// The sum of every weight of local expert `j`, `[1]`: its weights in the graph, kept by
+    /// nothing but their shapes.
+    fn weights_sum(&self, j: usize) -> Tensor<B, 1> {
+        [&self.gate, &self.up, &self.down]
+            .map(|w| self.weights(w, j).sum())
+            .into_iter()
+            .reduce(|a, b| a + b)
+            .expect("three matrices")
     }
 }

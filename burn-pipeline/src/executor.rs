@@ -81,6 +81,10 @@ impl<B: Backend> StageOutput<B> {
             (Some((y, own)), Some(g)) => {
                 let target = (y * g).sum();
                 Some(match own {
+                    // The stage's own loss may be kept in fp32 under mixed precision.
+                    Some(own) if own.dtype() != target.dtype() => {
+                        target.cast(own.dtype()) + own * weight
+                    }
                     Some(own) => target + own * weight,
                     None => target,
                 })

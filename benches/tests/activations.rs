@@ -1,5 +1,5 @@
-//! `llama plan`'s activation estimate against the bytes a forward of `tiny` really keeps for
-//! its backward, in fp32 and bf16, and per rank under context parallelism. One test: the count
+//! `llama plan`'s activation estimate against the bytes a forward of `tiny` and `tiny-moe` really
+//! keeps for its backward, in fp32 and bf16, and per rank under context parallelism. One test: the count
 //! is of the whole process.
 
 use benches::activations::{measured_activation_bytes, measured_context_parallel_activation_bytes};
@@ -15,12 +15,20 @@ static ALLOC: CountingAllocator = CountingAllocator;
 #[test]
 fn the_plans_activations_are_within_5_percent_of_what_a_forward_keeps() {
     let config = LlamaConfig::preset("tiny").unwrap();
-    for (micro_batch, seq_len) in [(4, 64), (2, 256)] {
+    // A mixture of experts too, its z-loss on and off.
+    let moe = LlamaConfig::preset("tiny-moe").unwrap();
+    let cases = [
+        (&config, 4, 64),
+        (&config, 2, 256),
+        (&moe, 2, 256),
+        (&moe.clone().with_router_z_loss_coef(1e-3), 4, 64),
+    ];
+    for (config, micro_batch, seq_len) in cases {
         for dtype in [DType::F32, DType::BF16] {
-            let measured = measured_activation_bytes(&config, micro_batch, seq_len, dtype) as f64;
+            let measured = measured_activation_bytes(config, micro_batch, seq_len, dtype) as f64;
             let layers = config.num_hidden_layers;
             let estimated = activation_bytes(
-                &config,
+                config,
                 micro_batch,
                 seq_len,
                 layers,
@@ -29,6 +37,11 @@ fn the_plans_activations_are_within_5_percent_of_what_a_forward_keeps() {
                 dtype.size(),
             ) as f64;
             let off = (measured - estimated).abs() / estimated;
+            eprintln!(
+                "{} {dtype:?} {micro_batch} x {seq_len}: measured {measured}, estimated {estimated} ({:+.1}%)",
+                if config.is_moe() { "tiny-moe" } else { "tiny" },
+                100.0 * (measured - estimated) / estimated
+            );
             assert!(
                 off < 0.05,
                 "{dtype:?} {micro_batch} x {seq_len}: measured {measured} bytes, estimated {estimated}"

@@ -64,6 +64,9 @@ pub struct MoeMetrics {
     pub tokens_per_expert_mean: f64,
     /// Copies dropped over capacity, over every block.
     pub dropped: usize,
+    /// Bytes a rank sent its expert-parallel peers in the step (token copies to their experts
+    /// and back, forward and backward), the mean over the ranks; 0 without expert parallelism.
+    pub exchanged_bytes: f64,
 }
 
 /// What a step's record comes to: the language-model loss and the experts' figures.
@@ -89,6 +92,8 @@ pub struct Counting {
     /// Whether this rank's figures count: its tensor-parallel peers note the same ones, so
     /// only the first of them does.
     pub counts: bool,
+    /// Ranks of the job.
+    pub ranks: usize,
 }
 
 impl MoeRecord {
@@ -118,11 +123,13 @@ impl MoeRecord {
         self.0.lock().unwrap_or_else(|poison| poison.into_inner())
     }
 
-    /// The step's figures over the job (a collective over `world`, when there is one), and
-    /// the record emptied for the next.
+    /// The step's figures over the job (a collective over `world`, when there is one), this
+    /// rank having sent `exchanged` bytes to its expert-parallel peers, and the record emptied
+    /// for the next.
     pub fn step_metrics<B: Backend>(
         &self,
         counting: Counting,
+        exchanged: u64,
         world: Option<&Communicator>,
         device: &B::Device,
     ) -> Result<MoeStep, TrainError> {
@@ -132,12 +139,15 @@ impl MoeRecord {
             data_ranks,
             micro_batches,
             counts,
+            ranks,
         } = counting;
         let noted = std::mem::take(&mut *self.lock());
         // One vector for one all-reduce: per block its experts' copies, then its dropped
-        // copies, balancing loss and z-loss; last the language-model loss.
+        // copies, balancing loss and z-loss; then the language-model loss; last the bytes
+        // exchanged, which every rank sends.
         let per_block = experts + 3;
-        let mut sums = vec![0f64; blocks * per_block + 1];
+        let mut sums = vec![0f64; blocks * per_block + 2];
+        sums[blocks * per_block + 1] = exchanged as f64;
         if counts {
             for figures in &noted.blocks {
                 let at = figures.block * per_block;
@@ -170,6 +180,7 @@ impl MoeRecord {
             tokens_per_expert_max: 0,
             tokens_per_expert_mean: 0.0,
             dropped: 0,
+            exchanged_bytes: sums[blocks * per_block + 1] / ranks as f64,
         };
         let mut copies = 0.0;
         for block in sums[..blocks * per_block].chunks(per_block) {

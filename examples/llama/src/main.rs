@@ -59,7 +59,8 @@ struct ExportArgs {
 
 #[derive(clap::Args)]
 struct PlanArgs {
-    /// Model preset (tiny, small, llama-1b, llama-7b); its shape also sizes the activations.
+    /// Model preset (tiny, small, tiny-moe, small-moe, llama-1b, llama-7b); its shape also sizes
+    /// the activations.
     #[arg(long, conflicts_with = "params")]
     model: Option<String>,
     /// Any parameter count instead of a preset, such as 7.5e9.
@@ -68,6 +69,10 @@ struct PlanArgs {
     /// Data-parallel ranks, over which ZeRO shards.
     #[arg(long, default_value_t = 1)]
     dp: usize,
+    /// Expert-parallel ranks (a model with experts): each holds experts / ep of every block's
+    /// experts and reads its own samples; the dense weights are sharded over dp x ep.
+    #[arg(long, default_value_t = 1)]
+    ep: usize,
     /// Context-parallel ranks: each holds seq-len / cp tokens of a sequence; ZeRO shards over
     /// dp x cp.
     #[arg(long, default_value_t = 1)]
@@ -490,6 +495,7 @@ fn run_plan(args: PlanArgs) -> Result<(), String> {
         (None, None) => unreachable!("checked above"),
     };
     if args.dp == 0
+        || args.ep == 0
         || args.cp == 0
         || args.tp == 0
         || args.pp == 0
@@ -497,7 +503,8 @@ fn run_plan(args: PlanArgs) -> Result<(), String> {
         || args.seq_len == 0
     {
         return Err(
-            "--dp, --cp, --tp, --pp, --micro-batch-size and --seq-len must be at least 1".into(),
+            "--dp, --ep, --cp, --tp, --pp, --micro-batch-size and --seq-len must be at least 1"
+                .into(),
         );
     }
     if args.cp > 1 && !args.seq_len.is_multiple_of(2 * args.cp) {
@@ -509,10 +516,21 @@ fn run_plan(args: PlanArgs) -> Result<(), String> {
             2 * args.cp
         ));
     }
+    if let Some(model) = model.as_ref().filter(|_| args.ep > 1) {
+        if !model.is_moe() || !model.num_local_experts.is_multiple_of(args.ep) {
+            return Err(format!(
+                "--ep {} splits a mixture of experts' experts evenly; choose a model with experts (tiny-moe, small-moe) whose count it divides",
+                args.ep
+            ));
+        }
+    } else if args.ep > 1 {
+        return Err("--ep splits a mixture of experts' experts; give --model with experts (tiny-moe, small-moe)".into());
+    }
     let plan = Plan {
         params,
         model,
         dp: args.dp,
+        ep: args.ep,
         cp: args.cp,
         cp_attention: args.cp_attention.into(),
         tp: args.tp,

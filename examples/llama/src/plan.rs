@@ -1,7 +1,10 @@
 //! `llama plan`: model-state bytes per rank at every ZeRO stage (the paper's formulas, from
 //! burn-zero), and the activations a micro-batch of the Llama shapes keeps for its backward.
 //! Under context parallelism ZeRO shards over dp x cp, and a rank keeps the activations of
-//! its tokens only, its ring attention `O(tokens)` instead of the scores' `O(tokens^2)`.
+//! its tokens only, its ring attention `O(tokens)` instead of the scores' `O(tokens^2)`. A
+//! mixture of experts' experts are split over the expert-parallel ranks (and the rest of the
+//! model replicated over them), and their activations are those of the top-k experts each
+//! token visits.
 
 use burn_tensor_parallel::CpAttention;
 use burn_zero::{ModelStateBytes, Precision, ZeroStage, estimate};
@@ -17,6 +20,8 @@ pub struct Plan {
     pub model: Option<LlamaConfig>,
     /// Data-parallel ranks (ZeRO shards over them and the context-parallel ones).
     pub dp: usize,
+    /// Expert-parallel ranks: each holds `1 / ep` of the experts, and reads its own samples.
+    pub ep: usize,
     /// Context-parallel ranks: each holds `seq_len / cp` tokens of every sequence.
     pub cp: usize,
     /// How context-parallel attention reaches the other ranks' keys (with `cp` above 1).
@@ -34,19 +39,42 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Parameters each rank holds before ZeRO: an even share of the model over `tp x pp`.
-    pub fn params_per_rank(&self) -> u64 {
-        self.params.div_ceil((self.tp * self.pp) as u64)
+    /// The experts' parameters, of a mixture of experts whose shape is known; the rest of
+    /// [`params`](Self::params) is dense.
+    pub fn expert_params(&self) -> u64 {
+        self.model.as_ref().filter(|m| m.is_moe()).map_or(0, |m| {
+            (m.num_local_experts * 3 * m.hidden_size * m.intermediate_size * m.num_hidden_layers)
+                as u64
+        })
     }
 
-    /// Model-state bytes per rank at `stage`.
-    pub fn model_state(&self, stage: ZeroStage) -> ModelStateBytes {
-        estimate(
-            self.params_per_rank(),
-            self.dp * self.cp,
-            stage,
-            self.precision,
+    /// Parameters each rank holds before ZeRO: an even share of the dense model over
+    /// `tp x pp`, and of the experts over `tp x pp x ep`.
+    pub fn params_per_rank(&self) -> u64 {
+        let (dense, experts) = self.per_rank();
+        dense + experts
+    }
+
+    /// The dense and the experts' parameters each rank holds before ZeRO.
+    fn per_rank(&self) -> (u64, u64) {
+        let split = (self.tp * self.pp) as u64;
+        let experts = self.expert_params();
+        (
+            (self.params - experts).div_ceil(split),
+            experts.div_ceil(split * self.ep as u64),
         )
+    }
+
+    /// Model-state bytes per rank at `stage`: the dense part sharded over every rank holding
+    /// it (dp x ep x cp), the experts over the ranks holding the same ones (dp x cp).
+    pub fn model_state(&self, stage: ZeroStage) -> ModelStateBytes {
+        let (dense, experts) = self.per_rank();
+        let replicas = self.dp * self.cp;
+        let dense = estimate(dense, replicas * self.ep, stage, self.precision);
+        match experts {
+            0 => dense,
+            experts => dense + estimate(experts, replicas, stage, self.precision),
+        }
     }
 
     /// Bytes of activations one micro-batch keeps for its backward on the rank with the most
@@ -72,10 +100,19 @@ impl Plan {
     pub fn table(&self) -> String {
         let gb = |bytes: usize| bytes as f64 / 1e9;
         let mut out = format!(
-            "{:.3e} parameters, {:.3e} per rank (dp {}{} x tp {} x pp {}); {}-byte parameters and gradients, fp32 Adam moments{}\n\n",
+            "{:.3e} parameters{}, {:.3e} per rank (dp {}{}{} x tp {} x pp {}); {}-byte parameters and gradients, fp32 Adam moments{}\n\n",
             self.params as f64,
+            match self.expert_params() {
+                0 => String::new(),
+                experts => format!(" ({:.3e} in experts)", experts as f64),
+            },
             self.params_per_rank() as f64,
             self.dp,
+            if self.ep > 1 {
+                format!(" x ep {}", self.ep)
+            } else {
+                String::new()
+            },
             if self.cp > 1 {
                 format!(" x cp {}", self.cp)
             } else {
@@ -133,6 +170,16 @@ impl Plan {
 /// SiLU, the up projection and the product (5f). The head keeps the final norm's three and
 /// the fp32 logits. Norms and the head's input are whole on every tensor-parallel rank.
 ///
+/// A mixture of experts keeps, per token and block, in place of the MLP: the router's
+/// softmax (its fp32 shifted logits, their exponential and the probabilities, `3 E`), the
+/// top-k weights and their sum before renormalising (`k + 1` fp32) and in the compute dtype
+/// (`k`), the z-loss's fp32 exponential and two per token when it is on (`E + 2`), and for each
+/// of its `k` copies the row sent to its expert and the row coming back (weighted: `2 h`),
+/// the expert's SwiGLU (`5 f`, split over `tp` with the experts) and the six int32 indices by
+/// which it is gathered, sent, run and scattered back. With expert
+/// parallelism a rank keeps this for the copies its experts receive: on average its own
+/// tokens' count.
+///
 /// Split over `cp` context-parallel ranks, a rank keeps this for its `seq_len / cp` tokens.
 /// By the ring, attention keeps no scores: its backward recomputes them from the rotated queries
 /// and keys, the values, the context and each query's fp32 log-sum-exp (`3h + 2 h_kv` and `a`
@@ -169,8 +216,24 @@ pub fn activation_bytes(
         (_, CpAttention::Ring) => p * (3 * h + 2 * kv) + FP32 * a,
         (cp, CpAttention::AllGather) => p * (2 * h + 2 * h * cp) + scores,
     };
-    let mlp = 5 * p * f;
-    let per_block = 2 * norm + (attention + mlp) / tp;
+    let per_block = match model.is_moe() {
+        false => 2 * norm + (attention + 5 * p * f) / tp,
+        true => {
+            let (e, k) = (
+                model.num_local_experts as u64,
+                model.num_experts_per_tok as u64,
+            );
+            let z_loss = if model.router_z_loss_coef > 0.0 {
+                FP32 * (e + 2)
+            } else {
+                0
+            };
+            // The copies' int32 indices the selects and scatters keep (six per copy).
+            let indices = 6 * k * 4;
+            let router = FP32 * (3 * e + k + 1) + p * k + z_loss + indices;
+            2 * norm + attention / tp + router + k * (2 * p * h + 5 * p * f / tp)
+        }
+    };
     let head = norm + FP32 * v / tp;
     micro_batch as u64 * s * (layers as u64 * per_block + head)
 }
@@ -203,6 +266,7 @@ mod tests {
             params: 7_500_000_000,
             model: None,
             dp: 64,
+            ep: 1,
             cp: 1,
             cp_attention: CpAttention::Ring,
             tp: 1,
@@ -231,6 +295,7 @@ mod tests {
             params: 1000,
             model: Some(LlamaConfig::preset("tiny").unwrap()),
             dp: 2,
+            ep: 1,
             cp: 1,
             cp_attention: CpAttention::Ring,
             tp: 1,
@@ -258,6 +323,7 @@ mod tests {
             params: 1_000_000,
             model: Some(LlamaConfig::preset("small").unwrap()),
             dp: 2,
+            ep: 1,
             cp: 1,
             cp_attention: CpAttention::Ring,
             tp: 1,
@@ -279,5 +345,37 @@ mod tests {
         // Half the tokens, and no scores: well under half.
         assert!(plan.activations().unwrap() < activations / 2);
         assert!(plan.table().contains("dp 2 x cp 2"), "{}", plan.table());
+    }
+
+    #[test]
+    fn expert_parallel_ranks_share_the_experts_and_shard_them_over_fewer_ranks() {
+        let model = LlamaConfig::preset("small-moe").unwrap();
+        let mut plan = Plan {
+            params: model.num_params() as u64,
+            model: Some(model.clone()),
+            dp: 2,
+            ep: 1,
+            cp: 1,
+            cp_attention: CpAttention::Ring,
+            tp: 1,
+            pp: 1,
+            precision: Precision::F32,
+            micro_batch: 1,
+            seq_len: 256,
+        };
+        let experts = plan.expert_params();
+        assert_eq!(experts, 8 * 3 * 512 * 352 * 8);
+        let dense = plan.params - experts;
+        plan.ep = 4;
+        assert_eq!(plan.params_per_rank(), dense + experts / 4);
+        // ZeRO-1's optimizer state (8 bytes per parameter in fp32): the dense part over the 8
+        // ranks holding it, each expert over its 2.
+        let optimizer = plan.model_state(ZeroStage::OptimizerState).optimizer as u64;
+        assert_eq!(optimizer, 8 * dense / 8 + 8 * (experts / 4) / 2);
+        let table = plan.table();
+        assert!(
+            table.contains("in experts") && table.contains("dp 2 x ep 4"),
+            "{table}"
+        );
     }
 }

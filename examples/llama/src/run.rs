@@ -285,6 +285,8 @@ impl<'a> Saver<'a> {
 struct MoeReport<'a> {
     record: &'a MoeRecord,
     counting: Counting,
+    /// The expert-parallel group, whose sends are the token exchanges.
+    ep: Option<&'a Communicator>,
     world: Option<&'a Communicator>,
 }
 
@@ -301,7 +303,9 @@ impl<'a> MoeReport<'a> {
                 data_ranks: dims.data_ranks() * dims.cp,
                 micro_batches,
                 counts: groups.tp.as_ref().is_none_or(|tp| tp.rank() == 0),
+                ranks: dims.ranks(),
             },
+            ep: groups.ep.as_ref(),
             world: groups.world.as_ref(),
         })
     }
@@ -313,9 +317,14 @@ impl<'a> MoeReport<'a> {
         metrics: &mut StepMetrics,
         device: &B::Device,
     ) -> Result<(), TrainError> {
+        let exchanged = self.ep.map_or(0, |ep| {
+            let sent = ep.stats().send.bytes;
+            ep.reset_stats();
+            sent
+        });
         let step = self
             .record
-            .step_metrics::<B>(self.counting, self.world, device)?;
+            .step_metrics::<B>(self.counting, exchanged, self.world, device)?;
         metrics.loss = step.lm_loss;
         metrics.moe = Some(step.metrics);
         Ok(())

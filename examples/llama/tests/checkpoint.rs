@@ -8,7 +8,9 @@
 //! layout, each rank reads the blocks it holds there, and the run continues within the
 //! threaded parity tests' tolerances of that layout's uninterrupted run; read into another
 //! layout and saved again, it holds the same bits (Megatron's save / load / save test). A
-//! checkpoint of another run is refused, as is a layout that does not checkpoint yet.
+//! checkpoint of another run is refused, as is a layout that does not checkpoint yet. A mixture
+//! of experts checkpoints its experts at their global offsets too (ep 2 x tp 2, dp 2 x ep 2,
+//! pp 2 x ep 2), and resumes with them split otherwise.
 
 mod common;
 
@@ -47,6 +49,14 @@ fn layout(dp: usize, tp: usize, sp: bool) -> TrainConfig {
 fn context(dp: usize, cp: usize, tp: usize, stage: ZeroStage) -> TrainConfig {
     let mut config = zero(&layout(dp, tp, false), dp, stage);
     config.cp = cp;
+    config
+}
+
+/// `tiny-moe` on `dp` x `ep` x `tp` ranks (DDP when more than one reads samples).
+fn experts(dp: usize, ep: usize, tp: usize) -> TrainConfig {
+    let mut config = layout(dp * ep, tp, false);
+    config.model = llama::LlamaConfig::preset("tiny-moe").unwrap();
+    (config.dp, config.ep) = (dp, ep);
     config
 }
 
@@ -171,6 +181,14 @@ fn a_resumed_run_continues_the_uninterrupted_one_bit_for_bit_in_its_layout() {
             "cp 2 x tp 2 zero 1",
             context(1, 2, 2, ZeroStage::OptimizerState),
         ),
+        ("experts, ep 2 x tp 2", experts(1, 2, 2)),
+        ("experts, dp 2 x ep 2", experts(2, 2, 1)),
+        ("experts, pp 2 x ep 2", {
+            let mut config = experts(1, 2, 1);
+            config.pp = 2;
+            config.grad_accum = Some(4);
+            config
+        }),
     ];
     for (i, (what, config)) in layouts.into_iter().enumerate() {
         let whole = run(&config);
@@ -236,6 +254,21 @@ fn a_checkpoint_resumes_in_another_layout() {
             "dp 2 -> cp 4",
             layout(2, 1, false),
             context(1, 4, 1, ZeroStage::Replicated),
+        ),
+        (
+            "experts, ep 2 -> single",
+            experts(1, 2, 1),
+            experts(1, 1, 1),
+        ),
+        (
+            "experts, ep 2 x tp 2 -> ep 4",
+            experts(1, 2, 2),
+            experts(1, 4, 1),
+        ),
+        (
+            "experts, single -> dp 2 x ep 2",
+            experts(1, 1, 1),
+            experts(2, 2, 1),
         ),
     ];
     for (i, (what, from, target)) in layouts.into_iter().enumerate() {

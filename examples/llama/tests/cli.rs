@@ -351,7 +351,7 @@ fn print_plan_shows_each_parameters_placement_and_trains_nothing() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 47] = [
+    let cases: [(&[&str], &str); 50] = [
         (&["train", "--dp", "0"], "--dp must be at least 1"),
         (&["train", "--cp", "0"], "--cp must be at least 1"),
         (
@@ -482,7 +482,19 @@ fn bad_input_gets_a_sentence() {
         ),
         (
             &["train", "--clip-grad-norm", "1", "--tp", "2"],
-            "drop --tp, --pp or the parameter server to clip",
+            "drop --tp, --pp, --ep or the parameter server to clip",
+        ),
+        (
+            &["train", "--ep", "2"],
+            "but this model has none; use --model tiny-moe",
+        ),
+        (
+            &["train", "--model", "tiny-moe", "--ep", "3"],
+            "--ep 3 does not divide the 8 experts of each block",
+        ),
+        (
+            &["train", "--moe-aux-coef", "0.1"],
+            "--moe-aux-coef sets a mixture of experts' router, but this model has none",
         ),
         (
             &[

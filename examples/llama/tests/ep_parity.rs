@@ -4,7 +4,8 @@
 //! and composed with data, tensor and pipeline parallelism; and, with every expert on every
 //! rank, under data parallelism, ZeRO and a pipeline. Every step's language-model loss and
 //! routers' losses agree to rtol 1e-5, the final weights as `common` says, and every layout
-//! routes the same copies to each expert.
+//! routes the same copies to each expert. What experts cannot run with is refused with a
+//! sentence.
 
 mod common;
 
@@ -132,4 +133,34 @@ fn a_capacity_drops_copies_and_says_how_many() {
         assert!(step.loss.is_finite());
     }
     assert!(dropped > 0, "an uneven router drops some copies");
+}
+
+#[test]
+fn what_experts_cannot_run_with_is_refused_with_a_sentence() {
+    let refused = |config: TrainConfig| config.layout().unwrap_err().to_string();
+    let mut uneven = expert_parallel(1, 3);
+    uneven.batch_size = 9;
+    let error = refused(uneven);
+    assert!(
+        error.contains("--ep 3 does not divide the 8 experts"),
+        "{error}"
+    );
+    let mut dense = expert_parallel(1, 2);
+    dense.model = LlamaConfig::preset("tiny").unwrap();
+    let error = refused(dense);
+    assert!(error.contains("this model has none"), "{error}");
+    let error = refused(zero(&expert_parallel(1, 2), 1, ZeroStage::OptimizerState));
+    assert!(error.contains("--zero 1 shards the model state"), "{error}");
+    let mut sp = moe(Strategy::Single, 1);
+    (sp.tp, sp.sequence_parallel) = (2, true);
+    let error = refused(sp);
+    assert!(error.contains("drop --sp"), "{error}");
+    let mut top_k = moe(Strategy::Single, 1);
+    top_k.model.num_experts_per_tok = 9;
+    let error = refused(top_k);
+    assert!(error.contains("top-9 of 8 experts"), "{error}");
+    let mut clipped = expert_parallel(1, 2);
+    clipped.max_grad_norm = Some(1.0);
+    let error = refused(clipped);
+    assert!(error.contains("--ep"), "{error}");
 }

@@ -107,7 +107,8 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
         "--micro-batches",
         "2",
     ];
-    let layouts: [(usize, &[&str], &[&str]); 16] = [
+    let moe = ["--model", "tiny-moe"];
+    let layouts: [(usize, &[&str], &[&str]); 18] = [
         (2, &["--dp", "2"], &[]),
         (2, &["--dp", "2", "--strategy", "parameter-server"], &[]),
         (2, &["--tp", "2"], &[]),
@@ -123,6 +124,8 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
         (2, &["--dp", "2", "--zero", "1", "--dtype", "bf16"], &[]),
         (4, &["--dp", "2", "--tp", "2"], &[]),
         (4, &["--dp", "2", "--cp", "2"], &[]),
+        (2, &["--ep", "2"], &moe),
+        (4, &["--ep", "2", "--tp", "2"], &moe),
         (2, &gpipe, &[]),
         (2, &one_f_one_b, &[]),
         (2, &zero_bubble, &[]),

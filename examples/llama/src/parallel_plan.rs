@@ -306,16 +306,22 @@ impl ParallelPlan {
     /// The plan as `--print-plan` prints it.
     pub fn describe(&self, model: &LlamaConfig) -> String {
         let ParallelDims { dp, pp, cp, tp, ep } = self.dims;
-        let mut out = match cp {
-            1 => format!(
-                "parallel plan: dp {dp} x pp {pp} x tp {tp} = {} ranks (tp fastest, then pp)\n",
-                dp * pp * tp
-            ),
-            _ => format!(
-                "parallel plan: dp {dp} x pp {pp} x cp {cp} x tp {tp} = {} ranks (tp fastest, then cp, then pp); every sequence split over the {cp} context-parallel ranks\n",
-                self.dims.ranks()
-            ),
-        };
+        let (then_cp, then_ep) = (
+            if cp > 1 { ", then cp" } else { "" },
+            if ep > 1 { ", then ep" } else { "" },
+        );
+        let mut out = format!(
+            "parallel plan: {} = {} ranks (tp fastest{then_cp}, then pp{then_ep})",
+            self.dims.describe(),
+            self.dims.ranks()
+        );
+        if cp > 1 {
+            let _ = write!(
+                out,
+                "; every sequence split over the {cp} context-parallel ranks"
+            );
+        }
+        out.push('\n');
         let sp = if self.sequence_parallel {
             ", sequence parallel: activations between the regions split along the sequence"
         } else {

@@ -1,7 +1,7 @@
 //! Mixture of experts against the oracle: `tiny-moe` (8 SwiGLU experts per block, top-2,
 //! dropless, balancing loss 0.01 and z-loss 0.001) trained 20 steps on one device, and with
 //! its experts split over 2 and 4 expert-parallel ranks, each reading its own samples, alone
-//! and composed with data, tensor and pipeline parallelism; and, with every expert on every
+//! and composed with data, tensor, pipeline and context parallelism; and, with every expert on every
 //! rank, under data parallelism, ZeRO and a pipeline. Every step's language-model loss and
 //! routers' losses agree to rtol 1e-5, the final weights as `common` says, and every layout
 //! routes the same copies to each expert. What experts cannot run with is refused with a
@@ -88,6 +88,10 @@ fn expert_parallelism_composes_with_tensor_and_pipeline_parallelism() {
     // Zero-bubble's weight half runs each stage's forward again: its experts are noted once.
     pp.schedule = ScheduleKind::ZeroBubbleH1;
     assert_moe_close(&oracle_accum, &run(&pp), "pp 2 x ep 2, zb-h1");
+    // Each context-parallel rank routes its chunks' tokens; experts average over dp x cp.
+    let mut cp = expert_parallel(1, 2);
+    cp.cp = 2;
+    assert_moe_close(&oracle, &run(&cp), "ep 2 x cp 2");
 }
 
 #[test]

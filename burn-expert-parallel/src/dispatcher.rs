@@ -61,8 +61,7 @@ impl ExpertParallel {
         }
         Ok(Self {
             comm,
-            experts,
-            tensor_parallel: None,
+            ..Self::unsplit(experts)
         })
     }
 

@@ -194,12 +194,12 @@ impl<B: CommBackend> Moe<B> {
         let capacity = self.config.capacity(x.dims()[0]);
         // An expert given no rows runs on none: burn's autodiff loses the gradient of an
         // empty tensor through `select` and `cat`, so its weights are tied into the balancing
-        // loss instead (times zero), and always get their gradient, zero.
+        // loss instead (adding zero), and always get their gradient, zero.
         let mut idle = Vec::new();
         let (output, stats) =
             dispatch_combine(x, &routing, ep, capacity, self.dispatch, |j, rows| {
                 if rows.dims()[0] == 0 {
-                    idle.push(self.weights_sum(j));
+                    idle.push(self.weights_zero(j));
                     return Ok(rows);
                 }
                 Ok(self.expert(j, rows))
@@ -207,7 +207,7 @@ impl<B: CommBackend> Moe<B> {
         let aux_loss = match idle.into_iter().reduce(|a, b| a + b) {
             Some(idle) => {
                 let dtype = routed.aux_loss.dtype();
-                routed.aux_loss + idle.cast(dtype) * 0.0
+                routed.aux_loss + idle.cast(dtype)
             }
             None => routed.aux_loss,
         };
@@ -237,11 +237,12 @@ impl<B: CommBackend> Moe<B> {
         w.val().narrow(0, j, 1)
     }
 
-    /// The sum of every weight of local expert `j`, `[1]`: its weights in the graph, kept by
-    /// nothing but their shapes.
-    fn weights_sum(&self, j: usize) -> Tensor<B, 1> {
+    /// Zero, `[1]`, as the sum of every weight of local expert `j` times zero: its weights in
+    /// the graph (kept by nothing but their shapes), their gradient zero. Multiplied before
+    /// summing, so no 16-bit sum can overflow.
+    fn weights_zero(&self, j: usize) -> Tensor<B, 1> {
         [&self.gate, &self.up, &self.down]
-            .map(|w| self.weights(w, j).sum())
+            .map(|w| (self.weights(w, j) * 0.0).sum())
             .into_iter()
             .reduce(|a, b| a + b)
             .expect("three matrices")

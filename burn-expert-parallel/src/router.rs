@@ -175,7 +175,8 @@ fn balance_loss<B: Backend>(
     if let Some(batch) = batch {
         counts = batch.all_reduce(counts, ReduceOp::Sum)?;
     }
-    let total = counts.clone().narrow(0, experts, 1);
+    // A batch without tokens has no loss (not 0 / 0).
+    let total = counts.clone().narrow(0, experts, 1).clamp_min(1.0);
     let fraction = counts.narrow(0, 0, experts) / (total.clone() * config.top_k as f64);
     // P_e of the whole batch is the ranks' sums over all its tokens: this rank's sum, scaled
     // so that the mean of the ranks' losses is the batch's.

@@ -389,6 +389,8 @@ fn experts_without_rows_get_zero_gradients() {
         )
         .unwrap();
     assert_eq!(out.output.dims(), [0, HIDDEN]);
+    let aux: f32 = out.aux_loss.clone().into_scalar();
+    assert_eq!(aux, 0.0, "a batch without tokens has no balancing loss");
     let grads = (out.output.sum() + out.aux_loss + out.z_loss).backward();
     for (name, weight) in [("gate", &moe.gate), ("up", &moe.up), ("down", &moe.down)] {
         let grad = weight
@@ -487,6 +489,73 @@ fn a_rank_with_no_tokens_or_no_copies_for_a_peer_neither_hangs_nor_loses_gradien
             assert_close(&grad.expect("a gradient"), &(r * 3.0), "rank 1: gradient");
         } else {
             assert_eq!(out.dims(), [0, HIDDEN], "rank 0: no tokens, no output");
+        }
+    }
+}
+
+/// Every copy of both ranks' tokens goes to rank 1's experts, so rank 0's receive nothing: it
+/// still runs every exchange, forward and backward (none waits), and the outputs and input
+/// gradients are right; also with each expert split over 2 tensor-parallel ranks.
+#[test]
+fn a_rank_whose_experts_receive_nothing_neither_hangs_nor_loses_gradients() {
+    for etp in [1, 2] {
+        let results = burn_comm::launch_with(
+            burn_comm::LaunchConfig::new(2 * etp).with_timeout(std::time::Duration::from_secs(20)),
+            |ctx| {
+                let (e, t) = (ctx.rank() / etp, ctx.rank() % etp);
+                let world = ctx.world();
+                let ep_comm = Some(world.split("ep", t)?);
+                let etp_comm = (etp > 1).then(|| world.split("etp", e)).transpose()?;
+                let split = ExpertParallel::new(EXPERTS, ep_comm)?.with_tensor_parallel(etp_comm);
+                let tokens = 3;
+                let ids: Vec<i64> = (0..tokens as i64).flat_map(|t| [4 + t, 7]).collect();
+                let routing = Routing::<B> {
+                    experts: Tensor::from_data(
+                        TensorData::new(ids, [tokens, 2]),
+                        &Default::default(),
+                    ),
+                    weights: Tensor::from_data(
+                        TensorData::new(vec![0.5f32; 2 * tokens], [tokens, 2]),
+                        &Default::default(),
+                    ),
+                };
+                let x = random([tokens, HIDDEN], 60 + e as u64);
+                let leaf = Tensor::<B, 2>::from_inner(x.clone()).require_grad();
+                let mut idle = Vec::new();
+                let (out, _) = dispatch_combine(
+                    leaf.clone(),
+                    &routing,
+                    &split,
+                    None,
+                    Dispatch::Unpadded,
+                    |j, rows| {
+                        if rows.dims()[0] == 0 {
+                            idle.push(j);
+                        }
+                        // Each of the `etp` ranks gives its part of the product, which they sum.
+                        Ok(rows * (3.0 / etp as f64))
+                    },
+                )?;
+                let grads = out.clone().sum().backward();
+                Ok::<_, MoeError>((e, idle, x, out.inner(), leaf.grad(&grads)))
+            },
+        );
+        for (rank, result) in results.into_iter().enumerate() {
+            let (e, idle, x, out, grad) =
+                result.unwrap_or_else(|err| panic!("etp {etp}, rank {rank}: {err}"));
+            // Two copies of weight 1/2 through experts that triple.
+            assert_close(&out, &(x * 3.0), &format!("etp {etp}, rank {rank}: output"));
+            let grad = grad.expect("an input gradient");
+            assert_close(
+                &grad,
+                &Tensor::ones([3, HIDDEN], &Default::default()).mul_scalar(3.0),
+                &format!("etp {etp}, rank {rank}: gradient"),
+            );
+            if e == 0 {
+                assert_eq!(idle, vec![0, 1, 2, 3], "rank {rank}'s experts got nothing");
+            } else {
+                assert!(idle.is_empty(), "rank {rank}: {idle:?}");
+            }
         }
     }
 }

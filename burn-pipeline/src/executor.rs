@@ -116,7 +116,9 @@ pub struct StepOutput {
     /// Gradients of this rank's chunks, summed over micro-batches (each loss divided by their
     /// number), times the step's loss scale.
     pub grads: GradientsParams,
-    /// The mean loss over the micro-batches, on the rank that holds the last stage.
+    /// The mean loss over the micro-batches, on the rank that holds the last stage: the last
+    /// stage's loss only (earlier stages' own losses, `StageOutput::ActivationAndLoss`, join
+    /// the backward but are not in it).
     pub loss: Option<f64>,
     /// When each action ran, in seconds since the step's origin.
     pub spans: Vec<Span>,

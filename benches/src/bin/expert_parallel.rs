@@ -167,11 +167,7 @@ fn main() {
         // Each run's dense twin is the run before it (same ranks).
         let dense_step = median(steps[i - i % 2].iter().copied());
         let model = &config.model;
-        let experts = if model.is_moe() {
-            model.num_local_experts * 3 * model.hidden_size * model.intermediate_size
-        } else {
-            0
-        } * model.num_hidden_layers;
+        let experts = model.num_expert_params();
         let per_rank = model.num_params() - experts + experts / config.ep;
         let (sent, formula) = match model.is_moe() && config.ep > 1 {
             false => (None, None),

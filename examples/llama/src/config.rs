@@ -205,14 +205,27 @@ impl LlamaConfig {
         self.params_using(self.num_experts_per_tok.min(self.num_local_experts))
     }
 
+    /// Parameters of every block's experts (none in a dense model).
+    pub fn num_expert_params(&self) -> usize {
+        match self.is_moe() {
+            false => 0,
+            true => self.num_local_experts * self.expert_params() * self.num_hidden_layers,
+        }
+    }
+
+    /// Parameters of one expert (or of the dense MLP): a SwiGLU's three matrices.
+    fn expert_params(&self) -> usize {
+        3 * self.hidden_size * self.intermediate_size
+    }
+
     /// The parameter count with `experts` experts per block (the router's counted whole).
     fn params_using(&self, experts: usize) -> usize {
-        let (v, h, f) = (self.vocab_size, self.hidden_size, self.intermediate_size);
+        let (v, h) = (self.vocab_size, self.hidden_size);
         let kv = self.num_key_value_heads * self.head_dim();
         let attention = 2 * h * h + 2 * h * kv;
         let mlp = match self.is_moe() {
-            false => 3 * h * f,
-            true => h * self.num_local_experts + experts * 3 * h * f,
+            false => self.expert_params(),
+            true => h * self.num_local_experts + experts * self.expert_params(),
         };
         let block = attention + mlp + 2 * h;
         let head = if self.tie_word_embeddings { 0 } else { v * h };

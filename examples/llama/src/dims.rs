@@ -316,18 +316,20 @@ pub struct Groups {
     /// Every rank of the job: where the ranks agree on what all of them must (an f16
     /// overflow skipping a step).
     pub world: Option<Communicator>,
-    /// The data-parallel ranks: one per replica, each reading its own samples.
+    /// The ranks reading their own samples: one per replica, times the expert-parallel ranks
+    /// (dp x ep).
     pub dp: Option<Communicator>,
-    /// Every rank holding this rank's weights, which average their gradients (and share their
-    /// ZeRO shards): the data-parallel ranks, times the context-parallel ones (Megatron's
-    /// data-parallel group "with context parallel").
+    /// Every rank holding this rank's (dense) weights, which average their gradients (and
+    /// share their ZeRO shards): the data-parallel ranks, times the expert- and
+    /// context-parallel ones, dp x ep x cp (Megatron's data-parallel group "with context
+    /// parallel"); the ranks a micro-batch is spread over, too.
     pub replicas: Option<Communicator>,
     /// One rank per stage of this rank's pipeline, in stage order.
     pub pp: Option<Communicator>,
     /// The ranks splitting this rank's sequences.
     pub cp: Option<ContextParallel>,
-    /// The ranks splitting this rank's stage of the model (by weights or by sequence): cp x
-    /// tp. Their backwards communicate, so they start each backward together (see
+    /// The ranks splitting this rank's stage of the model (by weights, by sequence or by
+    /// experts): ep x cp x tp. Their backwards communicate, so they start each backward together (see
     /// burn-pipeline's `PipelineExecutor::with_backward_group`).
     pub stage_peers: Option<Communicator>,
     /// The ranks splitting this rank's weights.

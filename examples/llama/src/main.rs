@@ -172,7 +172,8 @@ struct TrainArgs {
     /// Expert-parallel ranks (a model with experts, such as --model tiny-moe): each holds
     /// experts / ep of every block's experts and reads its own samples, its tokens travelling
     /// to their experts' ranks and back; the run uses dp x ep x pp x cp x tp threads, and each
-    /// expert's gradient is averaged over the dp ranks holding it.
+    /// expert's gradient is summed over the dp x cp ranks holding it and scaled to the
+    /// average over all dp x ep x cp.
     #[arg(long, default_value_t = 1)]
     ep: usize,
     /// Weight of each block's load-balancing loss, for a model with experts (its config's

@@ -313,8 +313,11 @@ impl<B: TpBackend> Block<B> {
                 let unsplit;
                 let (ep, group) = match experts {
                     Some(experts) => (&experts.ep, experts.batch.as_ref()),
+                    // Every expert here (a model cut by `ParallelPlan::shard`, say): still
+                    // split over `tp` when the plan split it.
                     None => {
-                        unsplit = ExpertParallel::unsplit(moe.config().experts);
+                        unsplit = ExpertParallel::unsplit(moe.config().experts)
+                            .with_tensor_parallel(tp.map(|tp| tp.comm().clone()));
                         (&unsplit, None)
                     }
                 };

@@ -351,7 +351,7 @@ impl ParallelPlan {
             };
             let _ = writeln!(
                 out,
-                "\nexpert parallelism: {} experts per block over {ep} rank(s), {} each; top-{} routing, {capacity}; experts' gradients averaged over the dp {dp} ranks holding them, the rest over dp x ep",
+                "\nexpert parallelism: {} experts per block over {ep} rank(s), {} each; top-{} routing, {capacity}; experts' gradients summed over the dp x cp ranks holding them and scaled to the average over dp x ep x cp, the rest averaged over dp x ep x cp",
                 router.experts,
                 router.experts / ep,
                 router.top_k,
@@ -827,5 +827,36 @@ mod tests {
         config.model = tied.clone();
         let text = ParallelPlan::new(&config).unwrap().describe(&tied);
         assert!(text.contains("sharded once with unit 0: unit 3"), "{text}");
+    }
+
+    /// A mixture of experts cut by `shard` over tp (every expert kept, each split) computes the
+    /// whole model's loss: its experts' partial products are summed over the group.
+    #[test]
+    fn a_mixture_of_experts_cut_over_tp_computes_the_whole_models_loss() {
+        let model = LlamaConfig::preset("tiny-moe").unwrap();
+        let tokens = burn::tensor::Tensor::<Flex, 2, burn::tensor::Int>::from_ints(
+            [[1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1]],
+            &Default::default(),
+        );
+        let loss = |m: &Llama<Flex>| -> Result<f32, TrainError> {
+            Ok(m.loss(tokens.clone(), tokens.clone().flip([1]))?
+                .into_scalar())
+        };
+        let whole = loss(&Llama::init(&model, 3, &Default::default())).unwrap();
+        let results = burn_comm::launch(2, |ctx| {
+            let mut config = TrainConfig::new(model.clone(), 1);
+            config.tp = 2;
+            let plan = ParallelPlan::new(&config)?;
+            let tp = TensorParallel::new(ctx.world().clone());
+            let part = plan.shard(Llama::init(&model, 3, &Default::default()), Some(&tp))?;
+            loss(&part)
+        });
+        for result in results {
+            let split = result.unwrap();
+            assert!(
+                (split - whole).abs() <= 1e-5 * whole,
+                "{split} against {whole}"
+            );
+        }
     }
 }

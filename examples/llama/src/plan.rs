@@ -42,10 +42,9 @@ impl Plan {
     /// The experts' parameters, of a mixture of experts whose shape is known; the rest of
     /// [`params`](Self::params) is dense.
     pub fn expert_params(&self) -> u64 {
-        self.model.as_ref().filter(|m| m.is_moe()).map_or(0, |m| {
-            (m.num_local_experts * 3 * m.hidden_size * m.intermediate_size * m.num_hidden_layers)
-                as u64
-        })
+        self.model
+            .as_ref()
+            .map_or(0, |m| m.num_expert_params() as u64)
     }
 
     /// Parameters each rank holds before ZeRO: an even share of the dense model over
@@ -152,6 +151,9 @@ impl Plan {
                 );
             }
             None => out += "\nactivations: give --model for the shapes\n",
+        }
+        if self.ep > 1 {
+            out += "(ZeRO with --ep: the experts sharded over dp x cp, the rest over dp x ep x cp; an estimate only, `llama train` does not run it yet)\n";
         }
         out
     }

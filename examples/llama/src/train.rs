@@ -441,7 +441,7 @@ pub(crate) fn reduce_scalar<B: Backend>(
     Ok(scalar(&comm.all_reduce(local, op)?))
 }
 
-/// Runs `config` on its `dp x pp x cp x tp` ranks and returns the final weights, whole; `on_step`
+/// Runs `config` on its `dp x ep x pp x cp x tp` ranks and returns the final weights, whole; `on_step`
 /// sees rank 0's metrics. The ranks are threads, or this process's rank alone under
 /// `config.process`; one rank of the single-device strategy runs here, without a communicator.
 pub fn train<B: TrainBackend>(

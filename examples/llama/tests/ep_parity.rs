@@ -88,6 +88,8 @@ fn expert_parallelism_composes_with_tensor_and_pipeline_parallelism() {
     // Zero-bubble's weight half runs each stage's forward again: its experts are noted once.
     pp.schedule = ScheduleKind::ZeroBubbleH1;
     assert_moe_close(&oracle_accum, &run(&pp), "pp 2 x ep 2, zb-h1");
+    (pp.schedule, pp.virtual_stages) = (ScheduleKind::Interleaved, 2);
+    assert_moe_close(&oracle_accum, &run(&pp), "pp 2 x ep 2, interleaved");
     // Each context-parallel rank routes its chunks' tokens; experts average over dp x cp.
     let mut cp = expert_parallel(1, 2);
     cp.cp = 2;

@@ -1,5 +1,5 @@
 //! What the benches share: a heap counter for memory figures, the activations a forward keeps,
-//! the median, the model preset of `--model`, token batches, the JSON file of results, and the
+//! training runs in interleaved rounds, the median, the model preset of `--model`, token batches, the JSON file of results, and the
 //! device a kernel bench runs on.
 
 use burn::tensor::backend::Backend;
@@ -40,6 +40,34 @@ pub fn token_batch<B: Backend>(
         &Default::default(),
     );
     (tokens.clone().narrow(1, 0, seq), tokens.narrow(1, 1, seq))
+}
+
+/// Trains each of `runs` (named configurations) on `data`, `repeats` times in interleaved
+/// rounds so that drift of the machine's speed hits each alike, and hands every run's step
+/// metrics and its peak of live memory (above what was live before it; the process must count
+/// with [`memory::CountingAllocator`]) to `record`, with the run's index.
+pub fn interleaved_rounds(
+    runs: &[(String, llama::train::TrainConfig)],
+    data: &MarkovSource,
+    repeats: usize,
+    mut record: impl FnMut(usize, &[llama::train::StepMetrics], usize),
+) {
+    for round in 0..repeats {
+        for (i, (name, config)) in runs.iter().enumerate() {
+            let before = memory::live_bytes();
+            memory::reset_peak();
+            let mut metrics = Vec::new();
+            llama::train::train::<burn::backend::Autodiff<burn::backend::Flex>>(
+                config,
+                data,
+                &Default::default(),
+                &mut |m| metrics.push(*m),
+            )
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+            record(i, &metrics, memory::peak_bytes().saturating_sub(before));
+            eprintln!("round {} / {repeats}: {name} done", round + 1);
+        }
+    }
 }
 
 /// Writes `rows` to `path` as JSON, creating its directory, and says so.

@@ -267,7 +267,12 @@ fn a_moe_layer_split_over_expert_parallel_ranks_matches_one_device() {
     // their whole.
     let x = |rank: usize| random([tokens, HIDDEN], 20 + rank as u64);
     let r = |rank: usize| random([tokens, HIDDEN], 40 + rank as u64);
-    let layer = |ctx: &burn_comm::RankContext, ep: usize, etp: usize| {
+    // One rank of the layer at `ep` x `etp` ranks, on its tokens `x` whose outputs the loss
+    // weighs by `r`.
+    let layer = |ctx: &burn_comm::RankContext,
+                 (ep, etp): (usize, usize),
+                 x: Tensor<Inner, 2>,
+                 r: Tensor<Inner, 2>| {
         let world = ctx.world();
         let (e, t) = (ctx.rank() / etp, ctx.rank() % etp);
         let ep_comm = (ep > 1).then(|| world.split("ep", t)).transpose()?;
@@ -276,12 +281,12 @@ fn a_moe_layer_split_over_expert_parallel_ranks_matches_one_device() {
         let (router, experts) = full.clone();
         let experts = experts.map(Tensor::<B, 3>::from_inner);
         let moe = Moe::from_full(Tensor::from_inner(router), experts, config, split)?;
-        let leaf = Tensor::<B, 2>::from_inner(x(e)).require_grad();
+        let leaf = Tensor::<B, 2>::from_inner(x).require_grad();
         let out = moe.forward(leaf.clone(), ep_comm.as_ref())?;
         // The whole batch's loss is the sum of the ranks' outputs' and the mean of their
         // balancing losses.
         let share = 1.0 / ep as f64;
-        let loss = (out.output.clone() * Tensor::from_inner(r(e))).sum()
+        let loss = (out.output.clone() * Tensor::from_inner(r)).sum()
             + (out.aux_loss.clone() + out.z_loss.clone()) * share;
         let grads = loss.backward();
         let grad = |p: &burn::module::Param<Tensor<B, 3>>| p.val().grad(&grads).unwrap();
@@ -298,34 +303,17 @@ fn a_moe_layer_split_over_expert_parallel_ranks_matches_one_device() {
         let whole_x = Tensor::cat((0..ep).map(x).collect(), 0);
         let whole_r = Tensor::cat((0..ep).map(r).collect(), 0);
         let one = launch(1, |ctx| {
-            let moe = Moe::from_full(
-                Tensor::<B, 2>::from_inner(full.0.clone()),
-                full.1.clone().map(Tensor::from_inner),
-                config,
-                group(&ctx, 1),
-            )?;
-            let leaf = Tensor::<B, 2>::from_inner(whole_x.clone()).require_grad();
-            let out = moe.forward(leaf.clone(), None)?;
-            let loss = (out.output.clone() * Tensor::from_inner(whole_r.clone())).sum()
-                + out.aux_loss.clone()
-                + out.z_loss.clone();
-            let grads = loss.backward();
-            let grad = |p: &burn::module::Param<Tensor<B, 3>>| p.val().grad(&grads).unwrap();
-            Ok::<LayerRun, MoeError>((
-                out.output.inner(),
-                out.aux_loss.into_scalar(),
-                out.z_loss.into_scalar(),
-                leaf.grad(&grads).unwrap(),
-                moe.router.val().grad(&grads).unwrap(),
-                [grad(&moe.gate), grad(&moe.up), grad(&moe.down)],
-            ))
+            layer(&ctx, (1, 1), whole_x.clone(), whole_r.clone())
         })
         .remove(0)
         .unwrap_or_else(|e| panic!("{e}"));
-        let split: Vec<LayerRun> = launch(ep * etp, |ctx| layer(&ctx, ep, etp))
-            .into_iter()
-            .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
-            .collect();
+        let split: Vec<LayerRun> = launch(ep * etp, |ctx| {
+            let e = ctx.rank() / etp;
+            layer(&ctx, (ep, etp), x(e), r(e))
+        })
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
+        .collect();
         // The first of each group of ranks holding the same tokens.
         let distinct: Vec<&LayerRun> = split.iter().step_by(etp).collect();
         let rows = |t: &Tensor<Inner, 2>, e: usize| t.clone().narrow(0, e * tokens, tokens);

@@ -12,12 +12,11 @@
 //! `cargo run --release -p benches --bin expert_parallel -- --help`
 
 use benches::median;
-use benches::memory::{CountingAllocator, live_bytes, peak_bytes, reset_peak};
-use burn::backend::{Autodiff, Flex};
+use benches::memory::CountingAllocator;
 use clap::Parser;
 use llama::LlamaConfig;
 use llama::data::MarkovSource;
-use llama::train::{StepMetrics, Strategy, TrainConfig, train};
+use llama::train::{Strategy, TrainConfig};
 use serde::Serialize;
 
 #[global_allocator]
@@ -124,27 +123,17 @@ fn main() {
     let mut steps: Vec<Vec<f64>> = vec![Vec::new(); runs.len()];
     let mut peaks: Vec<Vec<usize>> = vec![Vec::new(); runs.len()];
     let mut exchanged: Vec<Vec<f64>> = vec![Vec::new(); runs.len()];
-    for round in 0..args.repeats {
-        for (i, (name, config)) in runs.iter().enumerate() {
-            let before = live_bytes();
-            reset_peak();
-            let mut metrics: Vec<StepMetrics> = Vec::new();
-            train::<Autodiff<Flex>>(config, &data, &Default::default(), &mut |m| {
-                metrics.push(*m)
-            })
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-            peaks[i].push(peak_bytes().saturating_sub(before));
-            let counted = &metrics[args.warmup..];
-            steps[i].extend(counted.iter().map(|m| m.seconds));
-            exchanged[i].extend(
-                counted
-                    .iter()
-                    .filter_map(|m| m.moe)
-                    .map(|moe| moe.exchanged_bytes),
-            );
-            eprintln!("round {} / {}: {name} done", round + 1, args.repeats);
-        }
-    }
+    benches::interleaved_rounds(&runs, &data, args.repeats, |i, metrics, peak| {
+        peaks[i].push(peak);
+        let counted = &metrics[args.warmup..];
+        steps[i].extend(counted.iter().map(|m| m.seconds));
+        exchanged[i].extend(
+            counted
+                .iter()
+                .filter_map(|m| m.moe)
+                .map(|m| m.exchanged_bytes),
+        );
+    });
 
     let tokens = (args.batch_size * args.seq_len) as f64;
     let mb = |bytes: f64| bytes / 1e6;

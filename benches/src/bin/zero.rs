@@ -12,12 +12,11 @@
 //! `cargo run --release -p benches --bin zero -- --help`
 
 use benches::median;
-use benches::memory::{CountingAllocator, live_bytes, peak_bytes, reset_peak};
-use burn::backend::{Autodiff, Flex};
+use benches::memory::CountingAllocator;
 use burn_zero::{MixedPrecision, Precision, ZeroStage, estimate};
 use clap::Parser;
 use llama::data::MarkovSource;
-use llama::train::{StepMetrics, Strategy, TrainConfig, train};
+use llama::train::{Strategy, TrainConfig};
 use serde::Serialize;
 
 #[global_allocator]
@@ -121,21 +120,11 @@ fn main() {
     let mut steps: Vec<Vec<f64>> = vec![Vec::new(); runs.len()];
     let mut state: Vec<Option<usize>> = vec![None; runs.len()];
     let mut peaks: Vec<Vec<usize>> = vec![Vec::new(); runs.len()];
-    for round in 0..args.repeats {
-        for (i, (name, config)) in runs.iter().enumerate() {
-            let before = live_bytes();
-            reset_peak();
-            let mut metrics: Vec<StepMetrics> = Vec::new();
-            train::<Autodiff<Flex>>(config, &data, &Default::default(), &mut |m| {
-                metrics.push(*m)
-            })
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-            peaks[i].push(peak_bytes().saturating_sub(before));
-            steps[i].extend(metrics[args.warmup..].iter().map(|m| m.seconds));
-            state[i] = metrics.last().and_then(|m| m.model_state_bytes);
-            eprintln!("round {} / {}: {name} done", round + 1, args.repeats);
-        }
-    }
+    benches::interleaved_rounds(&runs, &data, args.repeats, |i, metrics, peak| {
+        peaks[i].push(peak);
+        steps[i].extend(metrics[args.warmup..].iter().map(|m| m.seconds));
+        state[i] = metrics.last().and_then(|m| m.model_state_bytes);
+    });
 
     let ddp_step = median(steps[1].iter().copied());
     let mb = |bytes: usize| bytes as f64 / 1e6;

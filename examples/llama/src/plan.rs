@@ -262,20 +262,30 @@ impl ContextSplit {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_7b_model_on_64_ranks_is_the_papers_table() {
-        let plan = Plan {
-            params: 7_500_000_000,
-            model: None,
-            dp: 64,
+    /// A plan of `params` parameters of `model` on 2 data-parallel ranks, otherwise unsplit,
+    /// in fp32, for one sample of `seq_len` tokens.
+    fn plan(params: u64, model: Option<LlamaConfig>, seq_len: usize) -> Plan {
+        Plan {
+            params,
+            model,
+            dp: 2,
             ep: 1,
             cp: 1,
             cp_attention: CpAttention::Ring,
             tp: 1,
             pp: 1,
-            precision: Precision::HALF,
+            precision: Precision::F32,
             micro_batch: 1,
-            seq_len: 2048,
+            seq_len,
+        }
+    }
+
+    #[test]
+    fn a_7b_model_on_64_ranks_is_the_papers_table() {
+        let plan = Plan {
+            dp: 64,
+            precision: Precision::HALF,
+            ..plan(7_500_000_000, None, 2048)
         };
         let totals: Vec<f64> = ZeroStage::ALL
             .iter()
@@ -294,17 +304,8 @@ mod tests {
     #[test]
     fn tensor_and_pipeline_ranks_divide_what_each_rank_holds() {
         let mut plan = Plan {
-            params: 1000,
-            model: Some(LlamaConfig::preset("tiny").unwrap()),
-            dp: 2,
-            ep: 1,
-            cp: 1,
-            cp_attention: CpAttention::Ring,
-            tp: 1,
-            pp: 1,
-            precision: Precision::F32,
             micro_batch: 2,
-            seq_len: 32,
+            ..plan(1000, LlamaConfig::preset("tiny"), 32)
         };
         let whole = (
             plan.model_state(ZeroStage::Replicated),
@@ -321,19 +322,7 @@ mod tests {
 
     #[test]
     fn context_parallel_ranks_shard_zero_and_keep_their_tokens_activations() {
-        let mut plan = Plan {
-            params: 1_000_000,
-            model: Some(LlamaConfig::preset("small").unwrap()),
-            dp: 2,
-            ep: 1,
-            cp: 1,
-            cp_attention: CpAttention::Ring,
-            tp: 1,
-            pp: 1,
-            precision: Precision::F32,
-            micro_batch: 1,
-            seq_len: 1024,
-        };
+        let mut plan = plan(1_000_000, LlamaConfig::preset("small"), 1024);
         let (optimizer, activations) = (
             plan.model_state(ZeroStage::OptimizerState).optimizer,
             plan.activations().unwrap(),
@@ -352,19 +341,7 @@ mod tests {
     #[test]
     fn expert_parallel_ranks_share_the_experts_and_shard_them_over_fewer_ranks() {
         let model = LlamaConfig::preset("small-moe").unwrap();
-        let mut plan = Plan {
-            params: model.num_params() as u64,
-            model: Some(model.clone()),
-            dp: 2,
-            ep: 1,
-            cp: 1,
-            cp_attention: CpAttention::Ring,
-            tp: 1,
-            pp: 1,
-            precision: Precision::F32,
-            micro_batch: 1,
-            seq_len: 256,
-        };
+        let mut plan = plan(model.num_params() as u64, Some(model.clone()), 256);
         let experts = plan.expert_params();
         assert_eq!(experts, 8 * 3 * 512 * 352 * 8);
         let dense = plan.params - experts;

@@ -10,6 +10,8 @@ use burn_tensor_parallel::CpAttention;
 use burn_zero::{ModelStateBytes, Precision, ZeroStage, estimate};
 
 use crate::config::LlamaConfig;
+use crate::dims::ParallelDims;
+use crate::train::{Layout, TrainConfig, TrainError};
 
 /// A layout to size.
 #[derive(Debug, Clone)]
@@ -157,6 +159,129 @@ impl Plan {
         }
         out
     }
+}
+
+/// What a run of `config` needs, per rank and in this process, against the host memory
+/// available: refused with a sentence when the estimate alone does not fit (the estimate
+/// counts the model state and the activations, not the buffers around them, so a run it lets
+/// through may still not fit; one it refuses cannot). Runs on a GPU are not checked.
+pub fn check_host_memory(config: &TrainConfig, layout: &Layout) -> Result<(), TrainError> {
+    if config.nccl {
+        return Ok(());
+    }
+    let Some(available) = available_host_memory() else {
+        return Ok(());
+    };
+    let per_rank = run_bytes(config, layout)?;
+    // Thread ranks share this process; under a launcher, this machine's ranks share it.
+    let here = match &config.process {
+        None => ParallelDims::of(config).ranks(),
+        Some(_) => ["OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"]
+            .iter()
+            .find_map(|name| std::env::var(name).ok()?.parse().ok())
+            .unwrap_or(1),
+    };
+    let needed = per_rank.total().saturating_mul(here as u64);
+    if needed <= available {
+        return Ok(());
+    }
+    let gb = |bytes: u64| bytes as f64 / 1e9;
+    Err(TrainError::Config(format!(
+        "this run needs about {:.1} GB of memory on this machine ({here} rank(s) of {:.2} GB: {:.2} GB of model state and {:.2} GB of activations kept for backward, by `llama plan`'s estimate), but {:.1} GB is available; lower --seq-len or --micro-batch-size, or split the work with --tp, --pp, --cp or --zero, or hold it in 16 bits with --dtype bf16",
+        gb(needed),
+        gb(per_rank.total()),
+        gb(per_rank.model_state),
+        gb(per_rank.activations),
+        gb(available),
+    )))
+}
+
+/// A rank's estimated peak: its model state and the activations it keeps at once.
+#[derive(Debug, Clone, Copy)]
+struct RankBytes {
+    model_state: u64,
+    activations: u64,
+}
+
+impl RankBytes {
+    fn total(&self) -> u64 {
+        self.model_state.saturating_add(self.activations)
+    }
+}
+
+/// The estimate for the heaviest rank of `config` (the first pipeline rank): the model state
+/// of its share at its ZeRO stage, and its micro-batches' activations, as many as its
+/// pipeline schedule keeps at once (with recompute, one chunk's and the others' inputs).
+fn run_bytes(config: &TrainConfig, layout: &Layout) -> Result<RankBytes, TrainError> {
+    let dims = ParallelDims::of(config);
+    let precision = match &config.zero_config.precision {
+        Some(_) => Precision::HALF,
+        None => Precision::F32,
+    };
+    let plan = Plan {
+        params: config.model.num_params() as u64,
+        model: Some(config.model.clone()),
+        dp: dims.dp,
+        ep: dims.ep,
+        cp: dims.cp,
+        cp_attention: config.cp_attention,
+        tp: dims.tp,
+        pp: dims.pp,
+        precision,
+        micro_batch: layout.micro,
+        seq_len: config.seq_len,
+    };
+    let model_state = plan.model_state(config.zero).total() as u64;
+    let chunks = dims.pp * config.virtual_stages;
+    let layers = config.model.num_hidden_layers.div_ceil(chunks);
+    let chunk = activation_bytes(
+        &config.model,
+        layout.micro,
+        config.seq_len,
+        layers,
+        dims.tp,
+        ContextSplit {
+            ranks: dims.cp,
+            attention: config.cp_attention,
+        },
+        precision.param,
+    );
+    let in_flight = match dims.pp {
+        1 => 1,
+        pp => {
+            let schedule = burn_pipeline::Schedule::new(
+                config.schedule,
+                pp,
+                layout.accum,
+                config.virtual_stages,
+            )?;
+            let timeline = burn_pipeline::simulate(&schedule, &burn_pipeline::Costs::UNIT)?;
+            timeline.peak_activations().into_iter().fold(0.0, f64::max) as u64
+        }
+    };
+    let activations = match config.recompute {
+        false => chunk * in_flight,
+        true => {
+            let sequence_parts =
+                (dims.cp * if config.sequence_parallel { dims.tp } else { 1 }) as u64;
+            let input = (layout.micro * config.seq_len * config.model.hidden_size) as u64
+                / sequence_parts
+                * precision.param as u64;
+            chunk + input * in_flight
+        }
+    };
+    Ok(RankBytes {
+        model_state,
+        activations,
+    })
+}
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes; none where it cannot be read.
+fn available_host_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// Bytes the backward of `layers` blocks (plus the final norm and head) keeps for
@@ -355,6 +480,25 @@ mod tests {
         assert!(
             table.contains("in experts") && table.contains("dp 2 x ep 4"),
             "{table}"
+        );
+    }
+
+    #[test]
+    fn a_runs_estimate_keeps_as_many_micro_batches_as_its_schedule() {
+        let mut config = TrainConfig::new(LlamaConfig::preset("tiny").unwrap(), 1);
+        (config.pp, config.grad_accum) = (2, Some(4));
+        let layout = config.layout().unwrap();
+        let chunk = activation_bytes(&config.model, 2, 64, 2, 1, ContextSplit::WHOLE, 4);
+        // 1F1B's first rank keeps pp micro-batches, GPipe's every one of them.
+        assert_eq!(run_bytes(&config, &layout).unwrap().activations, 2 * chunk);
+        config.schedule = burn_pipeline::ScheduleKind::Gpipe;
+        assert_eq!(run_bytes(&config, &layout).unwrap().activations, 4 * chunk);
+        // With recompute, one chunk's and the inputs of the others.
+        config.recompute = true;
+        let input = 2 * 64 * 128 * 4;
+        assert_eq!(
+            run_bytes(&config, &layout).unwrap().activations,
+            chunk + 4 * input
         );
     }
 }

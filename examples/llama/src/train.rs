@@ -450,8 +450,9 @@ pub fn train<B: TrainBackend>(
     device: &B::Device,
     on_step: &mut (dyn FnMut(&StepMetrics) + Send),
 ) -> Result<Llama<B::InnerBackend>, TrainError> {
-    config.layout()?;
+    let layout = config.layout()?;
     check_processes(config)?;
+    crate::plan::check_host_memory(config, &layout)?;
     let weights = Weights::of(config)?;
     if let Some(checkpoint) = weights.resumed() {
         crate::checkpoint::check_steps_left(config, checkpoint)?;

@@ -351,7 +351,7 @@ fn print_plan_shows_each_parameters_placement_and_trains_nothing() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 50] = [
+    let cases: [(&[&str], &str); 51] = [
         (&["train", "--dp", "0"], "--dp must be at least 1"),
         (&["train", "--cp", "0"], "--cp must be at least 1"),
         (
@@ -483,6 +483,11 @@ fn bad_input_gets_a_sentence() {
         (
             &["train", "--clip-grad-norm", "1", "--tp", "2"],
             "drop --tp, --pp, --ep or the parameter server to clip",
+        ),
+        // 16 x 100,000 tokens' attention scores: terabytes, refused before any is allocated.
+        (
+            &["train", "--seq-len", "100000"],
+            "GB is available; lower --seq-len or --micro-batch-size",
         ),
         (
             &["train", "--ep", "2"],

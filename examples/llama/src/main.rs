@@ -740,7 +740,11 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
         print_run(&args, &name, &config, &layout, &*data);
     }
     match args.device {
-        Device::Cpu => train_on::<Autodiff<Flex>>(&config, &*data, &Default::default(), &args),
+        Device::Cpu => {
+            // The ranks' tensors live in this machine's memory.
+            config.memory_available = llama::plan::available_host_memory();
+            train_on::<Autodiff<Flex>>(&config, &*data, &Default::default(), &args)
+        }
         Device::Cuda => train_on_cuda(&config, &*data, &args),
     }
 }

@@ -161,17 +161,15 @@ impl Plan {
     }
 }
 
-/// What a run of `config` needs, per rank and in this process, against the host memory
-/// available: refused with a sentence when the estimate alone does not fit (the estimate
-/// counts the model state and the activations, not the buffers around them, so a run it lets
-/// through may still not fit; one it refuses cannot). Runs on a GPU are not checked.
-pub fn check_host_memory(config: &TrainConfig, layout: &Layout) -> Result<(), TrainError> {
-    if config.nccl {
-        return Ok(());
-    }
-    let Some(available) = available_host_memory() else {
-        return Ok(());
-    };
+/// What a run of `config` needs, per rank and in this process, against the memory
+/// `available` to it: refused with a sentence when the estimate alone does not fit (the
+/// estimate counts the model state and the activations, not the buffers around them, so a run
+/// it lets through may still not fit; one it refuses cannot).
+pub fn check_memory(
+    config: &TrainConfig,
+    layout: &Layout,
+    available: u64,
+) -> Result<(), TrainError> {
     let per_rank = run_bytes(config, layout)?;
     // Thread ranks share this process; under a launcher, this machine's ranks share it.
     let here = match &config.process {
@@ -276,8 +274,9 @@ fn run_bytes(config: &TrainConfig, layout: &Layout) -> Result<RankBytes, TrainEr
     })
 }
 
-/// `MemAvailable` of `/proc/meminfo`, in bytes; none where it cannot be read.
-fn available_host_memory() -> Option<u64> {
+/// `MemAvailable` of `/proc/meminfo`, in bytes: what a CPU run can use; none where it cannot
+/// be read.
+pub fn available_host_memory() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -500,5 +499,15 @@ mod tests {
             run_bytes(&config, &layout).unwrap().activations,
             chunk + 4 * input
         );
+        // Refused below the estimate, with its figures; let through at it.
+        let needed = run_bytes(&config, &layout).unwrap().total() * 2;
+        let error = check_memory(&config, &layout, needed - 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("2 rank(s)") && error.contains("GB is available"),
+            "{error}"
+        );
+        check_memory(&config, &layout, needed).unwrap();
     }
 }

@@ -114,6 +114,10 @@ pub struct TrainConfig {
     /// This process's rank when the job runs one process per rank (started by `mpirun`, see
     /// `burn_comm::Process`); None: the ranks are threads of this process.
     pub process: Option<burn_comm::RankContext>,
+    /// The memory this process's ranks may use (the host's available memory for a CPU run):
+    /// a run whose estimate does not fit is refused before anything is built
+    /// (`plan::check_memory`); none: not checked.
+    pub memory_available: Option<u64>,
 }
 
 impl TrainConfig {
@@ -151,6 +155,7 @@ impl TrainConfig {
             checkpoint: None,
             nccl: false,
             process: None,
+            memory_available: None,
         }
     }
 
@@ -452,7 +457,9 @@ pub fn train<B: TrainBackend>(
 ) -> Result<Llama<B::InnerBackend>, TrainError> {
     let layout = config.layout()?;
     check_processes(config)?;
-    crate::plan::check_host_memory(config, &layout)?;
+    if let Some(available) = config.memory_available {
+        crate::plan::check_memory(config, &layout, available)?;
+    }
     let weights = Weights::of(config)?;
     if let Some(checkpoint) = weights.resumed() {
         crate::checkpoint::check_steps_left(config, checkpoint)?;

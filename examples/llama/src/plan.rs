@@ -161,35 +161,43 @@ impl Plan {
     }
 }
 
-/// What a run of `config` needs, per rank and in this process, against the memory
-/// `available` to it: refused with a sentence when the estimate alone does not fit (the
-/// estimate counts the model state and the activations, not the buffers around them, so a run
-/// it lets through may still not fit; one it refuses cannot).
+/// What a run of `config` needs in this process, rank by rank, against the memory `available`
+/// to it: refused with a sentence when the estimate alone does not fit. The estimate counts
+/// the model state and the activations (within a few percent, a pipeline's first chunk's
+/// blocks rounded up), not the buffers around them: a run it lets through may still not fit.
 pub fn check_memory(
     config: &TrainConfig,
     layout: &Layout,
     available: u64,
 ) -> Result<(), TrainError> {
-    let per_rank = run_bytes(config, layout)?;
-    // Thread ranks share this process; under a launcher, this machine's ranks share it.
-    let here = match &config.process {
-        None => ParallelDims::of(config).ranks(),
-        Some(_) => ["OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"]
-            .iter()
-            .find_map(|name| std::env::var(name).ok()?.parse().ok())
-            .unwrap_or(1),
+    let dims = ParallelDims::of(config);
+    let pipeline = run_bytes(config, layout)?;
+    let one_pipeline: u64 = pipeline.iter().map(RankBytes::total).sum();
+    // Thread ranks share this process, every pipeline rank's peers (dp, ep, cp, tp) alike;
+    // under a launcher, this machine's ranks share it, each counted as an average rank.
+    let (here, needed) = match &config.process {
+        None => (dims.ranks(), one_pipeline * (dims.ranks() / dims.pp) as u64),
+        Some(_) => {
+            let local: usize = ["OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"]
+                .iter()
+                .find_map(|name| std::env::var(name).ok()?.parse().ok())
+                .unwrap_or(1);
+            (local, one_pipeline * local as u64 / dims.pp as u64)
+        }
     };
-    let needed = per_rank.total().saturating_mul(here as u64);
     if needed <= available {
         return Ok(());
     }
+    let heaviest = pipeline
+        .iter()
+        .max_by_key(|rank| rank.total())
+        .expect("a pipeline has a rank");
     let gb = |bytes: u64| bytes as f64 / 1e9;
     Err(TrainError::Config(format!(
-        "this run needs about {:.1} GB of memory on this machine ({here} rank(s) of {:.2} GB: {:.2} GB of model state and {:.2} GB of activations kept for backward, by `llama plan`'s estimate), but {:.1} GB is available; lower --seq-len or --micro-batch-size, or split the work with --tp, --pp, --cp or --zero, or hold it in 16 bits with --dtype bf16",
+        "this run needs about {:.1} GB of memory on this machine ({here} rank(s); the heaviest keeps {:.2} GB of model state and {:.2} GB of activations for backward, by `llama plan`'s estimate), but {:.1} GB is available; lower --seq-len or --micro-batch-size, or split the work with --tp, --pp, --cp or --zero, or hold it in 16 bits with --dtype bf16",
         gb(needed),
-        gb(per_rank.total()),
-        gb(per_rank.model_state),
-        gb(per_rank.activations),
+        gb(heaviest.model_state),
+        gb(heaviest.activations),
         gb(available),
     )))
 }
@@ -207,10 +215,11 @@ impl RankBytes {
     }
 }
 
-/// The estimate for the heaviest rank of `config` (the first pipeline rank): the model state
-/// of its share at its ZeRO stage, and its micro-batches' activations, as many as its
-/// pipeline schedule keeps at once (with recompute, one chunk's and the others' inputs).
-fn run_bytes(config: &TrainConfig, layout: &Layout) -> Result<RankBytes, TrainError> {
+/// What every pipeline rank of one replica of `config` keeps at its peak, in pipeline order:
+/// its model state (an even share), and its micro-batches' activations, as many as its
+/// schedule keeps at once (with recompute, one chunk's and the others' inputs), the head's on
+/// the rank holding the last stage.
+fn run_bytes(config: &TrainConfig, layout: &Layout) -> Result<Vec<RankBytes>, TrainError> {
     let dims = ParallelDims::of(config);
     let precision = match &config.zero_config.precision {
         Some(_) => Precision::HALF,
@@ -231,21 +240,26 @@ fn run_bytes(config: &TrainConfig, layout: &Layout) -> Result<RankBytes, TrainEr
     };
     let model_state = plan.model_state(config.zero).total() as u64;
     let chunks = dims.pp * config.virtual_stages;
-    let layers = config.model.num_hidden_layers.div_ceil(chunks);
-    let chunk = activation_bytes(
-        &config.model,
-        layout.micro,
-        config.seq_len,
-        layers,
-        dims.tp,
-        ContextSplit {
-            ranks: dims.cp,
-            attention: config.cp_attention,
-        },
-        precision.param,
-    );
-    let in_flight = match dims.pp {
-        1 => 1,
+    let activations = |layers| {
+        activation_bytes(
+            &config.model,
+            layout.micro,
+            config.seq_len,
+            layers,
+            dims.tp,
+            ContextSplit {
+                ranks: dims.cp,
+                attention: config.cp_attention,
+            },
+            precision.param,
+        )
+    };
+    // A micro-batch's head (final norm, logits) and one chunk's blocks.
+    let head = activations(0);
+    let chunk = activations(config.model.num_hidden_layers.div_ceil(chunks)) - head;
+    // How many chunks' activations each pipeline rank keeps at once, and which holds the head.
+    let (in_flight, last) = match dims.pp {
+        1 => (vec![1], 0),
         pp => {
             let schedule = burn_pipeline::Schedule::new(
                 config.schedule,
@@ -254,24 +268,34 @@ fn run_bytes(config: &TrainConfig, layout: &Layout) -> Result<RankBytes, TrainEr
                 config.virtual_stages,
             )?;
             let timeline = burn_pipeline::simulate(&schedule, &burn_pipeline::Costs::UNIT)?;
-            timeline.peak_activations().into_iter().fold(0.0, f64::max) as u64
+            let peaks = timeline
+                .peak_activations()
+                .iter()
+                .map(|&p| p as u64)
+                .collect();
+            (peaks, schedule.rank_of(schedule.stages() - 1))
         }
     };
-    let activations = match config.recompute {
-        false => chunk * in_flight,
-        true => {
-            let sequence_parts =
-                (dims.cp * if config.sequence_parallel { dims.tp } else { 1 }) as u64;
-            let input = (layout.micro * config.seq_len * config.model.hidden_size) as u64
-                / sequence_parts
-                * precision.param as u64;
-            chunk + input * in_flight
-        }
-    };
-    Ok(RankBytes {
-        model_state,
-        activations,
-    })
+    let sequence_parts = (dims.cp * if config.sequence_parallel { dims.tp } else { 1 }) as u64;
+    let input = (layout.micro * config.seq_len * config.model.hidden_size) as u64 / sequence_parts
+        * precision.param as u64;
+    Ok(in_flight
+        .iter()
+        .enumerate()
+        .map(|(rank, &kept)| {
+            let blocks = match config.recompute {
+                false => chunk * kept,
+                true => chunk + input * kept,
+            };
+            // Under recompute the head's are live for one micro-batch's backward at a time.
+            let heads = if config.recompute { 1 } else { kept };
+            let head = if rank == last { head * heads } else { 0 };
+            RankBytes {
+                model_state,
+                activations: blocks + head,
+            }
+        })
+        .collect())
 }
 
 /// `MemAvailable` of `/proc/meminfo`, in bytes: what a CPU run can use; none where it cannot
@@ -487,25 +511,36 @@ mod tests {
         let mut config = TrainConfig::new(LlamaConfig::preset("tiny").unwrap(), 1);
         (config.pp, config.grad_accum) = (2, Some(4));
         let layout = config.layout().unwrap();
-        let chunk = activation_bytes(&config.model, 2, 64, 2, 1, ContextSplit::WHOLE, 4);
-        // 1F1B's first rank keeps pp micro-batches, GPipe's every one of them.
-        assert_eq!(run_bytes(&config, &layout).unwrap().activations, 2 * chunk);
+        let activations =
+            |layers| activation_bytes(&config.model, 2, 64, layers, 1, ContextSplit::WHOLE, 4);
+        let (head, chunk) = (activations(0), activations(2) - activations(0));
+        let kept = |config: &TrainConfig| -> Vec<u64> {
+            run_bytes(config, &layout)
+                .unwrap()
+                .iter()
+                .map(|r| r.activations)
+                .collect()
+        };
+        // 1F1B's first rank keeps pp micro-batches, its last one and the head's; GPipe's every
+        // rank all of them.
+        assert_eq!(kept(&config), [2 * chunk, chunk + head]);
         config.schedule = burn_pipeline::ScheduleKind::Gpipe;
-        assert_eq!(run_bytes(&config, &layout).unwrap().activations, 4 * chunk);
+        assert_eq!(kept(&config), [4 * chunk, 4 * (chunk + head)]);
         // With recompute, one chunk's and the inputs of the others.
         config.recompute = true;
         let input = 2 * 64 * 128 * 4;
-        assert_eq!(
-            run_bytes(&config, &layout).unwrap().activations,
-            chunk + 4 * input
-        );
-        // Refused below the estimate, with its figures; let through at it.
-        let needed = run_bytes(&config, &layout).unwrap().total() * 2;
+        assert_eq!(kept(&config), [chunk + 4 * input, chunk + 4 * input + head]);
+        // Refused below the estimate (both pipeline ranks), with its figures; let through at it.
+        let needed: u64 = run_bytes(&config, &layout)
+            .unwrap()
+            .iter()
+            .map(RankBytes::total)
+            .sum();
         let error = check_memory(&config, &layout, needed - 1)
             .unwrap_err()
             .to_string();
         assert!(
-            error.contains("2 rank(s)") && error.contains("GB is available"),
+            error.contains("2 rank(s); the heaviest") && error.contains("GB is available"),
             "{error}"
         );
         check_memory(&config, &layout, needed).unwrap();

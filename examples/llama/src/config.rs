@@ -59,21 +59,36 @@ pub struct LlamaConfig {
 }
 
 /// The presets `--model` accepts.
-pub const PRESETS: [&str; 6] = [
+pub const PRESETS: [&str; 9] = [
     "tiny",
     "small",
     "tiny-moe",
     "small-moe",
     "llama-1b",
     "llama-7b",
+    "llama3-8b",
+    "llama3-70b",
+    "llama3-405b",
 ];
 
 impl LlamaConfig {
     /// A preset by name: `tiny` (~1M parameters, tests), `small` (~25M, CPU runs), their
     /// mixtures of experts `tiny-moe` and `small-moe` (8 experts, top-2, each a quarter of the
     /// dense MLP, so a token uses half its MLP's weights), `llama-1b` (Llama 3.2 1B's shape)
-    /// and `llama-7b` (Llama 2 7B's shape).
+    /// `llama-7b` (Llama 2 7B's shape) and Llama 3.1's `llama3-8b`, `llama3-70b` and
+    /// `llama3-405b` (for `llama plan`; too large to train on a CPU).
     pub fn preset(name: &str) -> Option<Self> {
+        let llama3 = |vocab, hidden, ffn, layers, heads| {
+            Self::new(vocab, hidden, ffn, layers, heads, 8)
+                .with_max_position_embeddings(131_072)
+                .with_rope_theta(500_000.0)
+                .with_rope_scaling(RopeScaling::Llama3 {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192,
+                })
+        };
         let config = match name {
             "tiny" => Self::new(256, 128, 512, 4, 4, 2).with_max_position_embeddings(256),
             "small" => Self::new(256, 512, 1408, 8, 8, 4).with_max_position_embeddings(1024),
@@ -95,6 +110,9 @@ impl LlamaConfig {
             "llama-7b" => Self::new(32_000, 4096, 11_008, 32, 32, 32)
                 .with_max_position_embeddings(4096)
                 .with_rms_norm_eps(1e-6),
+            "llama3-8b" => llama3(128_256, 4096, 14_336, 32, 32),
+            "llama3-70b" => llama3(128_256, 8192, 28_672, 80, 64),
+            "llama3-405b" => llama3(128_256, 16_384, 53_248, 126, 128),
             _ => return None,
         };
         Some(config)
@@ -256,6 +274,18 @@ mod tests {
         );
         for name in PRESETS {
             LlamaConfig::preset(name).unwrap().validate().unwrap();
+        }
+        // Llama 3.1's model cards: 8.03B, 70.6B, 406B parameters.
+        for (name, params) in [
+            ("llama3-8b", 8_030_261_248),
+            ("llama3-70b", 70_553_706_496),
+            ("llama3-405b", 405_853_388_800),
+        ] {
+            assert_eq!(
+                LlamaConfig::preset(name).unwrap().num_params(),
+                params,
+                "{name}"
+            );
         }
         // 8 experts of a quarter of the dense MLP, 2 per token: half its MLP weights active.
         for (dense, moe) in [("tiny", "tiny-moe"), ("small", "small-moe")] {

@@ -20,6 +20,7 @@ pub mod model;
 pub mod parallel_plan;
 pub mod pipeline;
 pub mod plan;
+pub mod planner;
 pub mod rope;
 pub mod run;
 pub mod safetensors_files;

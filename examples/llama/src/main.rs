@@ -95,6 +95,23 @@ struct PlanArgs {
     /// Tokens per sample (activations).
     #[arg(long, default_value_t = 2048)]
     seq_len: usize,
+    /// A Llama `config.json` (Hugging Face's) instead of a preset.
+    #[arg(long, conflicts_with_all = ["model", "params"])]
+    config: Option<PathBuf>,
+    /// Search every layout over this many devices and print the best (with --cluster and
+    /// --global-batch); the layout flags above are then the search's to choose.
+    #[arg(long)]
+    gpus: Option<usize>,
+    /// The devices searched over: h100 or a100 (nodes of 8 GPUs), or cpu (this machine,
+    /// measured; --gpus is then its thread ranks).
+    #[arg(long, default_value = "h100", requires = "gpus")]
+    cluster: String,
+    /// Samples per step over all devices, for the search.
+    #[arg(long, requires = "gpus")]
+    global_batch: Option<usize>,
+    /// How many of the best layouts the search prints.
+    #[arg(long, default_value_t = 5, requires = "gpus")]
+    top: usize,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -479,6 +496,9 @@ impl From<TrainError> for Ended {
 }
 
 fn run_plan(args: PlanArgs) -> Result<(), String> {
+    if let Some(gpus) = args.gpus {
+        return run_search(&args, gpus);
+    }
     let model = match (&args.model, args.params) {
         (Some(name), _) => Some(LlamaConfig::preset(name).ok_or_else(|| {
             format!(
@@ -547,6 +567,84 @@ fn run_plan(args: PlanArgs) -> Result<(), String> {
         print!("model {name}: ");
     }
     print!("{}", plan.table());
+    Ok(())
+}
+
+/// `llama plan --gpus N`: every layout over N devices, the best first.
+fn run_search(args: &PlanArgs, gpus: usize) -> Result<(), String> {
+    use llama::planner::{Cluster, Request, search};
+
+    let (model, model_name) = match (&args.model, &args.config) {
+        (Some(name), _) => (
+            LlamaConfig::preset(name).ok_or_else(|| {
+                format!(
+                    "unknown --model {name}; choose one of {}",
+                    llama::config::PRESETS.join(", ")
+                )
+            })?,
+            Some(name.clone()),
+        ),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read --config {}: {e}", path.display()))?;
+            let json = serde_json::from_str(&text)
+                .map_err(|e| format!("--config {} is not JSON: {e}", path.display()))?;
+            let model = llama::hf_config::parse_hf_config(&json)
+                .map_err(|e| format!("--config {}: {e}", path.display()))?;
+            (model, None)
+        }
+        (None, None) => {
+            return Err("--gpus searches layouts for a model's shape: give --model PRESET or --config config.json".into());
+        }
+    };
+    let cluster = match args.cluster.as_str() {
+        "cpu" => {
+            if gpus == 0 {
+                return Err(
+                    "--gpus must be at least 1 (with --cluster cpu, the thread ranks)".into(),
+                );
+            }
+            let memory = llama::plan::available_host_memory()
+                .ok_or("--cluster cpu needs the host's available memory (/proc/meminfo)")?;
+            eprintln!("calibrating this machine (a few seconds)");
+            Cluster::cpu(gpus, &llama::planner::calibrate()?, memory)
+        }
+        name => {
+            let per_node = 8;
+            if gpus == 0 || (gpus > per_node && !gpus.is_multiple_of(per_node)) {
+                return Err(format!(
+                    "--gpus {gpus}: a cluster of {per_node}-GPU nodes has up to {per_node} GPUs or a multiple of {per_node}"
+                ));
+            }
+            let mut cluster = Cluster::preset(name, gpus.div_ceil(per_node)).ok_or_else(|| {
+                format!(
+                    "unknown --cluster {name}; choose one of {}, cpu",
+                    llama::planner::CLUSTER_PRESETS.join(", ")
+                )
+            })?;
+            cluster.devices_per_node = cluster.devices_per_node.min(gpus);
+            cluster
+        }
+    };
+    let global_batch = args
+        .global_batch
+        .ok_or("--gpus needs --global-batch, the samples of one step over all devices")?;
+    if global_batch == 0 || args.seq_len == 0 || args.top == 0 {
+        return Err("--global-batch, --seq-len and --top must be at least 1".into());
+    }
+    let request = Request {
+        model,
+        model_name,
+        cluster,
+        global_batch,
+        seq_len: args.seq_len,
+        bf16: args.dtype != DTypeArg::F32,
+    };
+    let found = search(&request)?;
+    print!(
+        "{}",
+        llama::planner::search::report(&request, &found, args.top)
+    );
     Ok(())
 }
 

@@ -204,13 +204,13 @@ pub fn check_memory(
 
 /// A rank's estimated peak: its model state and the activations it keeps at once.
 #[derive(Debug, Clone, Copy)]
-struct RankBytes {
-    model_state: u64,
-    activations: u64,
+pub(crate) struct RankBytes {
+    pub(crate) model_state: u64,
+    pub(crate) activations: u64,
 }
 
 impl RankBytes {
-    fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.model_state.saturating_add(self.activations)
     }
 }
@@ -219,7 +219,10 @@ impl RankBytes {
 /// its model state (an even share), and its micro-batches' activations, as many as its
 /// schedule keeps at once (with recompute, one chunk's and the others' inputs), the head's on
 /// the rank holding the last stage.
-fn run_bytes(config: &TrainConfig, layout: &Layout) -> Result<Vec<RankBytes>, TrainError> {
+pub(crate) fn run_bytes(
+    config: &TrainConfig,
+    layout: &Layout,
+) -> Result<Vec<RankBytes>, TrainError> {
     let dims = ParallelDims::of(config);
     let precision = match &config.zero_config.precision {
         Some(_) => Precision::HALF,
@@ -260,21 +263,7 @@ fn run_bytes(config: &TrainConfig, layout: &Layout) -> Result<Vec<RankBytes>, Tr
     // How many chunks' activations each pipeline rank keeps at once, and which holds the head.
     let (in_flight, last) = match dims.pp {
         1 => (vec![1], 0),
-        pp => {
-            let schedule = burn_pipeline::Schedule::new(
-                config.schedule,
-                pp,
-                layout.accum,
-                config.virtual_stages,
-            )?;
-            let timeline = burn_pipeline::simulate(&schedule, &burn_pipeline::Costs::UNIT)?;
-            let peaks = timeline
-                .peak_activations()
-                .iter()
-                .map(|&p| p as u64)
-                .collect();
-            (peaks, schedule.rank_of(schedule.stages() - 1))
-        }
+        pp => in_flight(config.schedule, pp, layout.accum, config.virtual_stages)?,
     };
     let sequence_parts = (dims.cp * if config.sequence_parallel { dims.tp } else { 1 }) as u64;
     let input = (layout.micro * config.seq_len * config.model.hidden_size) as u64 / sequence_parts
@@ -296,6 +285,43 @@ fn run_bytes(config: &TrainConfig, layout: &Layout) -> Result<Vec<RankBytes>, Tr
             }
         })
         .collect())
+}
+
+/// How many chunks' activations each rank of a pipeline schedule keeps at once, and the rank
+/// of its last stage, from burn-pipeline's simulation; remembered, as the planner's search
+/// asks for the same schedules many times.
+fn in_flight(
+    kind: burn_pipeline::ScheduleKind,
+    pp: usize,
+    micro_batches: usize,
+    virtual_stages: usize,
+) -> Result<(Vec<u64>, usize), TrainError> {
+    type Peaks = (Vec<u64>, usize);
+    type Key = (String, usize, usize, usize);
+    static SEEN: std::sync::Mutex<Vec<(Key, Peaks)>> = std::sync::Mutex::new(Vec::new());
+    let key = (kind.to_string(), pp, micro_batches, virtual_stages);
+    let seen = |seen: &[(_, Peaks)]| {
+        seen.iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, peaks)| peaks.clone())
+    };
+    if let Some(peaks) = seen(&SEEN.lock().expect("a memo, never poisoned")) {
+        return Ok(peaks);
+    }
+    let schedule = burn_pipeline::Schedule::new(kind, pp, micro_batches, virtual_stages)?;
+    let timeline = burn_pipeline::simulate(&schedule, &burn_pipeline::Costs::UNIT)?;
+    let peaks: Peaks = (
+        timeline
+            .peak_activations()
+            .iter()
+            .map(|&p| p as u64)
+            .collect(),
+        schedule.rank_of(schedule.stages() - 1),
+    );
+    SEEN.lock()
+        .expect("a memo, never poisoned")
+        .push((key, peaks.clone()));
+    Ok(peaks)
 }
 
 /// `MemAvailable` of `/proc/meminfo`, in bytes: what a CPU run can use; none where it cannot

@@ -350,8 +350,113 @@ fn print_plan_shows_each_parameters_placement_and_trains_nothing() {
 }
 
 #[test]
+fn plan_searches_the_layouts_of_a_cluster_and_prints_the_command_of_the_best() {
+    let out = llama(&[
+        "plan",
+        "--gpus",
+        "16",
+        "--cluster",
+        "a100",
+        "--model",
+        "llama-7b",
+        "--global-batch",
+        "64",
+        "--top",
+        "2",
+    ]);
+    assert_succeeded(&out);
+    let report = String::from_utf8_lossy(&out.stdout);
+    for expected in [
+        "llama-7b (6.738e9 parameters) on 2 x DGX A100 80GB (16 devices of 80 GB), 64 samples of 2048 tokens per step, bf16",
+        "fit in 72 GB per device",
+        "1    --dp ",
+        "2    --dp ",
+        "run it: burn-launch --nnodes 2 --nproc-per-node 8 -- llama train --model llama-7b --batch-size 64 --seq-len 2048 --dp ",
+    ] {
+        assert!(report.contains(expected), "{expected:?} in\n{report}");
+    }
+    assert!(
+        !report.contains("3    --dp "),
+        "--top 2 prints two\n{report}"
+    );
+}
+
+#[test]
+fn the_command_a_plan_for_this_machine_prints_trains() {
+    let out = llama(&[
+        "plan",
+        "--gpus",
+        "2",
+        "--cluster",
+        "cpu",
+        "--model",
+        "tiny",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "32",
+        "--dtype",
+        "f32",
+        "--top",
+        "1",
+    ]);
+    assert_succeeded(&out);
+    let report = String::from_utf8_lossy(&out.stdout);
+    let command = report
+        .lines()
+        .find_map(|line| line.strip_prefix("run it: llama "))
+        .unwrap_or_else(|| panic!("a command to run in\n{report}"));
+    let mut args: Vec<&str> = command.split_whitespace().collect();
+    args.extend(["--steps", "2"]);
+    let out = llama(&args);
+    assert_succeeded(&out);
+}
+
+#[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 51] = [
+    let cases: [(&[&str], &str); 55] = [
+        (
+            &["plan", "--gpus", "8", "--model", "tiny"],
+            "--gpus needs --global-batch",
+        ),
+        (
+            &[
+                "plan",
+                "--gpus",
+                "12",
+                "--model",
+                "tiny",
+                "--global-batch",
+                "12",
+            ],
+            "--gpus 12: a cluster of 8-GPU nodes has up to 8 GPUs or a multiple of 8",
+        ),
+        (
+            &[
+                "plan",
+                "--gpus",
+                "8",
+                "--cluster",
+                "tpu",
+                "--model",
+                "tiny",
+                "--global-batch",
+                "8",
+            ],
+            "unknown --cluster tpu; choose one of h100, a100, cpu",
+        ),
+        (
+            &[
+                "plan",
+                "--gpus",
+                "8",
+                "--model",
+                "tiny-moe",
+                "--global-batch",
+                "8",
+            ],
+            "the planner times dense models only",
+        ),
         (&["train", "--dp", "0"], "--dp must be at least 1"),
         (&["train", "--cp", "0"], "--cp must be at least 1"),
         (

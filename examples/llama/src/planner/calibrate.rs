@@ -1,0 +1,232 @@
+//! `--cluster cpu`: this machine, measured. A rank of a CPU run is a thread computing on one
+//! core with burn's CPU backend; a short calibration times what the cost model needs: its
+//! multiplications (large and head-sized, for the rate and the shape's effect), an
+//! elementwise pass, an all-reduce between two thread ranks of the local transport, and one
+//! forward and backward of a small reference model (not the planned one) under burn's
+//! autodiff, whose time against the model's from the raw rates is what burn's training
+//! operations reach of them (transposed operands, unfused elementwise work, the graph).
+
+use std::time::Instant;
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Distribution, Int, Tensor};
+use burn_pipeline::ScheduleKind;
+use burn_zero::ZeroStage;
+
+use super::cluster::{Cluster, Link};
+use super::search::burn_parallel;
+use super::step_time::{Recompute, Shape, StepLayout, step_time};
+use crate::config::LlamaConfig;
+use crate::model::{Llama, next_token_loss};
+
+/// What the calibration measured on one core.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Calibration {
+    /// Floating-point operations per second of a `[512, 512] x [512, 512]` product.
+    pub large_matmul: f64,
+    /// Of 64 products `[64, 64] x [64, 64]` (an attention head's size).
+    pub small_matmul: f64,
+    /// Bytes per second an elementwise addition streams (two reads and a write).
+    pub bandwidth: f64,
+    /// Two thread ranks' all-reduce: bus bandwidth of 4 MB, latency per hop of 4 KB.
+    pub link: Link,
+    /// Cores the ranks share.
+    pub cores: usize,
+    /// How many times longer a training step's forward and backward takes under burn's
+    /// autodiff than the cost model gives from the rates above, beyond a fixed cost per block
+    /// (both measured on the reference at two batch sizes).
+    pub overhead: f64,
+    /// That fixed cost: seconds per block per forward and backward.
+    pub block_overhead: f64,
+    /// How much slower each of `cores` ranks computes when all compute at once (shared
+    /// memory bandwidth and caches, the machine's turbo).
+    pub contention: f64,
+}
+
+/// The median seconds of `f` over `reps` runs after one unmeasured.
+fn median_seconds(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut times: Vec<f64> = (0..reps)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[reps / 2]
+}
+
+/// Measures this machine (a few seconds).
+pub fn calibrate() -> Result<Calibration, String> {
+    let device = Default::default();
+    let random = |shape: [usize; 3]| {
+        Tensor::<Flex, 3>::random(shape, Distribution::Normal(0.0, 1.0), &device)
+    };
+    let (a, b) = (random([1, 512, 512]), random([1, 512, 512]));
+    let large = median_seconds(7, || {
+        std::hint::black_box(a.clone().matmul(b.clone()));
+    });
+    let (c, d) = (random([64, 64, 64]), random([64, 64, 64]));
+    let small = median_seconds(7, || {
+        std::hint::black_box(c.clone().matmul(d.clone()));
+    });
+    let elements = 1 << 22;
+    let (x, y) = (random([1, 1, elements]), random([1, 1, elements]));
+    let add = median_seconds(7, || {
+        std::hint::black_box(x.clone() + y.clone());
+    });
+    let link = measure_link()?;
+    let mut calibration = Calibration {
+        large_matmul: 2.0 * 512f64.powi(3) / large,
+        small_matmul: 2.0 * 64.0 * 64f64.powi(3) / small,
+        bandwidth: 3.0 * 4.0 * elements as f64 / add,
+        link,
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        overhead: 1.0,
+        block_overhead: 0.0,
+        contention: 1.0,
+    };
+    // The reference at two batch sizes: what grows with the work (the rates burn's
+    // operations reach) and what does not (each block's fixed cost).
+    let (model, seq) = reference();
+    let shape = Shape::llama(&model).expect("the reference is dense");
+    let raw = Cluster::cpu(1, &calibration, 0);
+    let modelled = |batch| -> Result<f64, String> {
+        let layout = StepLayout {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            sp: false,
+            zero: ZeroStage::Replicated,
+            recompute: Recompute::None,
+            micro_batch: batch,
+            micro_batches: 1,
+            seq_len: seq,
+            schedule: ScheduleKind::OneFOneB,
+            virtual_stages: 1,
+        };
+        Ok(step_time(&shape, &raw, &burn_parallel(false), &layout)?.compute)
+    };
+    let (small, large) = (1, 8);
+    let (t_small, t_large) = (
+        time_training_pass::<Autodiff<Flex>>(&model, small, seq),
+        time_training_pass::<Autodiff<Flex>>(&model, large, seq),
+    );
+    let (m_small, m_large) = (modelled(small)?, modelled(large)?);
+    let overhead = ((t_large - t_small) / (m_large - m_small)).max(0.1);
+    calibration.overhead = overhead;
+    calibration.block_overhead =
+        ((t_small - overhead * m_small) / model.num_hidden_layers as f64).max(0.0);
+    // Every core busy at once: what a rank gets when all are.
+    let together = std::thread::scope(|scope| {
+        let runs: Vec<_> = (0..calibration.cores)
+            .map(|_| scope.spawn(|| time_training_pass::<Autodiff<Flex>>(&model, large, seq)))
+            .collect();
+        runs.into_iter()
+            .map(|run| run.join().expect("a calibration thread"))
+            .fold(0.0, f64::max)
+    });
+    calibration.contention = (together / t_large).max(1.0);
+    Ok(calibration)
+}
+
+/// The calibration's reference: a small Llama (4 blocks of width 256) and its sequence
+/// length, unlike the models planned (the calibration is of the machine and burn, not of a
+/// model).
+fn reference() -> (LlamaConfig, usize) {
+    (LlamaConfig::new(256, 256, 704, 4, 4, 2), 64)
+}
+
+/// Median seconds of one forward and backward of `model` on `batch x seq` tokens, fp32.
+fn time_training_pass<B: AutodiffBackend + burn_tensor_parallel::TpBackend>(
+    model: &LlamaConfig,
+    batch: usize,
+    seq: usize,
+) -> f64 {
+    let device = Default::default();
+    let llama = Llama::<B>::init(model, 1, &device);
+    let tokens = Tensor::<B, 2, Int>::random(
+        [batch, seq + 1],
+        Distribution::Uniform(0.0, model.vocab_size as f64),
+        &device,
+    );
+    let inputs = tokens.clone().slice([0..batch, 0..seq]);
+    let targets = tokens.slice([0..batch, 1..seq + 1]);
+    median_seconds(5, || {
+        let logits = llama.forward(inputs.clone()).expect("a whole model");
+        let grads = next_token_loss(logits, targets.clone()).backward();
+        std::hint::black_box(grads);
+    })
+}
+
+/// Two thread ranks' all-reduce through the local transport, large and small.
+fn measure_link() -> Result<Link, String> {
+    let results = burn_comm::launch(2, |ctx| {
+        let comm = ctx.world();
+        let device = Default::default();
+        let time = |elements: usize| -> Result<f64, burn_comm::CommError> {
+            let tensor = Tensor::<Flex, 1>::ones([elements], &device);
+            let mut error = None;
+            let seconds = median_seconds(7, || {
+                if let Err(e) = comm.all_reduce(tensor.clone(), burn_comm::ReduceOp::Sum) {
+                    error = Some(e);
+                }
+            });
+            error.map_or(Ok(seconds), Err)
+        };
+        Ok::<_, burn_comm::CommError>((time(1 << 20)?, time(1 << 10)?))
+    });
+    let (large, small) = results
+        .into_iter()
+        .next()
+        .expect("rank 0 reports")
+        .map_err(|e| format!("calibrating the local transport: {e}"))?;
+    // A ring all-reduce over 2 ranks moves the whole message once and takes 2 hops.
+    Ok(Link {
+        bandwidth: 4.0 * (1 << 20) as f64 / large,
+        latency: small / 2.0,
+    })
+}
+
+impl Cluster {
+    /// This machine as `ranks` thread ranks: each computes at the calibrated single-core
+    /// rates (less burn's overhead, and slowed by the others when there are several), and
+    /// they share its cores and `memory`.
+    /// The matmul rate's dependence on the smallest dimension is fitted through the two
+    /// measured sizes (`rate(d) = peak d / (d + half)`).
+    pub fn cpu(ranks: usize, calibration: &Calibration, memory: u64) -> Self {
+        // With every core busy, each computes slower; ranks beyond the cores take turns
+        // (the step time model shares the cores out).
+        let share = match ranks {
+            1 => 1.0,
+            _ => 1.0 / calibration.contention,
+        };
+        let (d1, d2) = (512.0, 64.0);
+        let q = calibration.large_matmul / calibration.small_matmul;
+        // Solved from rate(d1) / rate(d2) = q; a small product no slower than a large one
+        // means the shape costs nothing.
+        let half = if q > 1.0 && q * d2 < d1 {
+            d1 * d2 * (q - 1.0) / (d1 - q * d2)
+        } else {
+            0.0
+        };
+        // burn's training operations reach `1 / overhead` of the raw rates.
+        let peak = calibration.large_matmul * (d1 + half) / d1 / calibration.overhead;
+        Self {
+            name: format!("cpu ({} cores, measured)", calibration.cores),
+            nodes: 1,
+            devices_per_node: ranks,
+            memory: memory / ranks as u64,
+            peak_flops: peak * share,
+            matmul_efficiency: 1.0,
+            matmul_half_dim: half,
+            memory_bandwidth: calibration.bandwidth * share / calibration.overhead,
+            block_overhead: calibration.block_overhead / share,
+            intra_node: calibration.link,
+            inter_node: calibration.link,
+            shared_cores: Some(calibration.cores),
+        }
+    }
+}

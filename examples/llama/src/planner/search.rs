@@ -1,0 +1,490 @@
+//! Every layout `llama train` can run for a model, a cluster and a batch, each with its
+//! memory per device (`llama plan`'s estimate) and its step time (the cost model), ranked by
+//! tokens per second per device among those that fit.
+
+use burn_pipeline::ScheduleKind;
+use burn_zero::{MixedPrecision, ZeroStage};
+
+use super::cluster::Cluster;
+use super::step_time::{Engine, Recompute, Shape, StepLayout, StepTime, step_time};
+use crate::config::LlamaConfig;
+use crate::plan::run_bytes;
+use crate::train::{Layout, Strategy, TrainConfig};
+
+/// What a plan is asked for.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// The model.
+    pub model: LlamaConfig,
+    /// How `llama train --model` names it (a preset), for the printed command.
+    pub model_name: Option<String>,
+    /// Where it runs; the search uses every device.
+    pub cluster: Cluster,
+    /// Samples per step over all devices.
+    pub global_batch: usize,
+    /// Tokens per sample.
+    pub seq_len: usize,
+    /// bf16 weights and activations with fp32 master weights (else fp32).
+    pub bf16: bool,
+}
+
+/// One runnable layout, sized and timed.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    /// The run, as `llama train` would be configured.
+    pub config: TrainConfig,
+    /// The layout as the cost model sees it.
+    pub layout: StepLayout,
+    /// Its predicted step ([`StepTime::UNKNOWN`] when it does not fit).
+    pub time: StepTime,
+    /// Model-state bytes of the heaviest device.
+    pub model_state: u64,
+    /// Activation bytes the heaviest device keeps at its peak.
+    pub activations: u64,
+}
+
+impl Candidate {
+    /// Bytes of the heaviest device.
+    pub fn memory(&self) -> u64 {
+        self.model_state + self.activations
+    }
+
+    /// Predicted tokens per second per device (NaN for a layout that does not fit, which is
+    /// not timed).
+    pub fn tokens_per_device(&self) -> f64 {
+        let tokens = (self.layout.global_batch() * self.layout.seq_len) as f64;
+        tokens / self.time.total / self.layout.devices() as f64
+    }
+
+    /// The layout in `llama train`'s flags, such as `--dp 8 --tp 8 --pp 2 --zero 1`.
+    pub fn flags(&self) -> String {
+        let c = &self.config;
+        let mut flags = format!("--dp {} --tp {} --pp {}", c.dp, c.tp, c.pp);
+        if c.sequence_parallel {
+            flags += " --sp";
+        }
+        if c.pp > 1 {
+            flags += &format!(" --schedule {}", c.schedule);
+            if c.virtual_stages > 1 {
+                flags += &format!(" --virtual-stages {}", c.virtual_stages);
+            }
+            if c.recompute {
+                flags += " --recompute";
+            }
+        }
+        if c.zero != ZeroStage::Replicated {
+            flags += &format!(" --zero {}", c.zero.number());
+        }
+        flags += &format!(" --micro-batch-size {}", self.layout.micro_batch);
+        flags
+    }
+}
+
+/// How burn-parallel runs a layout, for the cost model: burn's attention writes its scores
+/// (fp32 softmax, about 24 bytes a score), its elementwise operations are not fused (about
+/// three passes of what a fused kernel streams), gradient buckets are reduced during the
+/// backward, pipeline messages are whole.
+pub fn burn_parallel(bf16: bool) -> Engine {
+    let bytes = if bf16 { 2.0 } else { 4.0 };
+    Engine {
+        compute_bytes: bytes,
+        grad_bytes: bytes,
+        flash_attention: false,
+        score_bytes: 24.0,
+        elementwise_passes: 3.0,
+        dropout: false,
+        overlap_grad_reduce: true,
+        overlap_tp: false,
+        split_pipeline_messages: false,
+    }
+}
+
+/// The cost model's view of a run of `config` cut as `layout`.
+pub fn step_layout(config: &TrainConfig, layout: &Layout) -> StepLayout {
+    StepLayout {
+        dp: config.dp,
+        tp: config.tp,
+        pp: config.pp,
+        sp: config.sequence_parallel,
+        zero: config.zero,
+        recompute: if config.recompute {
+            Recompute::Full
+        } else {
+            Recompute::None
+        },
+        micro_batch: layout.micro,
+        micro_batches: layout.accum,
+        seq_len: config.seq_len,
+        schedule: config.schedule,
+        virtual_stages: config.virtual_stages,
+    }
+}
+
+/// What the search found: the layouts that fit, fastest first, and the fastest of those that
+/// do not (to say what would be needed).
+#[derive(Debug, Clone)]
+pub struct Found {
+    /// Layouts whose estimate fits in a device's usable memory, by predicted tokens/s per
+    /// device.
+    pub fitting: Vec<Candidate>,
+    /// Layouts that do not fit, smallest memory first.
+    pub too_big: Vec<Candidate>,
+}
+
+/// Every layout of `request` that `llama train` accepts, sized and timed.
+pub fn search(request: &Request) -> Result<Found, String> {
+    let shape = Shape::llama(&request.model).ok_or(
+        "the planner times dense models only; a mixture of experts is sized by `llama plan --model ... --ep N` without --gpus",
+    )?;
+    let cluster = &request.cluster;
+    let devices = cluster.devices();
+    let engine = burn_parallel(request.bf16);
+    let mut found = Found {
+        fitting: Vec::new(),
+        too_big: Vec::new(),
+    };
+    for config in configs(request, devices) {
+        let Ok(layout) = config.layout() else {
+            continue;
+        };
+        let Ok(bytes) = run_bytes(&config, &layout) else {
+            continue;
+        };
+        let heaviest = bytes
+            .iter()
+            .max_by_key(|rank| rank.total())
+            .expect("a pipeline has a rank");
+        let step = step_layout(&config, &layout);
+        let fits = heaviest.total() <= cluster.usable_memory();
+        // Only what fits is timed (a pipeline's simulation is the search's cost).
+        let time = match fits {
+            true => step_time(&shape, cluster, &engine, &step)?,
+            false => StepTime::UNKNOWN,
+        };
+        let candidate = Candidate {
+            config,
+            layout: step,
+            time,
+            model_state: heaviest.model_state,
+            activations: heaviest.activations,
+        };
+        match fits {
+            true => found.fitting.push(candidate),
+            false => found.too_big.push(candidate),
+        }
+    }
+    found.fitting.sort_by(|a, b| {
+        b.tokens_per_device()
+            .total_cmp(&a.tokens_per_device())
+            .then(a.memory().cmp(&b.memory()))
+    });
+    found.too_big.sort_by_key(Candidate::memory);
+    Ok(found)
+}
+
+/// The configurations to try: tp within a machine, pp over the rest, dp what is left;
+/// micro-batches of 1 to 8 samples; every ZeRO stage the layout allows; sequence parallelism
+/// and recompute on and off; the pipeline schedules with their memory and bubble trade-offs.
+fn configs(request: &Request, devices: usize) -> Vec<TrainConfig> {
+    let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
+    let mut configs = Vec::new();
+    for tp in divisors(request.cluster.devices_per_node.min(devices)) {
+        for pp in divisors(devices / tp) {
+            if pp > request.model.num_hidden_layers || !devices.is_multiple_of(tp * pp) {
+                continue;
+            }
+            let dp = devices / (tp * pp);
+            if !request.global_batch.is_multiple_of(dp) {
+                continue;
+            }
+            let per_rank = request.global_batch / dp;
+            for micro in [1, 2, 4, 8]
+                .into_iter()
+                .filter(|m| per_rank.is_multiple_of(*m))
+            {
+                for config in variants(request, dp, tp, pp, micro) {
+                    configs.push(config);
+                }
+            }
+        }
+    }
+    configs
+}
+
+/// The runs of one `dp x tp x pp` layout and micro-batch size.
+fn variants(request: &Request, dp: usize, tp: usize, pp: usize, micro: usize) -> Vec<TrainConfig> {
+    let base = {
+        let mut c = TrainConfig::new(request.model.clone(), 1);
+        c.batch_size = request.global_batch;
+        c.seq_len = request.seq_len;
+        c.micro_batch_size = Some(micro);
+        (c.dp, c.tp, c.pp) = (dp, tp, pp);
+        c
+    };
+    let schedules: &[(ScheduleKind, usize)] = match pp {
+        1 => &[(ScheduleKind::OneFOneB, 1)],
+        _ => &[
+            (ScheduleKind::OneFOneB, 1),
+            (ScheduleKind::ZeroBubbleH1, 1),
+            (ScheduleKind::Interleaved, 2),
+        ],
+    };
+    let mut out = Vec::new();
+    for zero in ZeroStage::ALL {
+        // burn-parallel keeps bf16 weights' fp32 masters in ZeRO's sharded optimizer; on one
+        // data-parallel rank the stages shard nothing, so one of them stands for all.
+        let needed = match (request.bf16, dp) {
+            (false, 1) => ZeroStage::Replicated,
+            (true, 1) => ZeroStage::OptimizerState,
+            _ => zero,
+        };
+        if zero != needed || (request.bf16 && zero == ZeroStage::Replicated) {
+            continue;
+        }
+        for sp in [false, true].into_iter().filter(|sp| !sp || tp > 1) {
+            for recompute in [false, true].into_iter().filter(|r| !r || pp > 1) {
+                for &(schedule, virtual_stages) in schedules {
+                    let mut c = base.clone();
+                    c.zero = zero;
+                    c.strategy = if dp > 1 || zero != ZeroStage::Replicated {
+                        Strategy::Ddp
+                    } else {
+                        Strategy::Single
+                    };
+                    if request.bf16 {
+                        c.zero_config = c.zero_config.with_precision(Some(MixedPrecision::bf16()));
+                    }
+                    c.sequence_parallel = sp;
+                    c.recompute = recompute;
+                    c.schedule = schedule;
+                    c.virtual_stages = virtual_stages;
+                    out.push(c);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// What `llama plan --gpus` prints: the best `top` layouts with their memory and time broken
+/// down, why the best wins, the command that runs it, and what does not fit.
+pub fn report(request: &Request, found: &Found, top: usize) -> String {
+    let gb = |bytes: u64| bytes as f64 / 1e9;
+    let cluster = &request.cluster;
+    let mut out = format!(
+        "{} ({:.3e} parameters) on {} x {} ({} devices of {:.0} GB), {} samples of {} tokens per step, {}\n",
+        request.model_name.as_deref().unwrap_or("the model"),
+        request.model.num_params() as f64,
+        cluster.nodes,
+        cluster.name,
+        cluster.devices(),
+        gb(cluster.memory),
+        request.global_batch,
+        request.seq_len,
+        if request.bf16 { "bf16" } else { "fp32" },
+    );
+    let considered = found.fitting.len() + found.too_big.len();
+    out += &format!(
+        "{considered} layouts `llama train` can run; {} fit in {:.0} GB per device (a tenth of its memory is left to buffers)\n\n",
+        found.fitting.len(),
+        gb(cluster.usable_memory()),
+    );
+    if !found.fitting.is_empty() {
+        out += &format!(
+            "{:<4} {:<62} {:>8} {:>9} {:>12}   {}\n",
+            "",
+            "layout",
+            "GB/dev",
+            "step s",
+            "tok/s/dev",
+            "step: compute, tp comm, bubble, dp comm, optimizer (s)"
+        );
+        for (i, c) in found.fitting.iter().take(top).enumerate() {
+            let parts: Vec<String> = c
+                .time
+                .parts()
+                .iter()
+                .map(|(_, s)| format!("{s:.3}"))
+                .collect();
+            out += &format!(
+                "{:<4} {:<62} {:>8.2} {:>9.3} {:>12.0}   {}\n",
+                i + 1,
+                c.flags(),
+                gb(c.memory()),
+                c.time.total,
+                c.tokens_per_device(),
+                parts.join(", "),
+            );
+        }
+        let best = &found.fitting[0];
+        out += &format!(
+            "\nthe best keeps {:.1} GB of model state and {:.1} GB of activations per device",
+            gb(best.model_state),
+            gb(best.activations)
+        );
+        out += &why_best(best, &found.fitting);
+        out += &format!("\nrun it: {}\n", command(request, best));
+    }
+    match found.too_big.first() {
+        Some(smallest) if found.fitting.is_empty() => {
+            out += &format!(
+                "\nno layout fits in {:.0} GB per device: the smallest, {}, needs {:.1} GB ({:.1} GB of model state, {:.1} GB of activations), {:.1} GB too many; shorten --seq-len, take more devices or a smaller model\n",
+                gb(cluster.usable_memory()),
+                smallest.flags(),
+                gb(smallest.memory()),
+                gb(smallest.model_state),
+                gb(smallest.activations),
+                gb(smallest.memory() - cluster.usable_memory()),
+            );
+        }
+        Some(smallest) => {
+            out += &format!(
+                "{} layout(s) do not fit in {:.0} GB per device; the nearest, {}, needs {:.1} GB\n",
+                found.too_big.len(),
+                gb(cluster.usable_memory()),
+                smallest.flags(),
+                gb(smallest.memory()),
+            );
+        }
+        None => {}
+    }
+    if considered == 0 {
+        out += &format!(
+            "no layout of {} devices divides this model and a batch of {}: choose a batch that divides over the data-parallel ranks\n",
+            cluster.devices(),
+            request.global_batch
+        );
+    }
+    out
+}
+
+/// Why `best` beats the fastest layout of another shape (dp, tp, pp): the part of the step
+/// where they differ most.
+fn why_best(best: &Candidate, fitting: &[Candidate]) -> String {
+    let shape = |c: &Candidate| (c.config.dp, c.config.tp, c.config.pp);
+    let Some(next) = fitting.iter().find(|c| shape(c) != shape(best)) else {
+        return "; it is the only layout that fits\n".into();
+    };
+    let (name, ours, theirs) = best
+        .time
+        .parts()
+        .iter()
+        .zip(next.time.parts())
+        .map(|(&(name, ours), (_, theirs))| (name, ours, theirs))
+        .max_by(|a, b| (a.2 - a.1).total_cmp(&(b.2 - b.1)))
+        .expect("a step has parts");
+    format!(
+        "; it beats the best of another shape, {} ({:.1} % fewer tokens/s), most by its {name}: {ours:.3} s against {theirs:.3} s",
+        next.flags(),
+        100.0 * (1.0 - next.tokens_per_device() / best.tokens_per_device()),
+    )
+}
+
+/// The command that runs `candidate`: `llama train` with its flags, under `burn-launch` on a
+/// cluster of GPUs.
+fn command(request: &Request, candidate: &Candidate) -> String {
+    let model = match &request.model_name {
+        Some(name) => format!("--model {name}"),
+        None => "--init-from DIR".into(),
+    };
+    let train = format!(
+        "llama train {model} --batch-size {} --seq-len {} {}{}",
+        request.global_batch,
+        request.seq_len,
+        candidate.flags(),
+        if request.bf16 { " --dtype bf16" } else { "" },
+    );
+    match request.cluster.devices_per_node {
+        // A CPU machine runs the ranks as threads of one process.
+        _ if request.cluster.name.starts_with("cpu") => train,
+        per_node => format!(
+            "burn-launch --nnodes {} --nproc-per-node {per_node} -- {train} --device cuda --nccl",
+            request.cluster.nodes
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(model: &str, gpus: usize, global_batch: usize, seq_len: usize) -> Request {
+        let mut cluster = Cluster::preset("a100", gpus.div_ceil(8)).unwrap();
+        cluster.devices_per_node = cluster.devices_per_node.min(gpus);
+        Request {
+            model: LlamaConfig::preset(model).unwrap(),
+            model_name: Some(model.into()),
+            cluster,
+            global_batch,
+            seq_len,
+            bf16: true,
+        }
+    }
+
+    #[test]
+    fn every_layout_found_runs_and_the_fastest_that_fits_comes_first() {
+        let request = request("llama-7b", 16, 64, 2048);
+        let found = search(&request).unwrap();
+        assert!(found.fitting.len() > 10 && !found.too_big.is_empty());
+        for c in found.fitting.iter().chain(&found.too_big) {
+            let layout = c
+                .config
+                .layout()
+                .expect("the search offers runnable layouts only");
+            assert_eq!(c.config.dp * c.config.tp * c.config.pp, 16);
+            assert_eq!(layout.micro * layout.accum * c.config.dp, 64);
+            assert!(
+                c.config.zero != ZeroStage::Replicated,
+                "bf16 needs ZeRO's masters"
+            );
+        }
+        for pair in found.fitting.windows(2) {
+            assert!(pair[0].tokens_per_device() >= pair[1].tokens_per_device());
+        }
+        let usable = request.cluster.usable_memory();
+        assert_eq!(usable, 72_000_000_000);
+        assert!(found.fitting.iter().all(|c| c.memory() <= usable));
+        assert!(found.too_big.iter().all(|c| c.memory() > usable));
+        // A 7B model's fp32 Adam state alone (16 bytes a parameter, 108 GB) needs ZeRO or
+        // splitting to fit in 80 GB.
+        assert!(
+            found
+                .too_big
+                .iter()
+                .any(|c| c.config.dp == 16 && c.config.zero == ZeroStage::OptimizerState)
+        );
+        let report = report(&request, &found, 3);
+        assert!(report.contains("run it: burn-launch --nnodes 2 --nproc-per-node 8 -- llama train --model llama-7b --batch-size 64 --seq-len 2048 --dp "), "{report}");
+        assert!(report.contains(&found.fitting[0].flags()), "{report}");
+        assert!(
+            report.contains("it beats the best of another shape"),
+            "{report}"
+        );
+    }
+
+    #[test]
+    fn when_nothing_fits_it_says_what_is_needed() {
+        // 405B parameters on 8 GPUs: the model state alone is hundreds of GB per device.
+        let request = request("llama3-405b", 8, 8, 2048);
+        let found = search(&request).unwrap();
+        assert!(found.fitting.is_empty() && !found.too_big.is_empty());
+        let report = report(&request, &found, 3);
+        assert!(
+            report.contains("no layout fits in 72 GB per device: the smallest, --dp"),
+            "{report}"
+        );
+        assert!(report.contains("GB too many"), "{report}");
+    }
+
+    #[test]
+    fn more_tensor_parallelism_wins_where_activations_do_not_fit_otherwise() {
+        // Long sequences: burn's attention keeps its scores, so only splitting heads over tp
+        // (or layers over pp) makes the activations fit.
+        let request = request("llama-7b", 8, 8, 4096);
+        let found = search(&request).unwrap();
+        assert!(found.too_big.iter().any(|c| c.config.dp == 8));
+        assert!(found.fitting.iter().all(|c| c.config.dp < 8));
+        let best = found.fitting.first().expect("a split layout fits");
+        assert!(best.config.tp * best.config.pp > 1, "{}", best.flags());
+    }
+}

@@ -1,0 +1,425 @@
+//! The time of one training step of a layout on a cluster, from first principles: every
+//! matrix multiplication from its shape at the fraction of peak such a shape reaches, every
+//! elementwise pass from the bytes it streams, every collective from the alpha-beta model of
+//! the link its group crosses, the pipeline's bubble from burn-pipeline's simulation of the
+//! schedule with these costs, and the optimizer's step from the state it streams.
+
+use burn_pipeline::{Costs, Schedule, ScheduleKind, simulate};
+use burn_zero::ZeroStage;
+
+use super::cluster::Cluster;
+use crate::config::LlamaConfig;
+
+/// A decoder-only transformer's shape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shape {
+    /// Width of the residual stream.
+    pub hidden: f64,
+    /// Width of the MLP's hidden layer.
+    pub ffn: f64,
+    /// A gated MLP (SwiGLU: three matrices) rather than two matrices and a GeLU.
+    pub gated: bool,
+    /// Query heads.
+    pub heads: f64,
+    /// Key/value heads.
+    pub kv_heads: f64,
+    /// Blocks.
+    pub layers: usize,
+    /// Tokens in the vocabulary.
+    pub vocab: f64,
+}
+
+impl Shape {
+    /// A Llama model's shape; none for a mixture of experts, which this model does not time.
+    pub fn llama(model: &LlamaConfig) -> Option<Self> {
+        (!model.is_moe()).then_some(Self {
+            hidden: model.hidden_size as f64,
+            ffn: model.intermediate_size as f64,
+            gated: true,
+            heads: model.num_attention_heads as f64,
+            kv_heads: model.num_key_value_heads as f64,
+            layers: model.num_hidden_layers,
+            vocab: model.vocab_size as f64,
+        })
+    }
+
+    /// A GPT model as Megatron-LM's papers train it: `4 h` MLP with GeLU, as many key/value
+    /// heads as query heads.
+    pub fn gpt(hidden: usize, heads: usize, layers: usize, vocab: usize) -> Self {
+        Self {
+            hidden: hidden as f64,
+            ffn: 4.0 * hidden as f64,
+            gated: false,
+            heads: heads as f64,
+            kv_heads: heads as f64,
+            layers,
+            vocab: vocab as f64,
+        }
+    }
+
+    /// Width of one head.
+    pub fn head_dim(&self) -> f64 {
+        self.hidden / self.heads
+    }
+
+    /// Width of the keys (and of the values) of all key/value heads.
+    fn kv_width(&self) -> f64 {
+        self.kv_heads * self.head_dim()
+    }
+
+    /// Parameters of one block.
+    pub fn block_params(&self) -> f64 {
+        let h = self.hidden;
+        let mlp = if self.gated { 3.0 } else { 2.0 };
+        h * (h + 2.0 * self.kv_width()) + h * h + mlp * h * self.ffn + 2.0 * h
+    }
+
+    /// Parameters of the whole model (embedding and head untied).
+    pub fn params(&self) -> f64 {
+        self.layers as f64 * self.block_params() + 2.0 * self.vocab * self.hidden + self.hidden
+    }
+
+    /// Floating-point operations a step does per token, forward and backward, without
+    /// recompute and counting attention's whole `s x s` products: `6` per weight and `12 l h s`
+    /// for attention (the convention of the Megatron-LM and PaLM papers' model FLOPs).
+    pub fn model_flops_per_token(&self, seq_len: usize) -> f64 {
+        let weights = self.layers as f64 * (self.block_params() - 2.0 * self.hidden)
+            + self.vocab * self.hidden;
+        6.0 * weights + 12.0 * self.layers as f64 * self.hidden * seq_len as f64
+    }
+}
+
+/// Which activations the backward recomputes instead of keeping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recompute {
+    /// None: everything is kept.
+    None,
+    /// Attention's scores, softmax and context only (Korthikanti et al., 2022).
+    Selective,
+    /// Each block's whole forward, from its input.
+    Full,
+}
+
+/// How a training system runs a layout, where systems differ.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Engine {
+    /// Bytes of an activation element.
+    pub compute_bytes: f64,
+    /// Bytes of a gradient element as data parallelism reduces it.
+    pub grad_bytes: f64,
+    /// Attention never writes its scores to memory (FlashAttention), and skips the masked
+    /// half of a causal product.
+    pub flash_attention: bool,
+    /// Bytes each attention score streams through memory in the forward (its write, scale,
+    /// mask, softmax, dropout), where attention writes its scores.
+    pub score_bytes: f64,
+    /// How many times each elementwise operation's data crosses memory relative to one fused
+    /// read and write (fused kernels: 1).
+    pub elementwise_passes: f64,
+    /// Dropout after attention and after the MLP (GPT).
+    pub dropout: bool,
+    /// Data-parallel gradient reduction overlaps the last micro-batch's backward.
+    pub overlap_grad_reduce: bool,
+    /// Tensor-parallel collectives overlap the linears' multiplications.
+    pub overlap_tp: bool,
+    /// A pipeline message is split over the tensor-parallel ranks (Megatron's scatter-gather).
+    pub split_pipeline_messages: bool,
+}
+
+/// A layout to time: how the model and the batch are cut.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepLayout {
+    /// Data-parallel ranks.
+    pub dp: usize,
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// Pipeline ranks.
+    pub pp: usize,
+    /// Sequence parallelism within the tensor-parallel group.
+    pub sp: bool,
+    /// What ZeRO shards over the data-parallel ranks.
+    pub zero: ZeroStage,
+    /// What the backward recomputes.
+    pub recompute: Recompute,
+    /// Samples per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches per step on each pipeline.
+    pub micro_batches: usize,
+    /// Tokens per sample.
+    pub seq_len: usize,
+    /// The pipeline's schedule (with `pp` above 1).
+    pub schedule: ScheduleKind,
+    /// Model chunks per pipeline rank.
+    pub virtual_stages: usize,
+}
+
+impl StepLayout {
+    /// Devices the layout uses.
+    pub fn devices(&self) -> usize {
+        self.dp * self.tp * self.pp
+    }
+
+    /// Samples per step over all devices.
+    pub fn global_batch(&self) -> usize {
+        self.dp * self.micro_batch * self.micro_batches
+    }
+}
+
+/// One step's predicted time, in seconds, by where it goes. `total` is not their sum: the
+/// pipeline overlaps ranks' work, and `compute` and `tp_comm` are one rank's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepTime {
+    /// Multiplications and elementwise work of the busiest rank (its blocks, recompute and,
+    /// on the last stage, the head).
+    pub compute: f64,
+    /// Tensor-parallel collectives the computation waits for, on that rank.
+    pub tp_comm: f64,
+    /// Pipeline ranks idle while others work (the schedule's bubble and message time).
+    pub bubble: f64,
+    /// Data-parallel communication the step waits for (what overlap leaves).
+    pub dp_comm: f64,
+    /// The optimizer's step over the state each rank holds.
+    pub optimizer: f64,
+    /// The step, from its first operation to the last.
+    pub total: f64,
+}
+
+impl StepTime {
+    /// Not predicted.
+    pub const UNKNOWN: StepTime = StepTime {
+        compute: f64::NAN,
+        tp_comm: f64::NAN,
+        bubble: f64::NAN,
+        dp_comm: f64::NAN,
+        optimizer: f64::NAN,
+        total: f64::NAN,
+    };
+
+    /// The step's parts as `name seconds` pairs, for the printout.
+    pub fn parts(&self) -> [(&'static str, f64); 5] {
+        [
+            ("compute", self.compute),
+            ("tp comm", self.tp_comm),
+            ("bubble", self.bubble),
+            ("dp comm", self.dp_comm),
+            ("optimizer", self.optimizer),
+        ]
+    }
+}
+
+/// What one micro-batch costs on one pipeline rank, in seconds.
+#[derive(Debug, Clone, Copy)]
+struct MicroBatch {
+    forward: f64,
+    backward: f64,
+    tp_comm: f64,
+    head: f64,
+}
+
+/// One step of `layout` for `shape` on `cluster`, as `engine` runs it; an error for a
+/// schedule burn-pipeline refuses.
+pub fn step_time(
+    shape: &Shape,
+    cluster: &Cluster,
+    engine: &Engine,
+    layout: &StepLayout,
+) -> Result<StepTime, String> {
+    let micro = micro_batch(shape, cluster, engine, layout);
+    let m = layout.micro_batches;
+    let send = {
+        let tokens = (layout.micro_batch * layout.seq_len) as f64;
+        let split = if engine.split_pipeline_messages || layout.sp {
+            layout.tp as f64
+        } else {
+            1.0
+        };
+        // Stages are `tp` ranks apart in the mesh (tp innermost).
+        let link = cluster.link(layout.tp, 2);
+        link.send(tokens * shape.hidden * engine.compute_bytes / split)
+    };
+    let blocks = micro.forward + micro.backward;
+    let (pipeline, bubble) = match layout.pp {
+        1 => (m as f64 * blocks, 0.0),
+        pp => {
+            let schedule = Schedule::new(layout.schedule, pp, m, layout.virtual_stages)
+                .map_err(|e| e.to_string())?;
+            let costs = Costs {
+                forward: micro.forward,
+                backward_input: micro.backward / 2.0,
+                backward_weight: micro.backward / 2.0,
+                send,
+            };
+            let makespan = simulate(&schedule, &costs)
+                .map_err(|e| e.to_string())?
+                .makespan();
+            (makespan, makespan - m as f64 * blocks)
+        }
+    };
+    // The last stage's head runs after its blocks, micro-batch by micro-batch: the rate of a
+    // pipeline in its steady state is that of its slowest rank.
+    let head = m as f64 * micro.head;
+    let (dp_comm, optimizer) = data_parallel(shape, cluster, engine, layout, &micro);
+    let mut total = pipeline + head + dp_comm + optimizer;
+    let mut bubble = bubble;
+    // More thread ranks than cores: a rank's idle time is another's compute, and the step
+    // lasts at least the work of all ranks shared over the cores.
+    if let Some(cores) = cluster.shared_cores.filter(|&c| c < layout.devices()) {
+        let ranks = layout.devices() as f64;
+        let work = ranks * (m as f64 * blocks + optimizer) + head * (layout.dp * layout.tp) as f64;
+        let shared = work / cores as f64 + dp_comm;
+        bubble = (bubble - (total - shared).max(0.0)).max(0.0);
+        total = total.max(shared);
+    }
+    Ok(StepTime {
+        compute: m as f64 * (blocks - micro.tp_comm) + head,
+        tp_comm: m as f64 * micro.tp_comm,
+        bubble,
+        dp_comm,
+        optimizer,
+        total,
+    })
+}
+
+/// Forward and backward of one micro-batch through one pipeline rank's blocks (tensor
+/// parallel collectives included), and the head's on the last.
+fn micro_batch(
+    shape: &Shape,
+    cluster: &Cluster,
+    engine: &Engine,
+    layout: &StepLayout,
+) -> MicroBatch {
+    let (b, s, t) = (
+        layout.micro_batch as f64,
+        layout.seq_len as f64,
+        layout.tp as f64,
+    );
+    let tokens = b * s;
+    let (h, d) = (shape.hidden, shape.head_dim());
+    let p = engine.compute_bytes;
+    let heads = shape.heads / t;
+    // Keys each query meets: all of them, or the causal half a FlashAttention kernel visits.
+    let keys = if engine.flash_attention { s / 2.0 } else { s };
+
+    let linears = cluster.matmul(1.0, tokens, (h + 2.0 * shape.kv_width()) / t, h)
+        + cluster.matmul(1.0, tokens, h, h / t)
+        + cluster.matmul(1.0, tokens, shape.ffn / t, h) * if shape.gated { 2.0 } else { 1.0 }
+        + cluster.matmul(1.0, tokens, h, shape.ffn / t);
+    let scores_context =
+        cluster.matmul(b * heads, s, keys, d) + cluster.matmul(b * heads, s, d, keys);
+    // Elementwise work, in elements per token: on the whole residual stream (two norms, two
+    // residual additions, dropouts), which sequence parallelism splits over tp, and on split
+    // activations (the heads' reshapes, rotary, the MLP's activation).
+    let dropout = if engine.dropout { 6.0 * h } else { 0.0 };
+    let whole = 4.0 * h + 6.0 * h + dropout;
+    let kv = shape.kv_width();
+    let rotary = if shape.gated { 2.0 * (h + kv) } else { 0.0 };
+    let activation = if shape.gated {
+        3.0 * shape.ffn
+    } else {
+        2.0 * shape.ffn
+    };
+    let split = 2.0 * (h + 2.0 * kv) + rotary + activation;
+    let whole_split = if layout.sp { t } else { 1.0 };
+    let elementwise =
+        cluster.stream(engine.elementwise_passes * p * tokens * (whole / whole_split + split / t));
+    let scores = if engine.flash_attention {
+        0.0
+    } else {
+        cluster.stream(engine.score_bytes * b * heads * s * s)
+    };
+    let attention_core = scores_context + scores;
+    // A block's fixed cost, shared as its work is: a third forward, two thirds backward.
+    let layer_forward = linears + attention_core + elementwise + cluster.block_overhead / 3.0;
+    let layer_backward = 2.0 * layer_forward;
+    let layer_recompute = match layout.recompute {
+        Recompute::None => 0.0,
+        Recompute::Selective => attention_core,
+        Recompute::Full => layer_forward,
+    };
+
+    // Tensor parallelism: two all-reduces of the block's output forward and two backward (a
+    // reduce-scatter and all-gather each under sequence parallelism, which gathers its input
+    // once more in backward), and the recomputed forward's.
+    let tp_link = cluster.link(1, layout.tp);
+    let all_reduce = tp_link.all_reduce(tokens * h * p, layout.tp);
+    let backward_share = if layout.sp { 1.5 } else { 1.0 };
+    let recomputed = match layout.recompute {
+        Recompute::Full => 2.0,
+        _ => 0.0,
+    };
+    let layer_tp = if layout.tp > 1 && !engine.overlap_tp {
+        all_reduce * (2.0 + 2.0 * backward_share + recomputed)
+    } else {
+        0.0
+    };
+    let forward_tp = if layout.tp > 1 && !engine.overlap_tp {
+        2.0 * all_reduce
+    } else {
+        0.0
+    };
+
+    let layers = shape.layers.div_ceil(layout.pp) as f64;
+    let head_forward = cluster.matmul(1.0, tokens, shape.vocab / t, h)
+        + cluster.stream(engine.elementwise_passes * 3.0 * 4.0 * tokens * shape.vocab / t);
+    MicroBatch {
+        forward: layers * (layer_forward + forward_tp),
+        backward: layers * (layer_backward + layer_recompute + layer_tp - forward_tp),
+        tp_comm: layers * layer_tp,
+        head: 3.0 * head_forward,
+    }
+}
+
+/// The data-parallel communication a step waits for and its optimizer step, in seconds.
+fn data_parallel(
+    shape: &Shape,
+    cluster: &Cluster,
+    engine: &Engine,
+    layout: &StepLayout,
+    micro: &MicroBatch,
+) -> (f64, f64) {
+    let held = shape.params() / (layout.tp * layout.pp) as f64;
+    let dp = layout.dp;
+    // Data-parallel peers are tp x pp ranks apart (the mesh puts dp outermost).
+    let link = cluster.link(layout.tp * layout.pp, dp);
+    let grads = held * engine.grad_bytes;
+    let params = held * engine.compute_bytes;
+    let m = layout.micro_batches as f64;
+    let dp_comm = match layout.zero {
+        ZeroStage::Replicated | ZeroStage::OptimizerState | ZeroStage::Gradients => {
+            // ZeRO-1/2 reduce-scatter (half an all-reduce) and gather the stepped weights.
+            let reduce = match layout.zero {
+                ZeroStage::Replicated => link.all_reduce(grads, dp),
+                _ => link.all_gather(grads, dp),
+            };
+            let overlaps = engine.overlap_grad_reduce && cluster.shared_cores.is_none();
+            let exposed = if overlaps {
+                (reduce - micro.backward).max(0.0)
+            } else {
+                reduce
+            };
+            let gather = match layout.zero {
+                ZeroStage::Replicated => 0.0,
+                _ => link.all_gather(params, dp),
+            };
+            exposed + gather
+        }
+        ZeroStage::Parameters => {
+            // Every micro-batch gathers the weights for forward and again for backward and
+            // reduce-scatters their gradients, prefetched behind its computation.
+            let per_micro = 2.0 * link.all_gather(params, dp) + link.all_gather(grads, dp);
+            match cluster.shared_cores {
+                Some(_) => m * per_micro,
+                None => m * (per_micro - (micro.forward + micro.backward)).max(0.0),
+            }
+        }
+    };
+    let optimizer_state = match layout.zero {
+        ZeroStage::Replicated => held,
+        _ => held / dp as f64,
+    };
+    // Adam reads the gradient, weight and both moments and writes the three back (fp32),
+    // and casts the updated weight to the compute dtype.
+    let bytes_per_param = 28.0 + if engine.compute_bytes < 4.0 { 6.0 } else { 0.0 };
+    let optimizer = cluster.stream(optimizer_state * bytes_per_param);
+    (dp_comm, optimizer)
+}

@@ -289,12 +289,16 @@ pub fn save<B: Backend>(
 
 /// The shape `dir`'s `config.json` gives, without reading any weights.
 pub fn load_config(dir: &Path) -> Result<LlamaConfig, String> {
-    let path = dir.join(CONFIG);
-    let text = std::fs::read_to_string(&path)
+    read_config(&dir.join(CONFIG))
+}
+
+/// The model shape of a `config.json` file.
+pub fn read_config(path: &Path) -> Result<LlamaConfig, String> {
+    let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let json: Value =
         serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
-    parse_hf_config(&json).map_err(|e| format!("{}: {e}", dir.display()))
+    parse_hf_config(&json).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// Loads `dir`: its `config.json`, then burn's record if there is one, else the safetensors

@@ -95,8 +95,9 @@ struct PlanArgs {
     /// Tokens per sample (activations).
     #[arg(long, default_value_t = 2048)]
     seq_len: usize,
-    /// A Llama `config.json` (Hugging Face's) instead of a preset.
-    #[arg(long, conflicts_with_all = ["model", "params"])]
+    /// A Llama `config.json` (Hugging Face's, or a checkpoint directory holding one) instead
+    /// of a preset, for the search.
+    #[arg(long, conflicts_with_all = ["model", "params"], requires = "gpus")]
     config: Option<PathBuf>,
     /// Search every layout over this many devices and print the best (with --cluster and
     /// --global-batch); the layout flags above are then the search's to choose.
@@ -112,6 +113,27 @@ struct PlanArgs {
     /// How many of the best layouts the search prints.
     #[arg(long, default_value_t = 5, requires = "gpus")]
     top: usize,
+    /// GPUs per node, instead of the preset's 8.
+    #[arg(long, requires = "gpus")]
+    devices_per_node: Option<usize>,
+    /// Memory per device in GB (10^9 bytes), instead of the preset's.
+    #[arg(long, requires = "gpus")]
+    device_memory_gb: Option<f64>,
+    /// Dense peak TFLOP/s of a device in the training dtype, instead of the preset's.
+    #[arg(long, requires = "gpus")]
+    peak_tflops: Option<f64>,
+    /// Ring bus bandwidth within a node in GB/s per device, instead of the preset's.
+    #[arg(long, requires = "gpus")]
+    intra_node_gbps: Option<f64>,
+    /// Ring bus bandwidth between nodes in GB/s per device, instead of the preset's.
+    #[arg(long, requires = "gpus")]
+    inter_node_gbps: Option<f64>,
+    /// Latency of a ring hop within a node in microseconds, instead of the preset's.
+    #[arg(long, requires = "gpus")]
+    intra_node_latency_us: Option<f64>,
+    /// Latency of a ring hop between nodes in microseconds, instead of the preset's.
+    #[arg(long, requires = "gpus")]
+    inter_node_latency_us: Option<f64>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -572,7 +594,7 @@ fn run_plan(args: PlanArgs) -> Result<(), String> {
 
 /// `llama plan --gpus N`: every layout over N devices, the best first.
 fn run_search(args: &PlanArgs, gpus: usize) -> Result<(), String> {
-    use llama::planner::{Cluster, Request, search};
+    use llama::planner::{Cluster, Dtype, Request, search};
 
     let (model, model_name) = match (&args.model, &args.config) {
         (Some(name), _) => (
@@ -584,34 +606,28 @@ fn run_search(args: &PlanArgs, gpus: usize) -> Result<(), String> {
             })?,
             Some(name.clone()),
         ),
-        (None, Some(path)) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("cannot read --config {}: {e}", path.display()))?;
-            let json = serde_json::from_str(&text)
-                .map_err(|e| format!("--config {} is not JSON: {e}", path.display()))?;
-            let model = llama::hf_config::parse_hf_config(&json)
-                .map_err(|e| format!("--config {}: {e}", path.display()))?;
-            (model, None)
-        }
+        (None, Some(path)) if path.is_dir() => (hf::load_config(path)?, None),
+        (None, Some(path)) => (hf::read_config(path)?, None),
         (None, None) => {
             return Err("--gpus searches layouts for a model's shape: give --model PRESET or --config config.json".into());
         }
     };
-    let cluster = match args.cluster.as_str() {
+    let global_batch = args
+        .global_batch
+        .ok_or("--gpus needs --global-batch, the samples of one step over all devices")?;
+    if gpus == 0 || global_batch == 0 || args.seq_len == 0 || args.top == 0 {
+        return Err("--gpus, --global-batch, --seq-len and --top must be at least 1".into());
+    }
+    let mut cluster = match args.cluster.as_str() {
         "cpu" => {
-            if gpus == 0 {
-                return Err(
-                    "--gpus must be at least 1 (with --cluster cpu, the thread ranks)".into(),
-                );
-            }
             let memory = llama::plan::available_host_memory()
                 .ok_or("--cluster cpu needs the host's available memory (/proc/meminfo)")?;
             eprintln!("calibrating this machine (a few seconds)");
             Cluster::cpu(gpus, &llama::planner::calibrate()?, memory)
         }
         name => {
-            let per_node = 8;
-            if gpus == 0 || (gpus > per_node && !gpus.is_multiple_of(per_node)) {
+            let per_node = args.devices_per_node.unwrap_or(8);
+            if per_node == 0 || (gpus > per_node && !gpus.is_multiple_of(per_node)) {
                 return Err(format!(
                     "--gpus {gpus}: a cluster of {per_node}-GPU nodes has up to {per_node} GPUs or a multiple of {per_node}"
                 ));
@@ -622,29 +638,59 @@ fn run_search(args: &PlanArgs, gpus: usize) -> Result<(), String> {
                     llama::planner::CLUSTER_PRESETS.join(", ")
                 )
             })?;
-            cluster.devices_per_node = cluster.devices_per_node.min(gpus);
+            cluster.devices_per_node = per_node.min(gpus);
             cluster
         }
     };
-    let global_batch = args
-        .global_batch
-        .ok_or("--gpus needs --global-batch, the samples of one step over all devices")?;
-    if global_batch == 0 || args.seq_len == 0 || args.top == 0 {
-        return Err("--global-batch, --seq-len and --top must be at least 1".into());
-    }
+    override_cluster(&mut cluster, args)?;
     let request = Request {
         model,
         model_name,
         cluster,
         global_batch,
         seq_len: args.seq_len,
-        bf16: args.dtype != DTypeArg::F32,
+        dtype: match args.dtype {
+            DTypeArg::F32 => Dtype::F32,
+            DTypeArg::Bf16 => Dtype::Bf16,
+            DTypeArg::F16 => Dtype::F16,
+        },
     };
     let found = search(&request)?;
     print!(
         "{}",
         llama::planner::search::report(&request, &found, args.top)
     );
+    Ok(())
+}
+
+/// The figures of `cluster` that `args` gives instead of its preset's.
+fn override_cluster(cluster: &mut llama::planner::Cluster, args: &PlanArgs) -> Result<(), String> {
+    let checked = |flag: &str, value: Option<f64>| -> Result<Option<f64>, String> {
+        match value {
+            Some(v) if !(v.is_finite() && v > 0.0) => {
+                Err(format!("--{flag} {v}: give a positive number"))
+            }
+            v => Ok(v),
+        }
+    };
+    if let Some(gb) = checked("device-memory-gb", args.device_memory_gb)? {
+        cluster.memory = (gb * 1e9) as u64;
+    }
+    if let Some(tflops) = checked("peak-tflops", args.peak_tflops)? {
+        cluster.peak_flops = tflops * 1e12;
+    }
+    if let Some(gbps) = checked("intra-node-gbps", args.intra_node_gbps)? {
+        cluster.intra_node.bandwidth = gbps * 1e9;
+    }
+    if let Some(gbps) = checked("inter-node-gbps", args.inter_node_gbps)? {
+        cluster.inter_node.bandwidth = gbps * 1e9;
+    }
+    if let Some(us) = checked("intra-node-latency-us", args.intra_node_latency_us)? {
+        cluster.intra_node.latency = us * 1e-6;
+    }
+    if let Some(us) = checked("inter-node-latency-us", args.inter_node_latency_us)? {
+        cluster.inter_node.latency = us * 1e-6;
+    }
     Ok(())
 }
 

@@ -379,6 +379,32 @@ fn plan_searches_the_layouts_of_a_cluster_and_prints_the_command_of_the_best() {
         !report.contains("3    --dp "),
         "--top 2 prints two\n{report}"
     );
+
+    // The preset's figures can be replaced.
+    let out = llama(&[
+        "plan",
+        "--gpus",
+        "8",
+        "--devices-per-node",
+        "4",
+        "--device-memory-gb",
+        "40",
+        "--model",
+        "llama-1b",
+        "--global-batch",
+        "16",
+        "--top",
+        "1",
+    ]);
+    assert_succeeded(&out);
+    let report = String::from_utf8_lossy(&out.stdout);
+    for expected in [
+        "on 2 x DGX H100 80GB (8 devices of 40 GB)",
+        "fit in 36 GB per device",
+        "burn-launch --nnodes 2 --nproc-per-node 4 -- llama train --model llama-1b",
+    ] {
+        assert!(report.contains(expected), "{expected:?} in\n{report}");
+    }
 }
 
 #[test]
@@ -414,7 +440,46 @@ fn the_command_a_plan_for_this_machine_prints_trains() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 55] = [
+    let cases: [(&[&str], &str); 59] = [
+        (
+            &[
+                "plan",
+                "--gpus",
+                "8",
+                "--model",
+                "tiny",
+                "--global-batch",
+                "8",
+                "--peak-tflops",
+                "0",
+            ],
+            "--peak-tflops 0: give a positive number",
+        ),
+        (
+            &[
+                "plan",
+                "--gpus",
+                "0",
+                "--model",
+                "tiny",
+                "--global-batch",
+                "8",
+            ],
+            "--gpus, --global-batch, --seq-len and --top must be at least 1",
+        ),
+        (
+            &[
+                "plan",
+                "--gpus",
+                "8",
+                "--config",
+                "Cargo.toml",
+                "--global-batch",
+                "8",
+            ],
+            "Cargo.toml is not JSON",
+        ),
+        (&["plan", "--config", "config.json"], "--gpus"),
         (
             &["plan", "--gpus", "8", "--model", "tiny"],
             "--gpus needs --global-batch",

@@ -191,11 +191,8 @@ fn megatron_weak_scaling_table_1() {
             );
             Case {
                 name: format!(
-                    "{:.1}B tp {} pp {} on {} GPUs",
-                    run.shape().params() / 1e9,
-                    run.tp,
-                    run.pp,
-                    run.gpus
+                    "h {} x {} layers, tp {} pp {}, {} GPUs",
+                    run.hidden, run.layers, run.tp, run.pp, run.gpus
                 ),
                 published: tflops,
                 predicted: flops / time.total / run.gpus as f64 / 1e12,
@@ -229,7 +226,7 @@ fn korthikanti_iteration_times_table_5() {
             (Recompute::Selective, true, selective, "selective + sp"),
         ] {
             cases.push(Case {
-                name: format!("{:.0}B {what}", run.shape().params() / 1e9),
+                name: format!("h {} x {} layers, {what}", run.hidden, run.layers),
                 published,
                 predicted: run.step(recompute, sp).total,
             });
@@ -330,6 +327,7 @@ fn torchtitan_llama3_h100() {
         kv_heads: 8.0,
         layers,
         vocab: 128_256.0,
+        tied_embeddings: false,
     };
     let (l8, l70) = (
         llama3(4096.0, 14_336.0, 32, 32.0),

@@ -13,5 +13,5 @@ pub mod step_time;
 
 pub use calibrate::{Calibration, calibrate};
 pub use cluster::{CLUSTER_PRESETS, Cluster, Link};
-pub use search::{Candidate, Found, Request, burn_parallel, search};
+pub use search::{Candidate, Dtype, Found, Request, burn_parallel, search};
 pub use step_time::{Engine, Recompute, Shape, StepLayout, StepTime, step_time};

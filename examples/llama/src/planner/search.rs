@@ -1,6 +1,7 @@
-//! Every layout `llama train` can run for a model, a cluster and a batch, each with its
-//! memory per device (`llama plan`'s estimate) and its step time (the cost model), ranked by
-//! tokens per second per device among those that fit.
+//! The layouts `llama train` can run for a model, a cluster and a batch (dp, tp within a
+//! node, pp, ZeRO, micro-batch size, sp, recompute, three schedules; not yet cp, ep or
+//! `--tp-overlap`), each with its memory per device (`llama plan`'s estimate) and its step
+//! time (the cost model), ranked by tokens per second per device among those that fit.
 
 use burn_pipeline::ScheduleKind;
 use burn_zero::{MixedPrecision, ZeroStage};
@@ -24,8 +25,39 @@ pub struct Request {
     pub global_batch: usize,
     /// Tokens per sample.
     pub seq_len: usize,
-    /// bf16 weights and activations with fp32 master weights (else fp32).
-    pub bf16: bool,
+    /// The element type weights and activations are computed in.
+    pub dtype: Dtype,
+}
+
+/// What `llama train --dtype` a plan is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    /// Everything fp32.
+    F32,
+    /// bf16 weights and activations, fp32 master weights in ZeRO's shards.
+    Bf16,
+    /// f16 likewise, with a dynamic loss scale.
+    F16,
+}
+
+impl Dtype {
+    /// Its name as `--dtype` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        }
+    }
+
+    /// ZeRO's mixed precision for it; none for fp32.
+    fn mixed(self) -> Option<MixedPrecision> {
+        match self {
+            Dtype::F32 => None,
+            Dtype::Bf16 => Some(MixedPrecision::bf16()),
+            Dtype::F16 => Some(MixedPrecision::f16()),
+        }
+    }
 }
 
 /// One runnable layout, sized and timed.
@@ -129,6 +161,8 @@ pub struct Found {
     pub fitting: Vec<Candidate>,
     /// Layouts that do not fit, smallest memory first.
     pub too_big: Vec<Candidate>,
+    /// Why `llama train` refused the first layout it refused, when it refused every one.
+    pub refused: Option<String>,
 }
 
 /// Every layout of `request` that `llama train` accepts, sized and timed.
@@ -138,14 +172,25 @@ pub fn search(request: &Request) -> Result<Found, String> {
     )?;
     let cluster = &request.cluster;
     let devices = cluster.devices();
-    let engine = burn_parallel(request.bf16);
+    let engine = burn_parallel(request.dtype != Dtype::F32);
     let mut found = Found {
         fitting: Vec::new(),
         too_big: Vec::new(),
+        refused: None,
     };
+    let mut refused = None;
     for config in configs(request, devices) {
-        let Ok(layout) = config.layout() else {
-            continue;
+        let layout = match config.layout() {
+            Ok(layout) => layout,
+            Err(e) => {
+                refused.get_or_insert_with(|| {
+                    format!(
+                        "--dp {} --tp {} --pp {}: {e}",
+                        config.dp, config.tp, config.pp
+                    )
+                });
+                continue;
+            }
         };
         let Ok(bytes) = run_bytes(&config, &layout) else {
             continue;
@@ -179,6 +224,9 @@ pub fn search(request: &Request) -> Result<Found, String> {
             .then(a.memory().cmp(&b.memory()))
     });
     found.too_big.sort_by_key(Candidate::memory);
+    if found.fitting.is_empty() && found.too_big.is_empty() {
+        found.refused = refused;
+    }
     Ok(found)
 }
 
@@ -231,14 +279,15 @@ fn variants(request: &Request, dp: usize, tp: usize, pp: usize, micro: usize) ->
     };
     let mut out = Vec::new();
     for zero in ZeroStage::ALL {
-        // burn-parallel keeps bf16 weights' fp32 masters in ZeRO's sharded optimizer; on one
-        // data-parallel rank the stages shard nothing, so one of them stands for all.
-        let needed = match (request.bf16, dp) {
+        // burn-parallel keeps 16-bit weights' fp32 masters in ZeRO's sharded optimizer; on
+        // one data-parallel rank the stages shard nothing, so one of them stands for all.
+        let half = request.dtype != Dtype::F32;
+        let needed = match (half, dp) {
             (false, 1) => ZeroStage::Replicated,
             (true, 1) => ZeroStage::OptimizerState,
             _ => zero,
         };
-        if zero != needed || (request.bf16 && zero == ZeroStage::Replicated) {
+        if zero != needed || (half && zero == ZeroStage::Replicated) {
             continue;
         }
         for sp in [false, true].into_iter().filter(|sp| !sp || tp > 1) {
@@ -251,9 +300,7 @@ fn variants(request: &Request, dp: usize, tp: usize, pp: usize, micro: usize) ->
                     } else {
                         Strategy::Single
                     };
-                    if request.bf16 {
-                        c.zero_config = c.zero_config.with_precision(Some(MixedPrecision::bf16()));
-                    }
+                    c.zero_config = c.zero_config.with_precision(request.dtype.mixed());
                     c.sequence_parallel = sp;
                     c.recompute = recompute;
                     c.schedule = schedule;
@@ -281,7 +328,7 @@ pub fn report(request: &Request, found: &Found, top: usize) -> String {
         gb(cluster.memory),
         request.global_batch,
         request.seq_len,
-        if request.bf16 { "bf16" } else { "fp32" },
+        request.dtype.name(),
     );
     let considered = found.fitting.len() + found.too_big.len();
     out += &format!(
@@ -291,14 +338,19 @@ pub fn report(request: &Request, found: &Found, top: usize) -> String {
     );
     if !found.fitting.is_empty() {
         out += &format!(
-            "{:<4} {:<62} {:>8} {:>9} {:>12}   {}\n",
+            "{:<4} {:<62} {:>8} {:>9} {:>12} {:>6}   {}\n",
             "",
             "layout",
             "GB/dev",
             "step s",
             "tok/s/dev",
+            "MFU",
             "step: compute, tp comm, bubble, dp comm, optimizer (s)"
         );
+        // Model FLOPs utilisation: the model's own FLOPs (no recompute) per second of peak.
+        let flops_per_token = Shape::llama(&request.model).map_or(f64::NAN, |shape| {
+            shape.model_flops_per_token(request.seq_len)
+        });
         for (i, c) in found.fitting.iter().take(top).enumerate() {
             let parts: Vec<String> = c
                 .time
@@ -306,13 +358,15 @@ pub fn report(request: &Request, found: &Found, top: usize) -> String {
                 .iter()
                 .map(|(_, s)| format!("{s:.3}"))
                 .collect();
+            let mfu = flops_per_token * c.tokens_per_device() / cluster.peak_flops;
             out += &format!(
-                "{:<4} {:<62} {:>8.2} {:>9.3} {:>12.0}   {}\n",
+                "{:<4} {:<62} {:>8.2} {:>9.3} {:>12.0} {:>5.1}%   {}\n",
                 i + 1,
                 c.flags(),
                 gb(c.memory()),
                 c.time.total,
                 c.tokens_per_device(),
+                100.0 * mfu,
                 parts.join(", "),
             );
         }
@@ -350,9 +404,13 @@ pub fn report(request: &Request, found: &Found, top: usize) -> String {
     }
     if considered == 0 {
         out += &format!(
-            "no layout of {} devices divides this model and a batch of {}: choose a batch that divides over the data-parallel ranks\n",
+            "no layout of {} devices runs this model with a batch of {}: the batch must divide over the data-parallel ranks (in micro-batches of 1, 2, 4 or 8) and the model split over tp and pp{}\n",
             cluster.devices(),
-            request.global_batch
+            request.global_batch,
+            match &found.refused {
+                Some(why) => format!("; for one, {why}"),
+                None => String::new(),
+            }
         );
     }
     out
@@ -363,7 +421,7 @@ pub fn report(request: &Request, found: &Found, top: usize) -> String {
 fn why_best(best: &Candidate, fitting: &[Candidate]) -> String {
     let shape = |c: &Candidate| (c.config.dp, c.config.tp, c.config.pp);
     let Some(next) = fitting.iter().find(|c| shape(c) != shape(best)) else {
-        return "; it is the only layout that fits\n".into();
+        return "; no layout of another dp x tp x pp fits\n".into();
     };
     let (name, ours, theirs) = best
         .time
@@ -392,7 +450,10 @@ fn command(request: &Request, candidate: &Candidate) -> String {
         request.global_batch,
         request.seq_len,
         candidate.flags(),
-        if request.bf16 { " --dtype bf16" } else { "" },
+        match request.dtype {
+            Dtype::F32 => String::new(),
+            dtype => format!(" --dtype {}", dtype.name()),
+        },
     );
     match request.cluster.devices_per_node {
         // A CPU machine runs the ranks as threads of one process.
@@ -417,7 +478,7 @@ mod tests {
             cluster,
             global_batch,
             seq_len,
-            bf16: true,
+            dtype: Dtype::Bf16,
         }
     }
 
@@ -445,14 +506,28 @@ mod tests {
         assert_eq!(usable, 72_000_000_000);
         assert!(found.fitting.iter().all(|c| c.memory() <= usable));
         assert!(found.too_big.iter().all(|c| c.memory() > usable));
-        // A 7B model's fp32 Adam state alone (16 bytes a parameter, 108 GB) needs ZeRO or
-        // splitting to fit in 80 GB.
-        assert!(
+        // At dp 16 under ZeRO-3 the micro-batch size decides: 4 samples' activations (burn's
+        // attention keeps its scores) do not fit beside the shard, 1 sample's do.
+        let dp16 = |micro: usize| {
             found
-                .too_big
+                .fitting
                 .iter()
-                .any(|c| c.config.dp == 16 && c.config.zero == ZeroStage::OptimizerState)
+                .chain(&found.too_big)
+                .find(|c| {
+                    (c.config.dp, c.layout.micro_batch, c.config.zero)
+                        == (16, micro, ZeroStage::Parameters)
+                })
+                .expect("dp 16 runs micro-batches of 1 and 4")
+        };
+        let (one, four) = (dp16(1), dp16(4));
+        assert!(
+            one.memory() <= usable && four.memory() > usable,
+            "{} B and {} B against {usable} B",
+            one.memory(),
+            four.memory()
         );
+        assert_eq!(one.model_state, four.model_state);
+        assert!(four.activations > 3 * one.activations);
         let report = report(&request, &found, 3);
         assert!(report.contains("run it: burn-launch --nnodes 2 --nproc-per-node 8 -- llama train --model llama-7b --batch-size 64 --seq-len 2048 --dp "), "{report}");
         assert!(report.contains(&found.fitting[0].flags()), "{report}");
@@ -477,14 +552,21 @@ mod tests {
     }
 
     #[test]
-    fn more_tensor_parallelism_wins_where_activations_do_not_fit_otherwise() {
+    fn layouts_whose_activations_cannot_fit_are_set_aside_for_split_ones() {
         // Long sequences: burn's attention keeps its scores, so only splitting heads over tp
-        // (or layers over pp) makes the activations fit.
+        // (or layers over pp) makes the activations fit; the model state alone would.
         let request = request("llama-7b", 8, 8, 4096);
+        let usable = request.cluster.usable_memory();
         let found = search(&request).unwrap();
-        assert!(found.too_big.iter().any(|c| c.config.dp == 8));
-        assert!(found.fitting.iter().all(|c| c.config.dp < 8));
+        let whole: Vec<&Candidate> = found.too_big.iter().filter(|c| c.config.dp == 8).collect();
+        assert!(!whole.is_empty() && found.fitting.iter().all(|c| c.config.dp < 8));
+        assert!(
+            whole.iter().all(|c| c.model_state < usable),
+            "{:?}",
+            whole.iter().map(|c| c.model_state).collect::<Vec<_>>()
+        );
         let best = found.fitting.first().expect("a split layout fits");
-        assert!(best.config.tp * best.config.pp > 1, "{}", best.flags());
+        let least = whole.iter().map(|c| c.activations).min().unwrap();
+        assert!(best.activations < least, "{}", best.flags());
     }
 }

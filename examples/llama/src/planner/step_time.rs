@@ -27,6 +27,8 @@ pub struct Shape {
     pub layers: usize,
     /// Tokens in the vocabulary.
     pub vocab: f64,
+    /// The head reads the embedding's weight.
+    pub tied_embeddings: bool,
 }
 
 impl Shape {
@@ -40,11 +42,12 @@ impl Shape {
             kv_heads: model.num_key_value_heads as f64,
             layers: model.num_hidden_layers,
             vocab: model.vocab_size as f64,
+            tied_embeddings: model.tie_word_embeddings,
         })
     }
 
     /// A GPT model as Megatron-LM's papers train it: `4 h` MLP with GeLU, as many key/value
-    /// heads as query heads.
+    /// heads as query heads, the head tied to the embedding.
     pub fn gpt(hidden: usize, heads: usize, layers: usize, vocab: usize) -> Self {
         Self {
             hidden: hidden as f64,
@@ -54,6 +57,7 @@ impl Shape {
             kv_heads: heads as f64,
             layers,
             vocab: vocab as f64,
+            tied_embeddings: true,
         }
     }
 
@@ -74,9 +78,16 @@ impl Shape {
         h * (h + 2.0 * self.kv_width()) + h * h + mlp * h * self.ffn + 2.0 * h
     }
 
-    /// Parameters of the whole model (embedding and head untied).
+    /// Parameters of the whole model.
     pub fn params(&self) -> f64 {
-        self.layers as f64 * self.block_params() + 2.0 * self.vocab * self.hidden + self.hidden
+        let tables = if self.tied_embeddings { 1.0 } else { 2.0 };
+        self.layers as f64 * self.block_params() + tables * self.vocab * self.hidden + self.hidden
+    }
+
+    /// Width of the keys (and of the values) each of `tp` ranks computes: its share of the
+    /// key/value heads, or one head's copy when there are fewer heads than ranks.
+    fn kv_width_per_rank(&self, tp: f64) -> f64 {
+        self.kv_width() / tp.min(self.kv_heads)
     }
 
     /// Floating-point operations a step does per token, forward and backward, without
@@ -165,8 +176,8 @@ impl StepLayout {
     }
 }
 
-/// One step's predicted time, in seconds, by where it goes. `total` is not their sum: the
-/// pipeline overlaps ranks' work, and `compute` and `tp_comm` are one rank's.
+/// One step's predicted time, in seconds, by where the busiest rank spends it: the parts
+/// sum to `total`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepTime {
     /// Multiplications and elementwise work of the busiest rank (its blocks, recompute and,
@@ -174,7 +185,8 @@ pub struct StepTime {
     pub compute: f64,
     /// Tensor-parallel collectives the computation waits for, on that rank.
     pub tp_comm: f64,
-    /// Pipeline ranks idle while others work (the schedule's bubble and message time).
+    /// Idle while others work: the pipeline's bubble and message time, and thread ranks
+    /// waiting for a core when there are more of them than cores.
     pub bubble: f64,
     /// Data-parallel communication the step waits for (what overlap leaves).
     pub dp_comm: f64,
@@ -233,13 +245,15 @@ pub fn step_time(
         } else {
             1.0
         };
-        // Stages are `tp` ranks apart in the mesh (tp innermost).
-        let link = cluster.link(layout.tp, 2);
+        // Stages are `tp` ranks apart in the mesh (tp innermost); the schedule times every
+        // hop alike, so the slowest one the pipeline crosses (interleaving sends from the last
+        // rank back to the first).
+        let link = cluster.link(layout.tp, layout.pp);
         link.send(tokens * shape.hidden * engine.compute_bytes / split)
     };
     let blocks = micro.forward + micro.backward;
-    let (pipeline, bubble) = match layout.pp {
-        1 => (m as f64 * blocks, 0.0),
+    let pipeline = match layout.pp {
+        1 => m as f64 * blocks,
         pp => {
             let schedule = Schedule::new(layout.schedule, pp, m, layout.virtual_stages)
                 .map_err(|e| e.to_string())?;
@@ -249,10 +263,9 @@ pub fn step_time(
                 backward_weight: micro.backward / 2.0,
                 send,
             };
-            let makespan = simulate(&schedule, &costs)
+            simulate(&schedule, &costs)
                 .map_err(|e| e.to_string())?
-                .makespan();
-            (makespan, makespan - m as f64 * blocks)
+                .makespan()
         }
     };
     // The last stage's head runs after its blocks, micro-batch by micro-batch: the rate of a
@@ -260,20 +273,20 @@ pub fn step_time(
     let head = m as f64 * micro.head;
     let (dp_comm, optimizer) = data_parallel(shape, cluster, engine, layout, &micro);
     let mut total = pipeline + head + dp_comm + optimizer;
-    let mut bubble = bubble;
     // More thread ranks than cores: a rank's idle time is another's compute, and the step
     // lasts at least the work of all ranks shared over the cores.
     if let Some(cores) = cluster.shared_cores.filter(|&c| c < layout.devices()) {
         let ranks = layout.devices() as f64;
         let work = ranks * (m as f64 * blocks + optimizer) + head * (layout.dp * layout.tp) as f64;
-        let shared = work / cores as f64 + dp_comm;
-        bubble = (bubble - (total - shared).max(0.0)).max(0.0);
-        total = total.max(shared);
+        total = total.max(work / cores as f64 + dp_comm);
     }
+    let compute = m as f64 * (blocks - micro.tp_comm) + head;
+    let tp_comm = m as f64 * micro.tp_comm;
     Ok(StepTime {
-        compute: m as f64 * (blocks - micro.tp_comm) + head,
-        tp_comm: m as f64 * micro.tp_comm,
-        bubble,
+        compute,
+        tp_comm,
+        // Whatever the busiest rank is not computing or communicating.
+        bubble: total - (compute + tp_comm + dp_comm + optimizer),
         dp_comm,
         optimizer,
         total,
@@ -300,7 +313,8 @@ fn micro_batch(
     // Keys each query meets: all of them, or the causal half a FlashAttention kernel visits.
     let keys = if engine.flash_attention { s / 2.0 } else { s };
 
-    let linears = cluster.matmul(1.0, tokens, (h + 2.0 * shape.kv_width()) / t, h)
+    let kv_rank = shape.kv_width_per_rank(t);
+    let linears = cluster.matmul(1.0, tokens, h / t + 2.0 * kv_rank, h)
         + cluster.matmul(1.0, tokens, h, h / t)
         + cluster.matmul(1.0, tokens, shape.ffn / t, h) * if shape.gated { 2.0 } else { 1.0 }
         + cluster.matmul(1.0, tokens, h, shape.ffn / t);
@@ -311,17 +325,20 @@ fn micro_batch(
     // activations (the heads' reshapes, rotary, the MLP's activation).
     let dropout = if engine.dropout { 6.0 * h } else { 0.0 };
     let whole = 4.0 * h + 6.0 * h + dropout;
-    let kv = shape.kv_width();
-    let rotary = if shape.gated { 2.0 * (h + kv) } else { 0.0 };
+    let rotary = if shape.gated {
+        2.0 * (h / t + kv_rank)
+    } else {
+        0.0
+    };
     let activation = if shape.gated {
         3.0 * shape.ffn
     } else {
         2.0 * shape.ffn
-    };
-    let split = 2.0 * (h + 2.0 * kv) + rotary + activation;
+    } / t;
+    let split = 2.0 * (h / t + 2.0 * kv_rank) + rotary + activation;
     let whole_split = if layout.sp { t } else { 1.0 };
     let elementwise =
-        cluster.stream(engine.elementwise_passes * p * tokens * (whole / whole_split + split / t));
+        cluster.stream(engine.elementwise_passes * p * tokens * (whole / whole_split + split));
     let scores = if engine.flash_attention {
         0.0
     } else {

@@ -116,7 +116,8 @@ struct PlanArgs {
     /// GPUs per node, instead of the preset's 8.
     #[arg(long, requires = "gpus")]
     devices_per_node: Option<usize>,
-    /// Memory per device in GB (10^9 bytes), instead of the preset's.
+    /// Memory per device in GB (10^9 bytes), instead of the preset's (or the measured
+    /// figure, with --cluster cpu; so are the figures below).
     #[arg(long, requires = "gpus")]
     device_memory_gb: Option<f64>,
     /// Dense peak TFLOP/s of a device in the training dtype, instead of the preset's.
@@ -618,6 +619,18 @@ fn run_search(args: &PlanArgs, gpus: usize) -> Result<(), String> {
     if gpus == 0 || global_batch == 0 || args.seq_len == 0 || args.top == 0 {
         return Err("--gpus, --global-batch, --seq-len and --top must be at least 1".into());
     }
+    llama::planner::search::timed_shape(&model)?;
+    let overrides = ClusterOverrides::of(args)?;
+    let gpu = args.cluster != "cpu";
+    if !gpu && args.devices_per_node.is_some() {
+        return Err("--devices-per-node belongs to the GPU presets; with --cluster cpu, --gpus is this machine's thread ranks".into());
+    }
+    if gpu && args.dtype == DTypeArg::F32 && args.peak_tflops.is_none() {
+        return Err(format!(
+            "the {} preset's peak is its bf16 tensor cores'; to plan --dtype f32, give the device's fp32 (or TF32) peak with --peak-tflops",
+            args.cluster
+        ));
+    }
     let mut cluster = match args.cluster.as_str() {
         "cpu" => {
             let memory = llama::plan::available_host_memory()
@@ -627,7 +640,10 @@ fn run_search(args: &PlanArgs, gpus: usize) -> Result<(), String> {
         }
         name => {
             let per_node = args.devices_per_node.unwrap_or(8);
-            if per_node == 0 || (gpus > per_node && !gpus.is_multiple_of(per_node)) {
+            if per_node == 0 {
+                return Err("--devices-per-node must be at least 1".into());
+            }
+            if gpus > per_node && !gpus.is_multiple_of(per_node) {
                 return Err(format!(
                     "--gpus {gpus}: a cluster of {per_node}-GPU nodes has up to {per_node} GPUs or a multiple of {per_node}"
                 ));
@@ -642,7 +658,7 @@ fn run_search(args: &PlanArgs, gpus: usize) -> Result<(), String> {
             cluster
         }
     };
-    override_cluster(&mut cluster, args)?;
+    overrides.apply(&mut cluster);
     let request = Request {
         model,
         model_name,
@@ -663,35 +679,51 @@ fn run_search(args: &PlanArgs, gpus: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// The figures of `cluster` that `args` gives instead of its preset's.
-fn override_cluster(cluster: &mut llama::planner::Cluster, args: &PlanArgs) -> Result<(), String> {
-    let checked = |flag: &str, value: Option<f64>| -> Result<Option<f64>, String> {
-        match value {
+/// The figures of a cluster that the command line gives instead of its preset's (or of the
+/// measured ones, with `--cluster cpu`), checked before anything is measured.
+struct ClusterOverrides {
+    memory: Option<f64>,
+    peak_flops: Option<f64>,
+    intra_bandwidth: Option<f64>,
+    inter_bandwidth: Option<f64>,
+    intra_latency: Option<f64>,
+    inter_latency: Option<f64>,
+}
+
+impl ClusterOverrides {
+    fn of(args: &PlanArgs) -> Result<Self, String> {
+        let positive = |flag: &str, value: Option<f64>, unit: f64| match value {
             Some(v) if !(v.is_finite() && v > 0.0) => {
                 Err(format!("--{flag} {v}: give a positive number"))
             }
-            v => Ok(v),
+            v => Ok(v.map(|v| v * unit)),
+        };
+        Ok(Self {
+            memory: positive("device-memory-gb", args.device_memory_gb, 1e9)?,
+            peak_flops: positive("peak-tflops", args.peak_tflops, 1e12)?,
+            intra_bandwidth: positive("intra-node-gbps", args.intra_node_gbps, 1e9)?,
+            inter_bandwidth: positive("inter-node-gbps", args.inter_node_gbps, 1e9)?,
+            intra_latency: positive("intra-node-latency-us", args.intra_node_latency_us, 1e-6)?,
+            inter_latency: positive("inter-node-latency-us", args.inter_node_latency_us, 1e-6)?,
+        })
+    }
+
+    /// `cluster` with these figures; its name says so when any was given.
+    fn apply(&self, cluster: &mut llama::planner::Cluster) {
+        let before = cluster.clone();
+        let set = |field: &mut f64, value: Option<f64>| *field = value.unwrap_or(*field);
+        if let Some(bytes) = self.memory {
+            cluster.memory = bytes as u64;
         }
-    };
-    if let Some(gb) = checked("device-memory-gb", args.device_memory_gb)? {
-        cluster.memory = (gb * 1e9) as u64;
+        set(&mut cluster.peak_flops, self.peak_flops);
+        set(&mut cluster.intra_node.bandwidth, self.intra_bandwidth);
+        set(&mut cluster.inter_node.bandwidth, self.inter_bandwidth);
+        set(&mut cluster.intra_node.latency, self.intra_latency);
+        set(&mut cluster.inter_node.latency, self.inter_latency);
+        if *cluster != before {
+            cluster.name += ", figures as given";
+        }
     }
-    if let Some(tflops) = checked("peak-tflops", args.peak_tflops)? {
-        cluster.peak_flops = tflops * 1e12;
-    }
-    if let Some(gbps) = checked("intra-node-gbps", args.intra_node_gbps)? {
-        cluster.intra_node.bandwidth = gbps * 1e9;
-    }
-    if let Some(gbps) = checked("inter-node-gbps", args.inter_node_gbps)? {
-        cluster.inter_node.bandwidth = gbps * 1e9;
-    }
-    if let Some(us) = checked("intra-node-latency-us", args.intra_node_latency_us)? {
-        cluster.intra_node.latency = us * 1e-6;
-    }
-    if let Some(us) = checked("inter-node-latency-us", args.inter_node_latency_us)? {
-        cluster.inter_node.latency = us * 1e-6;
-    }
-    Ok(())
 }
 
 /// Trains as `llama train` was asked to; `process` is this process's rank when the job runs

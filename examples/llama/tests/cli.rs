@@ -399,7 +399,7 @@ fn plan_searches_the_layouts_of_a_cluster_and_prints_the_command_of_the_best() {
     assert_succeeded(&out);
     let report = String::from_utf8_lossy(&out.stdout);
     for expected in [
-        "on 2 x DGX H100 80GB (8 devices of 40 GB)",
+        "on 2 x DGX H100 80GB, figures as given (8 devices of 40 GB)",
         "fit in 36 GB per device",
         "burn-launch --nnodes 2 --nproc-per-node 4 -- llama train --model llama-1b",
     ] {
@@ -440,7 +440,51 @@ fn the_command_a_plan_for_this_machine_prints_trains() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 59] = [
+    let cases: [(&[&str], &str); 62] = [
+        (
+            &[
+                "plan",
+                "--gpus",
+                "2",
+                "--cluster",
+                "cpu",
+                "--devices-per-node",
+                "2",
+                "--model",
+                "tiny",
+                "--global-batch",
+                "8",
+            ],
+            "--devices-per-node belongs to the GPU presets",
+        ),
+        (
+            &[
+                "plan",
+                "--gpus",
+                "8",
+                "--model",
+                "tiny",
+                "--global-batch",
+                "8",
+                "--dtype",
+                "f32",
+            ],
+            "to plan --dtype f32, give the device's fp32 (or TF32) peak with --peak-tflops",
+        ),
+        (
+            &[
+                "plan",
+                "--gpus",
+                "8",
+                "--devices-per-node",
+                "0",
+                "--model",
+                "tiny",
+                "--global-batch",
+                "8",
+            ],
+            "--devices-per-node must be at least 1",
+        ),
         (
             &[
                 "plan",

@@ -165,11 +165,16 @@ pub struct Found {
     pub refused: Option<String>,
 }
 
+/// The shape the cost model times for `model`, or why it cannot.
+pub fn timed_shape(model: &LlamaConfig) -> Result<Shape, String> {
+    Shape::llama(model).ok_or_else(|| {
+        "the planner times dense models only; a mixture of experts is sized by `llama plan --model ... --ep N` without --gpus".into()
+    })
+}
+
 /// Every layout of `request` that `llama train` accepts, sized and timed.
 pub fn search(request: &Request) -> Result<Found, String> {
-    let shape = Shape::llama(&request.model).ok_or(
-        "the planner times dense models only; a mixture of experts is sized by `llama plan --model ... --ep N` without --gpus",
-    )?;
+    let shape = timed_shape(&request.model)?;
     let cluster = &request.cluster;
     let devices = cluster.devices();
     let engine = burn_parallel(request.dtype != Dtype::F32);
@@ -533,6 +538,26 @@ mod tests {
         assert!(report.contains(&found.fitting[0].flags()), "{report}");
         assert!(
             report.contains("it beats the best of another shape"),
+            "{report}"
+        );
+    }
+
+    #[test]
+    fn an_f16_plan_runs_in_f16() {
+        let request = Request {
+            dtype: Dtype::F16,
+            ..request("llama-1b", 8, 16, 1024)
+        };
+        let found = search(&request).unwrap();
+        assert!(found.fitting.iter().all(|c| {
+            let precision = c.config.zero_config.precision.as_ref();
+            precision.is_some_and(|p| {
+                p.param_dtype == burn::tensor::DType::F16 && p.loss_scale.is_some()
+            })
+        }));
+        let report = report(&request, &found, 1);
+        assert!(
+            report.contains(" --dtype f16 --device cuda --nccl"),
             "{report}"
         );
     }

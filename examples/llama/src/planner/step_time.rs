@@ -84,6 +84,14 @@ impl Shape {
         self.layers as f64 * self.block_params() + tables * self.vocab * self.hidden + self.hidden
     }
 
+    /// Parameters each of `tp x pp` ranks holds: an even share, and the key/value heads
+    /// copied on several tensor-parallel ranks when there are fewer heads than ranks.
+    pub fn params_per_rank(&self, tp: usize, pp: usize) -> f64 {
+        let t = tp as f64;
+        let copied = 2.0 * self.hidden * (self.kv_width_per_rank(t) - self.kv_width() / t);
+        self.params() / (tp * pp) as f64 + self.layers.div_ceil(pp) as f64 * copied
+    }
+
     /// Width of the keys (and of the values) each of `tp` ranks computes: its share of the
     /// key/value heads, or one head's copy when there are fewer heads than ranks.
     fn kv_width_per_rank(&self, tp: f64) -> f64 {
@@ -285,8 +293,9 @@ pub fn step_time(
     Ok(StepTime {
         compute,
         tp_comm,
-        // Whatever the busiest rank is not computing or communicating.
-        bubble: total - (compute + tp_comm + dp_comm + optimizer),
+        // Whatever the busiest rank is not computing or communicating (never below 0 but for
+        // rounding).
+        bubble: (total - (compute + tp_comm + dp_comm + optimizer)).max(0.0),
         dp_comm,
         optimizer,
         total,
@@ -394,7 +403,7 @@ fn data_parallel(
     layout: &StepLayout,
     micro: &MicroBatch,
 ) -> (f64, f64) {
-    let held = shape.params() / (layout.tp * layout.pp) as f64;
+    let held = shape.params_per_rank(layout.tp, layout.pp);
     let dp = layout.dp;
     // Data-parallel peers are tp x pp ranks apart (the mesh puts dp outermost).
     let link = cluster.link(layout.tp * layout.pp, dp);
@@ -439,4 +448,106 @@ fn data_parallel(
     let bytes_per_param = 28.0 + if engine.compute_bytes < 4.0 { 6.0 } else { 0.0 };
     let optimizer = cluster.stream(optimizer_state * bytes_per_param);
     (dp_comm, optimizer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(dp: usize, tp: usize, pp: usize, schedule: ScheduleKind, v: usize) -> StepLayout {
+        StepLayout {
+            dp,
+            tp,
+            pp,
+            sp: tp > 1,
+            zero: ZeroStage::OptimizerState,
+            recompute: Recompute::None,
+            micro_batch: 1,
+            micro_batches: 8,
+            seq_len: 2048,
+            schedule,
+            virtual_stages: v,
+        }
+    }
+
+    fn engine() -> Engine {
+        crate::planner::burn_parallel(true)
+    }
+
+    #[test]
+    fn the_parts_sum_to_the_step_and_none_is_negative() {
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let gpus = Cluster::preset("a100", 2).unwrap();
+        let threads = Cluster {
+            shared_cores: Some(2),
+            ..Cluster::preset("a100", 1).unwrap()
+        };
+        let layouts = [
+            layout(16, 1, 1, ScheduleKind::OneFOneB, 1),
+            layout(2, 8, 1, ScheduleKind::OneFOneB, 1),
+            layout(2, 2, 4, ScheduleKind::OneFOneB, 1),
+            layout(1, 4, 4, ScheduleKind::Interleaved, 2),
+            layout(2, 1, 8, ScheduleKind::ZeroBubbleH1, 1),
+            StepLayout {
+                zero: ZeroStage::Parameters,
+                ..layout(16, 1, 1, ScheduleKind::OneFOneB, 1)
+            },
+        ];
+        for (cluster, layout) in layouts
+            .iter()
+            .map(|l| (&gpus, *l))
+            .chain([(&threads, layout(1, 2, 2, ScheduleKind::OneFOneB, 1))])
+        {
+            let step = step_time(&shape, cluster, &engine(), &layout).unwrap();
+            let sum: f64 = step.parts().iter().map(|(_, s)| s).sum();
+            assert!(
+                (sum - step.total).abs() <= 1e-9 * step.total,
+                "{layout:?}: {step:?}"
+            );
+            assert!(
+                step.parts().iter().all(|(_, s)| *s >= 0.0),
+                "{layout:?}: {step:?}"
+            );
+        }
+        // Four thread ranks on two cores wait for them: the step is longer than the
+        // pipeline's alone, the wait counted as bubble.
+        let alone = Cluster {
+            shared_cores: None,
+            ..threads.clone()
+        };
+        let shared = layout(1, 2, 2, ScheduleKind::OneFOneB, 1);
+        let (waiting, free) = (
+            step_time(&shape, &threads, &engine(), &shared).unwrap(),
+            step_time(&shape, &alone, &engine(), &shared).unwrap(),
+        );
+        assert!(waiting.total > 1.5 * free.total && waiting.bubble > free.bubble);
+    }
+
+    #[test]
+    fn a_pipeline_whose_stages_span_nodes_sends_over_the_slower_link() {
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let mut cluster = Cluster::preset("a100", 2).unwrap();
+        cluster.inter_node.bandwidth = 1e6;
+        let bubble = |tp, pp| {
+            let layout = layout(16 / (tp * pp), tp, pp, ScheduleKind::OneFOneB, 1);
+            step_time(&shape, &cluster, &engine(), &layout)
+                .unwrap()
+                .bubble
+        };
+        // tp 2 x pp 4 fits in a node of 8; tp 4 x pp 4 spans two.
+        assert!(bubble(4, 4) > 100.0 * bubble(2, 4));
+    }
+
+    #[test]
+    fn key_value_heads_copied_over_tensor_parallel_ranks_are_held_by_each() {
+        let shape = Shape::llama(&LlamaConfig::preset("llama3-8b").unwrap()).unwrap();
+        // 8 key/value heads: split over 8 ranks, copied (each rank one head) over 16.
+        assert_eq!(shape.params_per_rank(8, 1), shape.params() / 8.0);
+        let copies = 32.0 * 2.0 * 4096.0 * (128.0 - 1024.0 / 16.0);
+        let held = shape.params_per_rank(16, 1);
+        assert!(
+            (held - (shape.params() / 16.0 + copies)).abs() < 1.0,
+            "{held}"
+        );
+    }
 }

@@ -37,7 +37,8 @@ enum Command {
     /// through a tokenizer), as JSON.
     Eval(EvalArgs),
     /// Model-state bytes per rank at every ZeRO stage (the ZeRO paper's formulas) and the
-    /// activations of a micro-batch, in GB (10^9 bytes).
+    /// activations of a micro-batch, in GB (10^9 bytes); with --gpus, the best layouts of a
+    /// cluster, their memory and predicted step time.
     Plan(PlanArgs),
     /// Write a training checkpoint's weights as `train --save` does (Hugging Face safetensors,
     /// config.json and burn's record), whatever layout saved it.

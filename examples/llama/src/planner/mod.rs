@@ -1,7 +1,9 @@
-//! The parallel planner: given a model, a cluster and a batch, every layout `llama train` can
-//! run, with its memory per device and its predicted step time, best first.
+//! The parallel planner: given a model, a cluster and a batch, the layouts `llama train` can
+//! run (of the dimensions it searches), with their memory per device and predicted step time,
+//! best first.
 //!
 //! - [`cluster`]: devices and links (presets of GPU nodes);
+//! - [`calibrate`]: this machine measured, as a cluster of thread ranks;
 //! - [`step_time`]: the cost model of one step, which the published runs validate
 //!   (`tests/planner_validation.rs`);
 //! - [`search`]: the layouts, sized by `llama plan`'s memory estimate and ranked.

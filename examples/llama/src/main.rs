@@ -519,17 +519,22 @@ impl From<TrainError> for Ended {
     }
 }
 
+/// The model preset `--model` names, or the choices.
+fn preset(name: &str) -> Result<LlamaConfig, String> {
+    LlamaConfig::preset(name).ok_or_else(|| {
+        format!(
+            "unknown --model {name}; choose one of {}",
+            llama::config::PRESETS.join(", ")
+        )
+    })
+}
+
 fn run_plan(args: PlanArgs) -> Result<(), String> {
     if let Some(gpus) = args.gpus {
         return run_search(&args, gpus);
     }
     let model = match (&args.model, args.params) {
-        (Some(name), _) => Some(LlamaConfig::preset(name).ok_or_else(|| {
-            format!(
-                "unknown --model {name}; choose one of {}",
-                llama::config::PRESETS.join(", ")
-            )
-        })?),
+        (Some(name), _) => Some(preset(name)?),
         (None, Some(_)) => None,
         (None, None) => return Err("give --model PRESET or --params COUNT (such as 7.5e9)".into()),
     };
@@ -599,15 +604,7 @@ fn run_search(args: &PlanArgs, gpus: usize) -> Result<(), String> {
     use llama::planner::{Cluster, Dtype, Request, search};
 
     let (model, model_name) = match (&args.model, &args.config) {
-        (Some(name), _) => (
-            LlamaConfig::preset(name).ok_or_else(|| {
-                format!(
-                    "unknown --model {name}; choose one of {}",
-                    llama::config::PRESETS.join(", ")
-                )
-            })?,
-            Some(name.clone()),
-        ),
+        (Some(name), _) => (preset(name)?, Some(name.clone())),
         (None, Some(path)) if path.is_dir() => (hf::load_config(path)?, None),
         (None, Some(path)) => (hf::read_config(path)?, None),
         (None, None) => {
@@ -737,12 +734,7 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
         args.schedule_svg = None;
     }
     let name = args.model.clone().unwrap_or_else(|| "tiny".into());
-    let mut model = LlamaConfig::preset(&name).ok_or_else(|| {
-        format!(
-            "unknown --model {name}; choose one of {}",
-            llama::config::PRESETS.join(", ")
-        )
-    })?;
+    let mut model = preset(&name)?;
     if let Some(dir) = &args.init_from {
         let stored = hf::load_config(dir)?;
         if args.model.is_some() && !stored.same_model(&model) {

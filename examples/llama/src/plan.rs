@@ -6,6 +6,9 @@
 //! model replicated over them), and their activations are those of the top-k experts each
 //! token visits.
 
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+
 use burn_tensor_parallel::CpAttention;
 use burn_zero::{ModelStateBytes, Precision, ZeroStage, estimate};
 
@@ -188,10 +191,7 @@ pub fn check_memory(
     if needed <= available {
         return Ok(());
     }
-    let heaviest = pipeline
-        .iter()
-        .max_by_key(|rank| rank.total())
-        .expect("a pipeline has a rank");
+    let heaviest = heaviest(&pipeline);
     let gb = |bytes: u64| bytes as f64 / 1e9;
     Err(TrainError::Config(format!(
         "this run needs about {:.1} GB of memory on this machine ({here} rank(s); the heaviest keeps {:.2} GB of model state and {:.2} GB of activations for backward, by `llama plan`'s estimate), but {:.1} GB is available; lower --seq-len or --micro-batch-size, or split the work with --tp, --pp, --cp or --zero, or hold it in 16 bits with --dtype bf16",
@@ -213,6 +213,14 @@ impl RankBytes {
     pub(crate) fn total(&self) -> u64 {
         self.model_state.saturating_add(self.activations)
     }
+}
+
+/// The rank of a pipeline ([`run_bytes`]) that needs the most.
+pub(crate) fn heaviest(pipeline: &[RankBytes]) -> RankBytes {
+    *pipeline
+        .iter()
+        .max_by_key(|rank| rank.total())
+        .expect("a pipeline has a rank")
 }
 
 /// What every pipeline rank of one replica of `config` keeps at its peak, in pipeline order:
@@ -297,16 +305,11 @@ fn in_flight(
     virtual_stages: usize,
 ) -> Result<(Vec<u64>, usize), TrainError> {
     type Peaks = (Vec<u64>, usize);
-    type Key = (String, usize, usize, usize);
-    static SEEN: std::sync::Mutex<Vec<(Key, Peaks)>> = std::sync::Mutex::new(Vec::new());
-    let key = (kind.to_string(), pp, micro_batches, virtual_stages);
-    let seen = |seen: &[(_, Peaks)]| {
-        seen.iter()
-            .find(|(k, _)| *k == key)
-            .map(|(_, peaks)| peaks.clone())
-    };
-    if let Some(peaks) = seen(&SEEN.lock().expect("a memo, never poisoned")) {
-        return Ok(peaks);
+    type Key = (burn_pipeline::ScheduleKind, usize, usize, usize);
+    static SEEN: LazyLock<Mutex<HashMap<Key, Peaks>>> = LazyLock::new(Default::default);
+    let key = (kind, pp, micro_batches, virtual_stages);
+    if let Some(peaks) = SEEN.lock().expect("a memo, never poisoned").get(&key) {
+        return Ok(peaks.clone());
     }
     let schedule = burn_pipeline::Schedule::new(kind, pp, micro_batches, virtual_stages)?;
     let timeline = burn_pipeline::simulate(&schedule, &burn_pipeline::Costs::UNIT)?;
@@ -320,7 +323,7 @@ fn in_flight(
     );
     SEEN.lock()
         .expect("a memo, never poisoned")
-        .push((key, peaks.clone()));
+        .insert(key, peaks.clone());
     Ok(peaks)
 }
 

@@ -9,7 +9,7 @@ use burn_zero::{MixedPrecision, ZeroStage};
 use super::cluster::Cluster;
 use super::step_time::{Engine, Recompute, Shape, StepLayout, StepTime, step_time};
 use crate::config::LlamaConfig;
-use crate::plan::run_bytes;
+use crate::plan::{heaviest, run_bytes};
 use crate::train::{Layout, Strategy, TrainConfig};
 
 /// What a plan is asked for.
@@ -200,10 +200,7 @@ pub fn search(request: &Request) -> Result<Found, String> {
         let Ok(bytes) = run_bytes(&config, &layout) else {
             continue;
         };
-        let heaviest = bytes
-            .iter()
-            .max_by_key(|rank| rank.total())
-            .expect("a pipeline has a rank");
+        let heaviest = heaviest(&bytes);
         let step = step_layout(&config, &layout);
         let fits = heaviest.total() <= cluster.usable_memory();
         // Only what fits is timed (a pipeline's simulation is the search's cost).
@@ -243,7 +240,7 @@ fn configs(request: &Request, devices: usize) -> Vec<TrainConfig> {
     let mut configs = Vec::new();
     for tp in divisors(request.cluster.devices_per_node.min(devices)) {
         for pp in divisors(devices / tp) {
-            if pp > request.model.num_hidden_layers || !devices.is_multiple_of(tp * pp) {
+            if pp > request.model.num_hidden_layers {
                 continue;
             }
             let dp = devices / (tp * pp);
@@ -255,9 +252,7 @@ fn configs(request: &Request, devices: usize) -> Vec<TrainConfig> {
                 .into_iter()
                 .filter(|m| per_rank.is_multiple_of(*m))
             {
-                for config in variants(request, dp, tp, pp, micro) {
-                    configs.push(config);
-                }
+                configs.extend(variants(request, dp, tp, pp, micro));
             }
         }
     }

@@ -8,27 +8,32 @@ use burn_ddp::clip_coefficient;
 
 use crate::ZeroError;
 
-/// `grad`, this rank's fp32 part of the whole gradient, scaled so the whole has an L2 norm of
-/// at most `max_norm`, with the whole's norm before; `grad` as it is without `max_norm`.
+/// `grads`, the parts of this rank's fp32 share of the whole gradient, scaled so the whole has
+/// an L2 norm of at most `max_norm`, with the whole's norm before; `grads` as they are without
+/// `max_norm`.
 pub(crate) fn clip_global_norm<B: Backend>(
     comm: &Communicator,
-    grad: Tensor<B, 1>,
+    grads: Vec<Tensor<B, 1>>,
     max_norm: Option<f64>,
-) -> Result<(Tensor<B, 1>, Option<f64>), ZeroError> {
+) -> Result<(Vec<Tensor<B, 1>>, Option<f64>), ZeroError> {
     let Some(max_norm) = max_norm else {
-        return Ok((grad, None));
+        return Ok((grads, None));
     };
-    let squares = grad.clone().powi_scalar(2).sum();
+    let squares = grads
+        .iter()
+        .map(|grad| grad.clone().powi_scalar(2).sum())
+        .reduce(|a, b| a + b)
+        .expect("a shard has at least one part");
     let norm = comm
         .all_reduce(squares, ReduceOp::Sum)?
         .into_scalar()
         .elem::<f64>()
         .sqrt();
-    let grad = match clip_coefficient(norm, max_norm) {
-        Some(c) => grad * c,
-        None => grad,
+    let grads = match clip_coefficient(norm, max_norm) {
+        Some(c) => grads.into_iter().map(|grad| grad * c).collect(),
+        None => grads,
     };
-    Ok((grad, Some(norm)))
+    Ok((grads, Some(norm)))
 }
 
 #[cfg(test)]

@@ -173,14 +173,13 @@ where
         }
         let layout = FlatLayout::new(&numels, &dtypes, members, world)?;
         // The master weights start from the parameters as given, before their rounding.
-        let master =
-            param_dtype.map(|_| params::concat(shard.iter().cloned().map(to_f32).collect()));
+        let master = param_dtype.map(|_| shard.iter().cloned().map(to_f32).collect());
         let shard = shard
             .into_iter()
             .zip(&layout.units)
             .map(|(part, unit)| cast(part, unit.dtype))
             .collect();
-        let optimizer = PlacedAdamW::new(optimizer, config.offload, master)?;
+        let optimizer = PlacedAdamW::new(optimizer, config.offload, layout.units.len(), master)?;
         let scaler = config.loss_scaler();
         Ok(Self {
             skeletons,
@@ -370,21 +369,19 @@ where
             )
         })?;
         let grad_bytes = grads.iter().map(bytes).sum();
-        let grad = params::concat(grads.into_iter().map(to_f32).collect());
+        let grads = grads.into_iter().map(to_f32).collect();
         let agree = self.overflow_group.as_ref().unwrap_or(&self.comm);
-        let grad = match unscale(agree, self.scaler.as_mut(), grad)? {
-            Ok(grad) => grad,
+        let grads = match unscale(agree, self.scaler.as_mut(), grads)? {
+            Ok(grads) => grads,
             Err(skipped) => return Ok(skipped),
         };
-        let (grad, norm) = clip_global_norm(&self.comm, grad, self.config.max_grad_norm)?;
+        let (grads, norm) = clip_global_norm(&self.comm, grads, self.config.max_grad_norm)?;
         self.grad_norm = norm;
         let shard = std::mem::take(&mut self.shard);
-        let updated = self.optimizer.step(lr, grad, || {
-            params::concat(shard.into_iter().map(to_f32).collect())
-        });
-        self.shard = self
-            .layout
-            .split_shard(updated)
+        let updated = self
+            .optimizer
+            .step(lr, grads, || shard.into_iter().map(to_f32).collect());
+        self.shard = updated
             .into_iter()
             .zip(&self.layout.units)
             .map(|(part, unit)| part.cast(unit.dtype))
@@ -420,7 +417,7 @@ where
         let weights = self
             .optimizer
             .master(&device)
-            .unwrap_or_else(|| params::concat(self.shard.iter().cloned().map(to_f32).collect()));
+            .unwrap_or_else(|| self.shard.iter().cloned().map(to_f32).collect());
         state::shard_state(
             &self.layout,
             rank,
@@ -461,7 +458,7 @@ where
             return self.full();
         };
         match self.optimizer.master(&device) {
-            Some(master) => self.gather_all(self.layout.split_shard(master)),
+            Some(master) => self.gather_all(master),
             None => self.full(),
         }
     }

@@ -117,98 +117,160 @@ pub fn to_f32<B: Backend>(tensor: Tensor<B, 1>) -> Tensor<B, 1> {
     cast(tensor, DType::F32)
 }
 
-/// A shard's AdamW where it runs: on the model's device, or offloaded (ZeRO-Offload) to host
-/// memory, where the state stays and the step runs on burn's CPU backend; the shard's
-/// weights and gradients cross once each way per step.
+/// A shard's AdamW where it runs, one [`ShardedAdamW`] per unit's part: on the model's device,
+/// or offloaded (ZeRO-Offload) to host memory, where the state stays and the step runs on
+/// burn's CPU backend; the shard's weights and gradients cross once each way per step.
+///
+/// Stepping each part on its own keeps every buffer of the step the size of one unit's part:
+/// stepped whole, a shard of a few tens of MB made each of the step's temporaries an allocation
+/// that the CPU allocator maps fresh (a page fault per page) and unmaps again every step.
 pub(crate) enum PlacedAdamW<B: Backend> {
-    Device(ShardedAdamW<B>),
-    Host(Box<ShardedAdamW<Flex>>),
+    Device(Vec<ShardedAdamW<B>>),
+    Host(Vec<ShardedAdamW<Flex>>),
 }
 
 impl<B: Backend> PlacedAdamW<B> {
-    /// AdamW on the device or in host memory (`offload`), holding `master` (fp32, this rank's
-    /// shard) between steps when given.
+    /// AdamW for `parts` unit parts, on the device or in host memory (`offload`), holding
+    /// `master` (fp32, this rank's parts) between steps when given.
     pub fn new(
         config: &AdamWConfig,
         offload: bool,
-        master: Option<Tensor<B, 1>>,
+        parts: usize,
+        master: Option<Vec<Tensor<B, 1>>>,
     ) -> Result<Self, ZeroError> {
+        if master.as_ref().is_some_and(|m| m.len() != parts) {
+            return Err(ZeroError::Config(format!(
+                "master weights for {} parts of a shard of {parts}",
+                master.as_ref().map_or(0, Vec::len)
+            )));
+        }
+        let mut master = master.map(Vec::into_iter);
+        let mut next_master = || master.as_mut().and_then(Iterator::next);
         Ok(if offload {
-            let mut adamw = ShardedAdamW::new(config)?;
-            if let Some(master) = master {
-                adamw = adamw.with_master(to_host(master));
-            }
-            Self::Host(Box::new(adamw))
+            let adamws = (0..parts)
+                .map(|_| {
+                    let adamw = ShardedAdamW::new(config)?;
+                    Ok(match next_master() {
+                        Some(master) => adamw.with_master(to_host(master)),
+                        None => adamw,
+                    })
+                })
+                .collect::<Result<_, ZeroError>>()?;
+            Self::Host(adamws)
         } else {
-            let mut adamw = ShardedAdamW::new(config)?;
-            if let Some(master) = master {
-                adamw = adamw.with_master(master);
-            }
-            Self::Device(adamw)
+            let adamws = (0..parts)
+                .map(|_| {
+                    let adamw = ShardedAdamW::new(config)?;
+                    Ok(match next_master() {
+                        Some(master) => adamw.with_master(master),
+                        None => adamw,
+                    })
+                })
+                .collect::<Result<_, ZeroError>>()?;
+            Self::Device(adamws)
         })
     }
 
-    /// [`ShardedAdamW::step`], the result on `grad`'s device.
+    /// [`ShardedAdamW::step`] of every part with its gradient in `grads` (fp32), the results
+    /// on the gradients' device. `weights` (the parameters' parts, fp32) is called only when
+    /// no master weights are held.
     pub fn step(
         &mut self,
         lr: f64,
-        grad: Tensor<B, 1>,
-        weights: impl FnOnce() -> Tensor<B, 1>,
-    ) -> Tensor<B, 1> {
+        grads: Vec<Tensor<B, 1>>,
+        weights: impl FnOnce() -> Vec<Tensor<B, 1>>,
+    ) -> Vec<Tensor<B, 1>> {
+        let held = match self {
+            Self::Device(adamws) => adamws.first().is_some_and(|a| a.master().is_some()),
+            Self::Host(adamws) => adamws.first().is_some_and(|a| a.master().is_some()),
+        };
+        let mut weights = (!held).then(|| weights().into_iter());
+        let mut next_weights = move || {
+            weights
+                .as_mut()
+                .and_then(Iterator::next)
+                .expect("the parameters' parts, one per unit")
+        };
         match self {
-            Self::Device(adamw) => adamw.step(lr, grad, weights),
-            Self::Host(adamw) => {
-                let device = grad.device();
-                let updated = adamw.step(lr, to_host(grad), || to_host(weights()));
-                Tensor::from_data(updated.into_data(), &device)
-            }
+            Self::Device(adamws) => adamws
+                .iter_mut()
+                .zip(grads)
+                .map(|(adamw, grad)| adamw.step(lr, grad, &mut next_weights))
+                .collect(),
+            Self::Host(adamws) => adamws
+                .iter_mut()
+                .zip(grads)
+                .map(|(adamw, grad)| {
+                    let device = grad.device();
+                    let updated = adamw.step(lr, to_host(grad), || to_host(next_weights()));
+                    Tensor::from_data(updated.into_data(), &device)
+                })
+                .collect(),
         }
     }
 
-    /// The held fp32 master weights, wherever they are, on `device`.
-    pub fn master(&self, device: &B::Device) -> Option<Tensor<B, 1>> {
+    /// The held fp32 master weights, part by part, wherever they are, on `device`.
+    pub fn master(&self, device: &B::Device) -> Option<Vec<Tensor<B, 1>>> {
         match self {
-            Self::Device(adamw) => adamw.master().cloned(),
-            Self::Host(adamw) => adamw
-                .master()
-                .map(|m| Tensor::from_data(m.to_data(), device)),
+            Self::Device(adamws) => adamws.iter().map(|a| a.master().cloned()).collect(),
+            Self::Host(adamws) => adamws
+                .iter()
+                .map(|a| a.master().map(|m| Tensor::from_data(m.to_data(), device)))
+                .collect(),
         }
     }
 
-    /// The moments and step count, once a step has made them, on `device`.
-    pub fn state(&self, device: &B::Device) -> Option<AdamWState<B, 1>> {
+    /// The step count and each part's two moments, once a step has made them, on `device`.
+    pub fn state(&self, device: &B::Device) -> Option<(usize, [Vec<Tensor<B, 1>>; 2])> {
+        let moments =
+            |m: &AdaptiveMomentumState<_, 1>| (m.time, m.moment_1.clone(), m.moment_2.clone());
+        let parts: Option<Vec<_>> = match self {
+            Self::Device(adamws) => adamws
+                .iter()
+                .map(|a| a.state().map(|s| moments(&s.momentum)))
+                .collect(),
+            Self::Host(adamws) => adamws
+                .iter()
+                .map(|a| {
+                    a.state().map(|s| {
+                        let moved = |t: &Tensor<Flex, 1>| Tensor::from_data(t.to_data(), device);
+                        let m = &s.momentum;
+                        (m.time, moved(&m.moment_1), moved(&m.moment_2))
+                    })
+                })
+                .collect(),
+        };
+        let parts = parts?;
+        let time = parts.first().map_or(0, |p| p.0);
+        let (first, second) = parts.into_iter().map(|(_, m1, m2)| (m1, m2)).unzip();
+        Some((time, [first, second]))
+    }
+
+    /// Replaces the step count and each part's moments (a checkpoint's), or clears them.
+    pub fn set_state(&mut self, state: Option<(usize, [Vec<Tensor<B, 1>>; 2])>) {
+        let mut parts = state.map(|(time, [first, second])| {
+            first
+                .into_iter()
+                .zip(second)
+                .map(move |(m1, m2)| (time, m1, m2))
+        });
+        let mut next = move || parts.as_mut().and_then(Iterator::next);
         match self {
-            Self::Device(adamw) => adamw.state().cloned(),
-            Self::Host(adamw) => adamw.state().map(|state| {
-                let m = &state.momentum;
-                let moved = |t: &Tensor<Flex, 1>| Tensor::from_data(t.to_data(), device);
-                AdamWState {
-                    momentum: AdaptiveMomentumState::new(
-                        m.time,
-                        moved(&m.moment_1),
-                        moved(&m.moment_2),
-                    ),
+            Self::Device(adamws) => {
+                for adamw in adamws {
+                    let state = next().map(|(time, m1, m2)| AdamWState {
+                        momentum: AdaptiveMomentumState::new(time, m1, m2),
+                    });
+                    *adamw = adamw.clone().with_state(state);
                 }
-            }),
-        }
-    }
-
-    /// Replaces the moments and step count (a checkpoint's).
-    pub fn set_state(&mut self, state: Option<AdamWState<B, 1>>) {
-        match self {
-            Self::Device(adamw) => *adamw = adamw.clone().with_state(state),
-            Self::Host(adamw) => {
-                let state = state.map(|state| {
-                    let m = state.momentum;
-                    AdamWState {
-                        momentum: AdaptiveMomentumState::new(
-                            m.time,
-                            to_host(m.moment_1),
-                            to_host(m.moment_2),
-                        ),
-                    }
-                });
-                **adamw = adamw.clone().with_state(state);
+            }
+            Self::Host(adamws) => {
+                for adamw in adamws {
+                    let state = next().map(|(time, m1, m2)| AdamWState {
+                        momentum: AdaptiveMomentumState::new(time, to_host(m1), to_host(m2)),
+                    });
+                    *adamw = adamw.clone().with_state(state);
+                }
             }
         }
     }
@@ -216,8 +278,8 @@ impl<B: Backend> PlacedAdamW<B> {
     /// Bytes of optimizer state on the device, and in host memory.
     pub fn state_bytes(&self) -> (usize, usize) {
         match self {
-            Self::Device(adamw) => (adamw.state_bytes(), 0),
-            Self::Host(adamw) => (0, adamw.state_bytes()),
+            Self::Device(adamws) => (adamws.iter().map(ShardedAdamW::state_bytes).sum(), 0),
+            Self::Host(adamws) => (0, adamws.iter().map(ShardedAdamW::state_bytes).sum()),
         }
     }
 }

@@ -171,9 +171,13 @@ impl LossScaler {
 /// the same answer, so all skip or all step.
 pub(crate) fn overflowed<B: Backend>(
     comm: &Communicator,
-    grad: &Tensor<B, 1>,
+    grads: &[Tensor<B, 1>],
 ) -> Result<bool, ZeroError> {
-    let bad = grad.clone().is_finite().bool_not().any().float();
+    let bad = grads
+        .iter()
+        .map(|grad| grad.clone().is_finite().bool_not().any().float())
+        .reduce(|a, b| a.max_pair(b))
+        .expect("a shard has at least one part");
     let bad = comm.all_reduce(bad, ReduceOp::Max)?.into_scalar();
     Ok(bad.elem::<f32>() > 0.0)
 }

@@ -183,13 +183,13 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         )?;
         // The master weights start from the parameters as given, before their rounding.
         let master = config.precision.as_ref().map(|_| {
-            let parts = (0..layout.units.len())
+            (0..layout.units.len())
                 .map(|u| to_f32(layout.shard_of(u, comm.rank(), &trainable)))
-                .collect();
-            params::concat(parts)
+                .collect()
         });
         drop(trainable);
-        let optimizer = PlacedAdamW::new(optimizer, config.offload, master)?;
+        let parts = layout.units.len();
+        let optimizer = PlacedAdamW::new(optimizer, config.offload, parts, master)?;
         let scaler = config.loss_scaler();
         Ok(Self {
             module: Some(module),
@@ -238,10 +238,9 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         let rank = self.comm.rank();
         let weights = self.optimizer.master(&device).unwrap_or_else(|| {
             let values: Vec<_> = slots.iter().map(|s| to_f32(s.value.clone())).collect();
-            let parts = (0..self.layout.units.len())
+            (0..self.layout.units.len())
                 .map(|u| self.layout.shard_of(u, rank, &values))
-                .collect();
-            params::concat(parts)
+                .collect()
         });
         state::shard_state(
             &self.layout,
@@ -407,7 +406,7 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         let rank = self.comm.rank();
         let grad_bytes = grads.iter().map(bytes).sum();
         let slots = params::trainable::<B, M>(self.module());
-        let grad: Vec<_> = grads
+        let grads: Vec<_> = grads
             .into_iter()
             .enumerate()
             .map(|(u, g)| match self.stage {
@@ -419,19 +418,18 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             })
             .collect();
         let agree = self.overflow_group.as_ref().unwrap_or(&self.comm);
-        let grad = match unscale(agree, self.scaler.as_mut(), params::concat(grad))? {
-            Ok(grad) => grad,
+        let grads = match unscale(agree, self.scaler.as_mut(), grads)? {
+            Ok(grads) => grads,
             Err(skipped) => return Ok(skipped),
         };
-        let (grad, norm) = clip_global_norm(&self.comm, grad, self.config.max_grad_norm)?;
+        let (grads, norm) = clip_global_norm(&self.comm, grads, self.config.max_grad_norm)?;
         self.grad_norm = norm;
         let (layout, values) = (&self.layout, &slots);
-        let updated = self.optimizer.step(lr, grad, || {
+        let updated = self.optimizer.step(lr, grads, || {
             let values: Vec<_> = values.iter().map(|s| s.value.clone()).collect();
-            let parts = (0..layout.units.len())
+            (0..layout.units.len())
                 .map(|u| to_f32(layout.shard_of(u, rank, &values)))
-                .collect();
-            params::concat(parts)
+                .collect()
         });
 
         drop(slots);
@@ -470,16 +468,14 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         ))
     }
 
-    /// Every trainable parameter's value from this rank's fp32 `shard`, all-gathered unit by
-    /// unit, each in the unit's dtype (`narrow`) or in fp32.
+    /// Every trainable parameter's value from this rank's fp32 `parts` (one per unit),
+    /// all-gathered unit by unit, each in the unit's dtype (`narrow`) or in fp32.
     fn gather(
         &self,
-        shard: Tensor<Inner<B>, 1>,
+        parts: Vec<Tensor<Inner<B>, 1>>,
         narrow: bool,
     ) -> Result<Vec<Option<Tensor<Inner<B>, 1>>>, ZeroError> {
-        let gathers: Vec<_> = self
-            .layout
-            .split_shard(shard)
+        let gathers: Vec<_> = parts
             .into_iter()
             .zip(&self.layout.units)
             .map(|(part, unit)| {
@@ -529,20 +525,20 @@ fn load_trainable<B: AutodiffBackend, M: AutodiffModule<B>>(
     params::load::<B, M>(module, all)
 }
 
-/// `grad` (this rank's fp32 part, summed over the step's backwards) divided by the loss scale;
-/// or, when it overflowed on some rank, the skipped step, the scale backed off. Without loss
-/// scaling, `grad` as it is.
+/// `grads` (the parts of this rank's fp32 share, summed over the step's backwards) divided by
+/// the loss scale; or, when they overflowed on some rank, the skipped step, the scale backed
+/// off. Without loss scaling, `grads` as they are.
 pub(crate) fn unscale<B: Backend>(
     comm: &Communicator,
     scaler: Option<&mut LossScaler>,
-    grad: Tensor<B, 1>,
-) -> Result<Result<Tensor<B, 1>, StepOutcome>, ZeroError> {
+    grads: Vec<Tensor<B, 1>>,
+) -> Result<Result<Vec<Tensor<B, 1>>, StepOutcome>, ZeroError> {
     let Some(scaler) = scaler else {
-        return Ok(Ok(grad));
+        return Ok(Ok(grads));
     };
     let scale = scaler.scale();
-    match scaler.update(overflowed(comm, &grad)?) {
-        StepOutcome::Applied => Ok(Ok(grad / scale)),
+    match scaler.update(overflowed(comm, &grads)?) {
+        StepOutcome::Applied => Ok(Ok(grads.into_iter().map(|grad| grad / scale).collect())),
         skipped => Ok(Err(skipped)),
     }
 }

@@ -5,7 +5,6 @@
 
 use std::ops::Range;
 
-use burn::optim::{AdamWState, AdaptiveMomentumState};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
@@ -65,14 +64,12 @@ pub(crate) fn ranges(
         .collect()
 }
 
-/// `shard` (`rank`'s whole shard, its parts of every unit one after the other) cut into its
-/// ranges' values, in order.
+/// `parts` (`rank`'s part of every unit, in order) cut into its ranges' values, in order.
 pub(crate) fn cut<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
-    shard: Tensor<B, 1>,
+    parts: Vec<Tensor<B, 1>>,
 ) -> Vec<TensorData> {
-    let parts = layout.split_shard(shard);
     parts
         .into_iter()
         .enumerate()
@@ -86,15 +83,15 @@ pub(crate) fn cut<B: Backend>(
         .collect()
 }
 
-/// The whole shard of `rank` from its ranges' `values` (in order), zeros in the padding.
+/// `rank`'s part of every unit from its ranges' `values` (in order), zeros in the padding.
 pub(crate) fn join<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
     values: &[TensorData],
     device: &B::Device,
-) -> Result<Tensor<B, 1>, ZeroError> {
+) -> Result<Vec<Tensor<B, 1>>, ZeroError> {
     let mut values = values.iter();
-    let mut shard = Vec::with_capacity(layout.total_shard_len());
+    let mut parts = Vec::with_capacity(layout.units.len());
     for u in 0..layout.units.len() {
         let mut part = vec![0f32; layout.shard_len(u)];
         for (p, range, at) in layout.pieces(u, rank) {
@@ -117,28 +114,28 @@ pub(crate) fn join<B: Backend>(
             }
             part[at..at + range.len()].copy_from_slice(&value);
         }
-        shard.extend(part);
+        let n = part.len();
+        parts.push(Tensor::from_data(TensorData::new(part, [n]), device));
     }
     if values.next().is_some() {
         return Err(ZeroError::Config(
             "more values than this rank's ranges".into(),
         ));
     }
-    let n = shard.len();
-    Ok(Tensor::from_data(TensorData::new(shard, [n]), device))
+    Ok(parts)
 }
 
-/// `rank`'s state: `ranges` (see [`ranges`]), its fp32 `weights` shard, and the optimizer's
-/// and the loss scaler's state.
+/// `rank`'s state: `ranges` (see [`ranges`]), its fp32 `weights` (its part of every unit),
+/// and the optimizer's and the loss scaler's state.
 pub(crate) fn shard_state<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
     ranges: Vec<ParamRange>,
-    weights: Tensor<B, 1>,
+    weights: Vec<Tensor<B, 1>>,
     optimizer: &PlacedAdamW<B>,
     scaler: Option<&LossScaler>,
 ) -> ShardState {
-    let device = weights.device();
+    let device = weights[0].device();
     let (moments, steps) = moments_of(layout, rank, optimizer, &device);
     ShardState {
         ranges,
@@ -173,13 +170,9 @@ fn moments_of<B: Backend>(
     device: &B::Device,
 ) -> (Option<[Vec<TensorData>; 2]>, usize) {
     match optimizer.state(device) {
-        Some(state) => {
-            let momentum = state.momentum;
-            let moments = [
-                cut(layout, rank, momentum.moment_1),
-                cut(layout, rank, momentum.moment_2),
-            ];
-            (Some(moments), momentum.time)
+        Some((time, [first, second])) => {
+            let moments = [cut(layout, rank, first), cut(layout, rank, second)];
+            (Some(moments), time)
         }
         None => (None, 0),
     }
@@ -223,14 +216,13 @@ fn restore_moments<B: Backend>(
                 "the state says {steps} steps were taken but holds no moments"
             )));
         }
-        Some([first, second]) => {
-            let momentum = AdaptiveMomentumState::new(
-                steps,
+        Some([first, second]) => Some((
+            steps,
+            [
                 join(layout, rank, first, device)?,
                 join(layout, rank, second, device)?,
-            );
-            Some(AdamWState { momentum })
-        }
+            ],
+        )),
     };
     optimizer.set_state(state);
     Ok(())

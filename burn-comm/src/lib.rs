@@ -50,6 +50,7 @@ mod stats;
 mod store;
 mod sync;
 mod transport;
+mod uneven;
 
 pub use call::ReduceOp;
 pub use communicator::{Communicator, Work};

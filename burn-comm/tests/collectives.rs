@@ -244,6 +244,127 @@ fn reduce_scatter_matches_reference() {
     }
 }
 
+/// Splits of `total` rows over `world` ranks, uneven and with empty parts: rank `r` gets
+/// `(r * 5 + seed) % 4` rows, the last rank the rest.
+fn uneven_splits(seed: usize, world: usize) -> Vec<usize> {
+    let mut splits: Vec<usize> = (0..world).map(|r| (r * 5 + seed) % 4).collect();
+    if world > 1 {
+        splits[world - 1] += 1;
+    }
+    splits
+}
+
+#[test]
+fn uneven_reduce_scatter_and_all_gather_match_reference() {
+    for world in WORLD_SIZES {
+        for (seed, dim) in [(1, 0), (2, 1), (3, 0)] {
+            let splits = uneven_splits(seed, world);
+            let total: usize = splits.iter().sum();
+            let starts: Vec<usize> = (0..world).map(|r| splits[..r].iter().sum()).collect();
+            let what = |op: &str, rank: usize| {
+                format!("{op} dim {dim} splits {splits:?} world {world} rank {rank}")
+            };
+            let shape = |rows: usize| {
+                let mut shape = [3, 2];
+                shape[dim] = rows;
+                shape
+            };
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let xs = inputs(seed as u64, world, shape(total), DType::F32);
+                let full = reduce_reference(&xs, op);
+                let results = run(world, |ctx| {
+                    let x = xs[ctx.rank()].clone();
+                    let part = ctx.world().reduce_scatter_split(x, op, dim, &splits)?;
+                    Ok(part.into_data())
+                });
+                for (rank, actual) in results.iter().enumerate() {
+                    assert_eq!(
+                        actual.shape.to_vec(),
+                        shape(splits[rank]).to_vec(),
+                        "{}",
+                        what("reduce_scatter_split", rank)
+                    );
+                    if splits[rank] > 0 {
+                        let expected = full.clone().narrow(dim, starts[rank], splits[rank]);
+                        assert_bits_eq(
+                            actual,
+                            &expected.into_data(),
+                            &what("reduce_scatter_split", rank),
+                        );
+                    }
+                }
+            }
+            let parts: Vec<Tensor<B, 2>> = (0..world)
+                .map(|r| random(seed as u64 * 10 + r as u64, shape(splits[r]), DType::F32))
+                .collect();
+            let expected = Tensor::cat(parts.clone(), dim).into_data();
+            let results = run(world, |ctx| {
+                let x = parts[ctx.rank()].clone();
+                Ok(ctx.world().all_gather_split(x, dim, &splits)?.into_data())
+            });
+            for (rank, actual) in results.iter().enumerate() {
+                assert_bits_eq(actual, &expected, &what("all_gather_split", rank));
+            }
+        }
+    }
+}
+
+#[test]
+fn uneven_splits_that_differ_between_ranks_fail_on_every_rank() {
+    let outcomes = burn_comm::launch(3, |ctx| {
+        let comm = ctx.world();
+        let x = random(7, [6, 2], DType::F32);
+        // Rank 2 says [1, 2, 3] where the others say [2, 2, 2]: the same total and shapes.
+        let splits = match ctx.rank() {
+            2 => vec![1, 2, 3],
+            _ => vec![2, 2, 2],
+        };
+        let differ = comm
+            .reduce_scatter_split(x.clone(), ReduceOp::Sum, 0, &splits)
+            .map(drop)
+            .expect_err("splits that differ are refused")
+            .to_string();
+        // Rank 1's splits do not add up to its rows; the others learn that it refused.
+        let splits = match ctx.rank() {
+            1 => vec![2, 2, 1],
+            _ => vec![2, 2, 2],
+        };
+        let bad = comm
+            .reduce_scatter_split(x.clone(), ReduceOp::Sum, 0, &splits)
+            .map(drop)
+            .expect_err("a bad split is refused")
+            .to_string();
+        // An all-gather whose part is not the rank's split.
+        let short = comm
+            .all_gather_split(random(8, [2, 2], DType::F32), 0, &[2, 3, 2])
+            .map(drop)
+            .expect_err("a part of another size is refused")
+            .to_string();
+        // The group still works afterwards.
+        let part = random(9, [ctx.rank(), 2], DType::F32);
+        let fine = comm.all_gather_split(part, 0, &[0, 1, 2])?;
+        Ok::<_, burn_comm::CommError>((differ, bad, short, fine.dims()))
+    });
+    for (rank, outcome) in outcomes.into_iter().enumerate() {
+        let (differ, bad, short, fine) = outcome.unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            differ.contains("passed the splits"),
+            "rank {rank}: {differ}"
+        );
+        let expected = match rank {
+            1 => "add up to 5 but the tensor has 6",
+            _ => "ranks [1] of the group passed arguments they refused",
+        };
+        assert!(bad.contains(expected), "rank {rank}: {bad}");
+        let expected = match rank {
+            1 => "split is 3 rows but its tensor has 2",
+            _ => "ranks [1] of the group",
+        };
+        assert!(short.contains(expected), "rank {rank}: {short}");
+        assert_eq!(fine, [3, 2]);
+    }
+}
+
 #[test]
 fn broadcast_from_every_root() {
     for world in WORLD_SIZES {

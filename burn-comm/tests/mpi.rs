@@ -294,6 +294,19 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
                 .into_data(),
         )
     })?;
+    // Reduce-scatter and all-gather of uneven parts, one empty (padded to equal blocks for MPI).
+    let splits: Vec<usize> = (0..n).map(|r| (r * 2 + 1) % 3).collect();
+    let total = splits.iter().sum();
+    for op in [ReduceOp::Sum, ReduceOp::Max] {
+        same_as_threads(ctx, &format!("reduce_scatter_split({op})"), |c, r| {
+            let x = input(18, r, [total, 5], DType::F32);
+            Ok(c.reduce_scatter_split(x, op, 0, &splits)?.into_data())
+        })?;
+    }
+    same_as_threads(ctx, "all_gather_split", |c, r| {
+        let x = input(19, r, [3, splits[r]], DType::BF16);
+        Ok(c.all_gather_split(x, 1, &splits)?.into_data())
+    })?;
     // Sub-groups: even and odd ranks, and a mesh when the world allows one.
     same_as_threads(ctx, "split", |c, r| {
         let half = c.split("parity", r % 2)?;

@@ -73,6 +73,7 @@ fn megatron(local_ddp: bool) -> Engine {
         overlap_grad_reduce: !local_ddp,
         overlap_tp: false,
         split_pipeline_messages: true,
+        zero3_forward_twice: false,
     }
 }
 
@@ -318,6 +319,8 @@ fn torchtitan_llama3_h100() {
         overlap_grad_reduce: true,
         overlap_tp: false,
         split_pipeline_messages: false,
+        // FSDP's backward gathers the weights again instead of running the forward again.
+        zero3_forward_twice: false,
     };
     let llama3 = |hidden, ffn, layers, heads| Shape {
         hidden,

@@ -128,6 +128,7 @@ pub fn burn_parallel(bf16: bool) -> Engine {
         overlap_grad_reduce: true,
         overlap_tp: false,
         split_pipeline_messages: false,
+        zero3_forward_twice: true,
     }
 }
 

@@ -143,6 +143,9 @@ pub struct Engine {
     pub overlap_tp: bool,
     /// A pipeline message is split over the tensor-parallel ranks (Megatron's scatter-gather).
     pub split_pipeline_messages: bool,
+    /// ZeRO-3 runs every block's forward twice, untracked and again before its backward
+    /// (burn-zero: burn's tape would otherwise keep every gathered weight alive).
+    pub zero3_forward_twice: bool,
 }
 
 /// A layout to time: how the model and the batch are cut.
@@ -362,6 +365,11 @@ fn micro_batch(
         Recompute::Selective => attention_core,
         Recompute::Full => layer_forward,
     };
+    let zero3_again = if engine.zero3_forward_twice && layout.zero == ZeroStage::Parameters {
+        layer_forward
+    } else {
+        0.0
+    };
 
     // Tensor parallelism: two all-reduces of the block's output forward and two backward (a
     // reduce-scatter and all-gather each under sequence parallelism, which gathers its input
@@ -389,7 +397,7 @@ fn micro_batch(
         + cluster.stream(engine.elementwise_passes * 3.0 * 4.0 * tokens * shape.vocab / t);
     MicroBatch {
         forward: layers * (layer_forward + forward_tp),
-        backward: layers * (layer_backward + layer_recompute + layer_tp - forward_tp),
+        backward: layers * (layer_backward + layer_recompute + zero3_again + layer_tp - forward_tp),
         tp_comm: layers * layer_tp,
         head: 3.0 * head_forward,
     }
@@ -521,6 +529,30 @@ mod tests {
             step_time(&shape, &alone, &engine(), &shared).unwrap(),
         );
         assert!(waiting.total > 1.5 * free.total && waiting.bubble > free.bubble);
+    }
+
+    #[test]
+    fn burn_zeros_stage_3_computes_every_blocks_forward_twice() {
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let cluster = Cluster::preset("a100", 2).unwrap();
+        let stage = |zero, twice| {
+            let layout = StepLayout {
+                zero,
+                ..layout(16, 1, 1, ScheduleKind::OneFOneB, 1)
+            };
+            let engine = Engine {
+                zero3_forward_twice: twice,
+                ..engine()
+            };
+            micro_batch(&shape, &cluster, &engine, &layout)
+        };
+        let once = stage(ZeroStage::Parameters, false);
+        let twice = stage(ZeroStage::Parameters, true);
+        assert_eq!(twice.forward, once.forward);
+        assert!((twice.backward - once.backward - once.forward).abs() < 1e-12 * once.backward);
+        // Only stage 3 gathers weights per unit and runs the forward again.
+        let first = stage(ZeroStage::OptimizerState, true);
+        assert_eq!(first.backward, once.backward);
     }
 
     #[test]

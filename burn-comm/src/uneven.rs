@@ -25,13 +25,18 @@ impl Communicator {
     ) -> Result<Tensor<B, D, K>, CommError> {
         let dims = tensor.dims();
         let what = format!("reduce_scatter_split({op}, dim {dim}) of {dims:?}");
-        let total: usize = splits.iter().sum();
-        let mine = match dims.get(dim) {
-            None => Err(format!("dim {dim} is out of range for a {D}-d tensor")),
-            Some(&rows) if splits.len() == self.size() && total != rows => Err(format!(
-                "the splits {splits:?} add up to {total} but the tensor has {rows} along dim {dim}"
-            )),
-            Some(_) => Ok(()),
+        let total = splits
+            .iter()
+            .try_fold(0usize, |sum, &rows| sum.checked_add(rows));
+        let mine = match (dims.get(dim), total) {
+            (None, _) => Err(format!("dim {dim} is out of range for a {D}-d tensor")),
+            (_, None) => Err(format!("the splits {splits:?} add up to more than a usize")),
+            (Some(&rows), Some(total)) if splits.len() == self.size() && total != rows => {
+                Err(format!(
+                    "the splits {splits:?} add up to {total} but the tensor has {rows} along dim {dim}"
+                ))
+            }
+            (Some(_), Some(_)) => Ok(()),
         };
         self.agree_on_splits::<B>(&what, &tensor.device(), splits, mine)?;
         let widest = splits.iter().copied().max().unwrap_or(0);
@@ -96,16 +101,14 @@ impl Communicator {
             }
         };
         let gathered = self.all_gather(padded, dim)?;
-        let parts: Vec<_> = splits
+        // Some part has rows: the splits are not all equal.
+        let parts = splits
             .iter()
             .enumerate()
             .filter(|(_, rows)| **rows > 0)
             .map(|(r, &rows)| gathered.clone().narrow(dim, r * widest, rows))
             .collect();
-        Ok(match parts.is_empty() {
-            true => cut(gathered, dim, 0),
-            false => Tensor::cat(parts, dim),
-        })
+        Ok(Tensor::cat(parts, dim))
     }
 
     /// Every rank's `splits` and whether its own arguments are valid (`mine`), shared with
@@ -125,16 +128,22 @@ impl Communicator {
             group: self.group_name().to_string(),
             reason,
         };
+        // The sizes travel as the backend's ints, which may be 32 bits (CUDA's).
+        let word = |rows: usize| i32::try_from(rows).ok().map(i64::from);
         let mine = match splits.len() == n {
-            true => mine,
             false => Err(format!(
                 "give one split per rank of the group of {n}, not {}",
                 splits.len()
             )),
+            true if splits.iter().any(|&rows| word(rows).is_none()) => Err(format!(
+                "the splits {splits:?} hold a part of more than {} rows, which the sizes' agreement cannot carry",
+                i32::MAX
+            )),
+            true => mine,
         };
         // Word 0: whether this rank's arguments are valid; then its splits (n of them).
         let mut message = vec![i64::from(mine.is_ok())];
-        message.extend((0..n).map(|r| splits.get(r).map_or(-1, |&s| s as i64)));
+        message.extend((0..n).map(|r| splits.get(r).and_then(|&s| word(s)).unwrap_or(-1)));
         let message = Tensor::<B, 1, Int>::from_data(TensorData::new(message, [n + 1]), device);
         let all = self.all_gather(message, 0)?.into_data().convert::<i64>();
         let all = all.as_slice::<i64>().expect("converted to i64");

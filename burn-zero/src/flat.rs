@@ -209,6 +209,13 @@ impl FlatLayout {
     }
 }
 
+/// `part` as a copy of its own: a part cut from inside one parameter is a view that would keep
+/// the whole parameter alive.
+pub(crate) fn compact<B: Backend>(part: Tensor<B, 1>) -> Tensor<B, 1> {
+    let device = part.device();
+    Tensor::from_data(part.into_data(), &device)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -28,7 +28,7 @@ use burn_pipeline::{PipelineError, PipelineStage, StageOutput};
 
 use crate::ZeroError;
 use crate::clip::clip_global_norm;
-use crate::flat::FlatLayout;
+use crate::flat::{FlatLayout, compact};
 use crate::memory::ModelStateBytes;
 use crate::optimizer::{PlacedAdamW, bytes, to_f32};
 use crate::precision::{LossScaler, StepOutcome, cast};
@@ -160,10 +160,7 @@ where
                 vec![(0..member.len()).collect()],
                 world,
             )?;
-            // A copy of its own: a part inside one parameter would be a view keeping it whole.
-            let part = alone.shard_of(0, rank, &values);
-            let device = part.device();
-            shard.push(Tensor::from_data(part.into_data(), &device));
+            shard.push(compact(alone.shard_of(0, rank, &values)));
             members.push(member);
             sources.push(source);
             skeletons.push(empty(unit));

@@ -180,6 +180,11 @@ impl<B: Backend> PlacedAdamW<B> {
         grads: Vec<Tensor<B, 1>>,
         weights: impl FnOnce() -> Vec<Tensor<B, 1>>,
     ) -> Vec<Tensor<B, 1>> {
+        assert_eq!(
+            grads.len(),
+            self.parts(),
+            "a gradient per part of the shard"
+        );
         let held = match self {
             Self::Device(adamws) => adamws.first().is_some_and(|a| a.master().is_some()),
             Self::Host(adamws) => adamws.first().is_some_and(|a| a.master().is_some()),
@@ -246,8 +251,23 @@ impl<B: Backend> PlacedAdamW<B> {
         Some((time, [first, second]))
     }
 
+    /// How many parts of the shard it steps.
+    fn parts(&self) -> usize {
+        match self {
+            Self::Device(adamws) => adamws.len(),
+            Self::Host(adamws) => adamws.len(),
+        }
+    }
+
     /// Replaces the step count and each part's moments (a checkpoint's), or clears them.
     pub fn set_state(&mut self, state: Option<(usize, [Vec<Tensor<B, 1>>; 2])>) {
+        if let Some((_, [first, second])) = &state {
+            let parts = self.parts();
+            assert!(
+                first.len() == parts && second.len() == parts,
+                "moments per part"
+            );
+        }
         let mut parts = state.map(|(time, [first, second])| {
             first
                 .into_iter()

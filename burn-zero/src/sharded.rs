@@ -19,7 +19,7 @@ use burn_ddp::reducer::{Buckets, Reducer, Reduction};
 
 use crate::ZeroError;
 use crate::clip::clip_global_norm;
-use crate::flat::FlatLayout;
+use crate::flat::{FlatLayout, compact};
 use crate::memory::{ModelStateBytes, ZeroStage};
 use crate::optimizer::{PlacedAdamW, bytes, to_f32};
 use crate::precision::{LossScaler, MixedPrecision, StepOutcome, cast, overflowed};
@@ -184,7 +184,7 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         // The master weights start from the parameters as given, before their rounding.
         let master = config.precision.as_ref().map(|_| {
             (0..layout.units.len())
-                .map(|u| to_f32(layout.shard_of(u, comm.rank(), &trainable)))
+                .map(|u| compact(to_f32(layout.shard_of(u, comm.rank(), &trainable))))
                 .collect()
         });
         drop(trainable);

@@ -143,8 +143,9 @@ pub struct Engine {
     pub overlap_tp: bool,
     /// A pipeline message is split over the tensor-parallel ranks (Megatron's scatter-gather).
     pub split_pipeline_messages: bool,
-    /// ZeRO-3 runs every block's forward twice, untracked and again before its backward
-    /// (burn-zero: burn's tape would otherwise keep every gathered weight alive).
+    /// ZeRO-3 runs the forward of every block but the last twice, untracked and again before
+    /// its backward (burn-zero: burn's tape would otherwise keep every gathered weight alive;
+    /// the last unit, with the head, stays gathered and runs once).
     pub zero3_forward_twice: bool,
 }
 
@@ -365,11 +366,6 @@ fn micro_batch(
         Recompute::Selective => attention_core,
         Recompute::Full => layer_forward,
     };
-    let zero3_again = if engine.zero3_forward_twice && layout.zero == ZeroStage::Parameters {
-        layer_forward
-    } else {
-        0.0
-    };
 
     // Tensor parallelism: two all-reduces of the block's output forward and two backward (a
     // reduce-scatter and all-gather each under sequence parallelism, which gathers its input
@@ -393,12 +389,22 @@ fn micro_batch(
     };
 
     let layers = shape.layers.div_ceil(layout.pp) as f64;
+    // burn-zero's stage 3 runs every block but the last forward again, its collectives too.
+    let zero3_again = if engine.zero3_forward_twice && layout.zero == ZeroStage::Parameters {
+        (layers - 1.0).max(0.0) * (layer_forward + forward_tp)
+    } else {
+        0.0
+    };
+    let zero3_again_tp = match zero3_again > 0.0 {
+        true => (layers - 1.0).max(0.0) * forward_tp,
+        false => 0.0,
+    };
     let head_forward = cluster.matmul(1.0, tokens, shape.vocab / t, h)
         + cluster.stream(engine.elementwise_passes * 3.0 * 4.0 * tokens * shape.vocab / t);
     MicroBatch {
         forward: layers * (layer_forward + forward_tp),
-        backward: layers * (layer_backward + layer_recompute + zero3_again + layer_tp - forward_tp),
-        tp_comm: layers * layer_tp,
+        backward: layers * (layer_backward + layer_recompute + layer_tp - forward_tp) + zero3_again,
+        tp_comm: layers * layer_tp + zero3_again_tp,
         head: 3.0 * head_forward,
     }
 }
@@ -538,7 +544,7 @@ mod tests {
         let stage = |zero, twice| {
             let layout = StepLayout {
                 zero,
-                ..layout(16, 1, 1, ScheduleKind::OneFOneB, 1)
+                ..layout(8, 2, 1, ScheduleKind::OneFOneB, 1)
             };
             let engine = Engine {
                 zero3_forward_twice: twice,
@@ -549,7 +555,10 @@ mod tests {
         let once = stage(ZeroStage::Parameters, false);
         let twice = stage(ZeroStage::Parameters, true);
         assert_eq!(twice.forward, once.forward);
-        assert!((twice.backward - once.backward - once.forward).abs() < 1e-12 * once.backward);
+        // Every block but the last, with its tensor-parallel all-reduces.
+        let again = once.forward * (shape.layers - 1) as f64 / shape.layers as f64;
+        assert!((twice.backward - once.backward - again).abs() < 1e-12 * once.backward);
+        assert!(twice.tp_comm > once.tp_comm);
         // Only stage 3 gathers weights per unit and runs the forward again.
         let first = stage(ZeroStage::OptimizerState, true);
         assert_eq!(first.backward, once.backward);

@@ -50,7 +50,7 @@ fn orchestrate() {
     let _ = std::fs::remove_file(&hostfile);
     assert_ok(&out, "collectives at 3 processes placed by a hostfile");
     println!("collectives at 3 processes placed by a hostfile: ok");
-    let faults: [(&str, &[&str]); 5] = [
+    let faults: [(&str, &[&str]); 6] = [
         ("panic", &["rank 1 panicked: rank 1 gives up"]),
         (
             "error",
@@ -71,12 +71,24 @@ fn orchestrate() {
             ],
         ),
         ("killed", &["rank 1", "signal 9"]),
+        (
+            "frozen",
+            &[
+                "rank 0 ends the job",
+                "(call",
+                "data exchange) on group 'world' timed out",
+            ],
+        ),
     ];
     for (case, expected) in faults {
         let begun = Instant::now();
         // Only the stall needs the watchdog; elsewhere a short one could fire first on a busy
         // machine (a panicking rank prints its backtrace before it aborts) and hide the cause.
-        let timeout = if case == "stall" { "2" } else { "20" };
+        let timeout = if matches!(case, "stall" | "frozen") {
+            "2"
+        } else {
+            "20"
+        };
         let out = mpirun(2, case, &[("BURN_COMM_TIMEOUT_SECS", timeout)]);
         let took = begun.elapsed();
         let text = transcript(&out);
@@ -162,6 +174,26 @@ fn rank_case(case: &str, ctx: RankContext) -> Result<(), CommError> {
                     .status();
             }
             world.all_reduce(x, ReduceOp::Sum).map(drop)
+        }
+        "frozen" => {
+            // Rank 1 freezes (SIGSTOP) while large all-reduces run: almost surely inside one's
+            // data exchange, after the ranks' headers matched, where MPI's blocking call cannot
+            // be left; rank 0's watchdog must end the job, naming the exchange.
+            let big = Tensor::<B, 1>::ones([16 << 20], &Default::default());
+            world.barrier()?;
+            if ctx.rank() == 1 {
+                let pid = std::process::id().to_string();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(100));
+                    let _ = std::process::Command::new("kill")
+                        .args(["-STOP", &pid])
+                        .status();
+                });
+            }
+            for _ in 0..1000 {
+                world.all_reduce(big.clone(), ReduceOp::Sum)?;
+            }
+            Ok(())
         }
         other => panic!("unknown case {other}"),
     }

@@ -5,8 +5,10 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{DType, Tensor};
 use burn_comm::{CommError, launch};
-use burn_tensor_parallel::{ContextParallel, CpAttention};
+use burn_tensor_parallel::{ContextParallel, CpAttention, TensorParallel};
 use llama::data::MarkovSource;
+use llama::parallel_plan::ParallelPlan;
+use llama::train::TrainConfig;
 use llama::{Llama, LlamaConfig};
 
 use crate::memory::{live_bytes, set_slot, slot_live_bytes};
@@ -95,4 +97,36 @@ pub fn measured_context_parallel_activation_bytes(
     .collect::<Vec<_>>();
     per_rank.sort_unstable();
     per_rank[cp / 2]
+}
+
+/// What [`measured_activation_bytes`] measures, on each of `tp` tensor-parallel ranks (threads
+/// of this process, each counted in its own slot of [`crate::memory`]), the model cut by
+/// `llama`'s plan, with sequence parallelism when `sp`: the median rank's.
+pub fn measured_tensor_parallel_activation_bytes(
+    config: &LlamaConfig,
+    micro_batch: usize,
+    seq_len: usize,
+    dtype: DType,
+    tp: usize,
+    sp: bool,
+) -> usize {
+    let data = MarkovSource::new(config.vocab_size.min(256), 3, seq_len, micro_batch, 1);
+    let mut per_rank = launch(tp, |ctx| {
+        let slot = ctx.rank() + 1;
+        set_slot(slot);
+        let group = TensorParallel::new(ctx.world().clone()).with_sequence_parallel(sp);
+        let mut train = TrainConfig::new(config.clone(), 1);
+        (train.tp, train.sequence_parallel, train.seq_len) = (tp, sp, seq_len);
+        let plan = ParallelPlan::new(&train).expect("a plan of the layout");
+        let model = plan
+            .shard(model(config, dtype), Some(&group))
+            .expect("the model cut over tp");
+        let counted = || slot_live_bytes(slot);
+        Ok::<_, CommError>(least_kept(&model, &data, micro_batch, seq_len, counted))
+    })
+    .into_iter()
+    .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
+    .collect::<Vec<_>>();
+    per_rank.sort_unstable();
+    per_rank[tp / 2]
 }

@@ -10,7 +10,7 @@ use benches::{preset, write_json};
 use burn::tensor::DType;
 use burn_tensor_parallel::CpAttention;
 use clap::Parser;
-use llama::plan::{ContextSplit, activation_bytes};
+use llama::plan::{ContextSplit, TensorSplit, activation_bytes};
 use serde::Serialize;
 
 #[global_allocator]
@@ -100,7 +100,7 @@ fn main() {
                     micro_batch,
                     seq_len,
                     layers,
-                    1,
+                    TensorSplit::WHOLE,
                     split,
                     dtype.size(),
                 );

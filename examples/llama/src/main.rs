@@ -84,6 +84,9 @@ struct PlanArgs {
     /// Tensor-parallel ranks.
     #[arg(long, default_value_t = 1)]
     tp: usize,
+    /// Sequence parallelism over the tensor-parallel ranks (activations).
+    #[arg(long)]
+    sp: bool,
     /// Pipeline ranks.
     #[arg(long, default_value_t = 1)]
     pp: usize,
@@ -566,6 +569,9 @@ fn run_plan(args: PlanArgs) -> Result<(), String> {
             2 * args.cp
         ));
     }
+    if args.sp && args.tp < 2 {
+        return Err("--sp splits the norms along the sequence over the tensor-parallel ranks; give --tp 2 or more".into());
+    }
     if let Some(model) = model.as_ref().filter(|_| args.ep > 1) {
         if !model.is_moe() || !model.num_local_experts.is_multiple_of(args.ep) {
             return Err(format!(
@@ -584,6 +590,7 @@ fn run_plan(args: PlanArgs) -> Result<(), String> {
         cp: args.cp,
         cp_attention: args.cp_attention.into(),
         tp: args.tp,
+        sequence_parallel: args.sp,
         pp: args.pp,
         precision: match args.dtype {
             DTypeArg::F32 => Precision::F32,

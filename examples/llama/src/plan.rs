@@ -33,6 +33,8 @@ pub struct Plan {
     pub cp_attention: CpAttention,
     /// Tensor-parallel ranks.
     pub tp: usize,
+    /// Sequence parallelism over the tensor-parallel ranks (norms split along the sequence).
+    pub sequence_parallel: bool,
     /// Pipeline ranks.
     pub pp: usize,
     /// Element sizes.
@@ -91,7 +93,10 @@ impl Plan {
             self.micro_batch,
             self.seq_len,
             layers,
-            self.tp,
+            TensorSplit {
+                ranks: self.tp,
+                sequence_parallel: self.sequence_parallel,
+            },
             ContextSplit {
                 ranks: self.cp,
                 attention: self.cp_attention,
@@ -244,6 +249,7 @@ pub(crate) fn run_bytes(
         cp: dims.cp,
         cp_attention: config.cp_attention,
         tp: dims.tp,
+        sequence_parallel: config.sequence_parallel,
         pp: dims.pp,
         precision,
         micro_batch: layout.micro,
@@ -257,7 +263,10 @@ pub(crate) fn run_bytes(
             layout.micro,
             config.seq_len,
             layers,
-            dims.tp,
+            TensorSplit {
+                ranks: dims.tp,
+                sequence_parallel: config.sequence_parallel,
+            },
             ContextSplit {
                 ranks: dims.cp,
                 attention: config.cp_attention,
@@ -347,7 +356,11 @@ pub fn available_host_memory() -> Option<u64> {
 /// repeated keys and values and the context (4h), the softmax its shifted scores and their
 /// exponential in fp32 and the probabilities (3 a s); the MLP keeps the gate, its sigmoid and
 /// SiLU, the up projection and the product (5f). The head keeps the final norm's three and
-/// the fp32 logits. Norms and the head's input are whole on every tensor-parallel rank.
+/// the fp32 logits. Without sequence parallelism the norms and the head's input are whole on
+/// every tensor-parallel rank; with it each norm keeps its fp32 input and normed value for
+/// this rank's `1 / tp` of the tokens, and the next matmuls keep the output gathered whole
+/// (`p h`, per rank: the local transport's threads share one gathered buffer, so a process of
+/// thread ranks holds less).
 ///
 /// A mixture of experts keeps, per token and block, in place of the MLP: the router's
 /// softmax (its fp32 shifted logits, their exponential and the probabilities, `3 E`), the
@@ -372,7 +385,7 @@ pub fn activation_bytes(
     micro_batch: usize,
     seq_len: usize,
     layers: usize,
-    tp: usize,
+    tensor: TensorSplit,
     context: ContextSplit,
     compute_bytes: usize,
 ) -> u64 {
@@ -384,11 +397,15 @@ pub fn activation_bytes(
         model.num_attention_heads as u64,
     );
     let kv = (model.num_key_value_heads * model.head_dim()) as u64;
-    let (tp, p) = (tp as u64, compute_bytes as u64);
+    let (tp, p) = (tensor.ranks.max(1) as u64, compute_bytes as u64);
     let cp = context.ranks.max(1) as u64;
     // This rank's tokens, and the keys each of them attends to.
     let (s, keys) = (seq_len as u64 / cp, seq_len as u64);
-    let norm = (FP32 + 2 * p) * h;
+    // A norm's fp32 input and normed value, and its output as the next matmuls keep it.
+    let norm = match tensor.sequence_parallel && tp > 1 {
+        false => (FP32 + 2 * p) * h,
+        true => (FP32 + p) * h / tp + p * h,
+    };
     let scores = (2 * FP32 + p) * a * keys;
     let attention = match (cp, context.attention) {
         (1, _) => 4 * p * h + scores,
@@ -415,6 +432,24 @@ pub fn activation_bytes(
     };
     let head = norm + FP32 * v / tp;
     micro_batch as u64 * s * (layers as u64 * per_block + head)
+}
+
+/// How a block is split for [`activation_bytes`]: over `ranks` tensor-parallel ranks, with
+/// sequence parallelism or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorSplit {
+    /// Tensor-parallel ranks.
+    pub ranks: usize,
+    /// The norms and the residual stream split along the sequence.
+    pub sequence_parallel: bool,
+}
+
+impl TensorSplit {
+    /// One rank holds every block whole.
+    pub const WHOLE: Self = Self {
+        ranks: 1,
+        sequence_parallel: false,
+    };
 }
 
 /// How the sequence is split for [`activation_bytes`]: over `ranks` context-parallel ranks
@@ -450,6 +485,7 @@ mod tests {
             cp: 1,
             cp_attention: CpAttention::Ring,
             tp: 1,
+            sequence_parallel: false,
             pp: 1,
             precision: Precision::F32,
             micro_batch: 1,
@@ -540,8 +576,17 @@ mod tests {
         let mut config = TrainConfig::new(LlamaConfig::preset("tiny").unwrap(), 1);
         (config.pp, config.grad_accum) = (2, Some(4));
         let layout = config.layout().unwrap();
-        let activations =
-            |layers| activation_bytes(&config.model, 2, 64, layers, 1, ContextSplit::WHOLE, 4);
+        let activations = |layers| {
+            activation_bytes(
+                &config.model,
+                2,
+                64,
+                layers,
+                TensorSplit::WHOLE,
+                ContextSplit::WHOLE,
+                4,
+            )
+        };
         let (head, chunk) = (activations(0), activations(2) - activations(0));
         let kept = |config: &TrainConfig| -> Vec<u64> {
             run_bytes(config, &layout)

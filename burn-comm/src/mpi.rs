@@ -463,6 +463,7 @@ impl MpiGroup {
     /// so it can only outlive the timeout if a peer died or froze inside it; MPI may then
     /// still write to this rank's buffers, so the watchdog ends the job instead.
     fn exchange(&self, op: &Call, seq: u64, run: impl FnOnce() -> c_int) -> Result<(), CommError> {
+        freeze_if_asked(self.members[self.me]);
         let peers = (0..self.size()).filter(|&r| r != self.me).collect();
         let error =
             self.timeout_error_unrecorded(format!("{op} (call {seq}, data exchange)"), peers);
@@ -1015,6 +1016,25 @@ impl Transport for MpiGroup {
     #[cfg(feature = "cuda")]
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+/// Fault injection for burn-comm's own tests: the process of the global rank named by
+/// `BURN_COMM_FREEZE_IN_EXCHANGE` stops itself (SIGSTOP) as it enters a collective's data
+/// exchange, after every rank's header has come, where only the watchdog can end the job.
+fn freeze_if_asked(rank: usize) {
+    static FROZEN_RANK: OnceLock<Option<usize>> = OnceLock::new();
+    let frozen = FROZEN_RANK.get_or_init(|| {
+        std::env::var("BURN_COMM_FREEZE_IN_EXCHANGE")
+            .ok()?
+            .parse()
+            .ok()
+    });
+    if *frozen == Some(rank) {
+        let pid = std::process::id().to_string();
+        let _ = std::process::Command::new("kill")
+            .args(["-STOP", &pid])
+            .status();
     }
 }
 

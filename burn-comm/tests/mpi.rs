@@ -89,7 +89,11 @@ fn orchestrate() {
         } else {
             "20"
         };
-        let out = mpirun(2, case, &[("BURN_COMM_TIMEOUT_SECS", timeout)]);
+        let mut env = vec![("BURN_COMM_TIMEOUT_SECS", timeout)];
+        if case == "frozen" {
+            env.push(("BURN_COMM_FREEZE_IN_EXCHANGE", "1"));
+        }
+        let out = mpirun(2, case, &env);
         let took = begun.elapsed();
         let text = transcript(&out);
         assert!(!out.status.success(), "the {case} job succeeded:\n{text}");
@@ -175,26 +179,10 @@ fn rank_case(case: &str, ctx: RankContext) -> Result<(), CommError> {
             }
             world.all_reduce(x, ReduceOp::Sum).map(drop)
         }
-        "frozen" => {
-            // Rank 1 freezes (SIGSTOP) while large all-reduces run: almost surely inside one's
-            // data exchange, after the ranks' headers matched, where MPI's blocking call cannot
-            // be left; rank 0's watchdog must end the job, naming the exchange.
-            let big = Tensor::<B, 1>::ones([16 << 20], &Default::default());
-            world.barrier()?;
-            if ctx.rank() == 1 {
-                let pid = std::process::id().to_string();
-                std::thread::spawn(move || {
-                    std::thread::sleep(Duration::from_millis(100));
-                    let _ = std::process::Command::new("kill")
-                        .args(["-STOP", &pid])
-                        .status();
-                });
-            }
-            for _ in 0..1000 {
-                world.all_reduce(big.clone(), ReduceOp::Sum)?;
-            }
-            Ok(())
-        }
+        // Rank 1 stops itself (BURN_COMM_FREEZE_IN_EXCHANGE) inside the all-reduce's data
+        // exchange, after both headers came, where MPI's blocking call cannot be left: rank 0's
+        // watchdog must end the job, naming the exchange.
+        "frozen" => world.all_reduce(x, ReduceOp::Sum).map(drop),
         other => panic!("unknown case {other}"),
     }
 }

@@ -572,6 +572,9 @@ fn run_plan(args: PlanArgs) -> Result<(), String> {
     if args.sp && args.tp < 2 {
         return Err("--sp splits the norms along the sequence over the tensor-parallel ranks; give --tp 2 or more".into());
     }
+    if args.sp && model.as_ref().is_some_and(LlamaConfig::is_moe) {
+        return Err("--sp splits a block's tokens over the tensor-parallel ranks, which a mixture of experts cannot run with (llama train refuses it); drop --sp".into());
+    }
     if let Some(model) = model.as_ref().filter(|_| args.ep > 1) {
         if !model.is_moe() || !model.num_local_experts.is_multiple_of(args.ep) {
             return Err(format!(

@@ -440,7 +440,7 @@ fn the_command_a_plan_for_this_machine_prints_trains() {
 
 #[test]
 fn bad_input_gets_a_sentence() {
-    let cases: [(&[&str], &str); 63] = [
+    let cases: [(&[&str], &str); 64] = [
         (
             &[
                 "plan",
@@ -569,6 +569,10 @@ fn bad_input_gets_a_sentence() {
         (
             &["plan", "--model", "small", "--sp"],
             "--sp splits the norms along the sequence over the tensor-parallel ranks; give --tp 2 or more",
+        ),
+        (
+            &["plan", "--model", "small-moe", "--tp", "2", "--sp"],
+            "which a mixture of experts cannot run with (llama train refuses it); drop --sp",
         ),
         (&["train", "--dp", "0"], "--dp must be at least 1"),
         (&["train", "--cp", "0"], "--cp must be at least 1"),

@@ -107,10 +107,7 @@ fn exchange<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
     let mut sends = Vec::new();
     let mut start = 0;
     for (rank, &rows) in sizes.send.iter().enumerate() {
-        let part = match rows {
-            0 => Tensor::empty(part_shape(0), (&device, dtype)),
-            rows => tensor.clone().narrow(dim, start, rows),
-        };
+        let part = narrow_or_empty(tensor.clone(), dim, start, rows);
         start += rows;
         if rank == me {
             own = Some(part);
@@ -132,9 +129,7 @@ fn exchange<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         send.wait()?;
     }
     if parts.is_empty() {
-        let mut shape = dims;
-        shape[dim] = 0;
-        return Ok(Tensor::empty(shape, (&device, dtype)));
+        return Ok(Tensor::empty(part_shape(0), (&device, dtype)));
     }
     Ok(Tensor::cat(parts, dim))
 }
@@ -178,4 +173,20 @@ pub(crate) fn autodiff<B: Backend, C: CheckpointStrategy, const D: usize>(
         OpsKind::UnTracked(prep) => prep.finish(output),
     };
     Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
+}
+
+/// Rows `start..start + rows` of `tensor` along `dim`, or an empty tensor for none: burn's
+/// `narrow` refuses a length of zero.
+pub(crate) fn narrow_or_empty<B: Backend, const D: usize, K: BasicOps<B>>(
+    tensor: Tensor<B, D, K>,
+    dim: usize,
+    start: usize,
+    rows: usize,
+) -> Tensor<B, D, K> {
+    if rows == 0 {
+        let mut shape = tensor.dims();
+        shape[dim] = 0;
+        return Tensor::empty(shape, (&tensor.device(), tensor.dtype()));
+    }
+    tensor.narrow(dim, start, rows)
 }

@@ -8,6 +8,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{BasicOps, Int, Tensor, TensorData};
 
+use crate::all_to_all_split::narrow_or_empty;
 use crate::{CommError, Communicator, ReduceOp};
 
 impl Communicator {
@@ -57,7 +58,7 @@ impl Communicator {
             start += rows;
         }
         let block = self.reduce_scatter(Tensor::cat(blocks, dim), op, dim)?;
-        Ok(cut(block, dim, splits[self.rank()]))
+        Ok(narrow_or_empty(block, dim, 0, splits[self.rank()]))
     }
 
     /// Concatenates along `dim`, in rank order, every rank's `tensor`, which has `splits[r]`
@@ -164,19 +165,4 @@ impl Communicator {
         }
         Ok(())
     }
-}
-
-/// The first `rows` rows of `block` along `dim` (an empty tensor for none: burn's `narrow`
-/// refuses a length of zero).
-fn cut<B: Backend, const D: usize, K: BasicOps<B>>(
-    block: Tensor<B, D, K>,
-    dim: usize,
-    rows: usize,
-) -> Tensor<B, D, K> {
-    if rows == 0 {
-        let mut shape = block.dims();
-        shape[dim] = 0;
-        return Tensor::empty(shape, (&block.device(), block.dtype()));
-    }
-    block.narrow(dim, 0, rows)
 }

@@ -144,30 +144,9 @@ impl<B: Backend> PlacedAdamW<B> {
                 master.as_ref().map_or(0, Vec::len)
             )));
         }
-        let mut master = master.map(Vec::into_iter);
-        let mut next_master = || master.as_mut().and_then(Iterator::next);
-        Ok(if offload {
-            let adamws = (0..parts)
-                .map(|_| {
-                    let adamw = ShardedAdamW::new(config)?;
-                    Ok(match next_master() {
-                        Some(master) => adamw.with_master(to_host(master)),
-                        None => adamw,
-                    })
-                })
-                .collect::<Result<_, ZeroError>>()?;
-            Self::Host(adamws)
-        } else {
-            let adamws = (0..parts)
-                .map(|_| {
-                    let adamw = ShardedAdamW::new(config)?;
-                    Ok(match next_master() {
-                        Some(master) => adamw.with_master(master),
-                        None => adamw,
-                    })
-                })
-                .collect::<Result<_, ZeroError>>()?;
-            Self::Device(adamws)
+        Ok(match offload {
+            true => Self::Host(per_part(config, parts, master, to_host)?),
+            false => Self::Device(per_part(config, parts, master, |t| t)?),
         })
     }
 
@@ -268,30 +247,9 @@ impl<B: Backend> PlacedAdamW<B> {
                 "moments per part"
             );
         }
-        let mut parts = state.map(|(time, [first, second])| {
-            first
-                .into_iter()
-                .zip(second)
-                .map(move |(m1, m2)| (time, m1, m2))
-        });
-        let mut next = move || parts.as_mut().and_then(Iterator::next);
         match self {
-            Self::Device(adamws) => {
-                for adamw in adamws {
-                    let state = next().map(|(time, m1, m2)| AdamWState {
-                        momentum: AdaptiveMomentumState::new(time, m1, m2),
-                    });
-                    *adamw = adamw.clone().with_state(state);
-                }
-            }
-            Self::Host(adamws) => {
-                for adamw in adamws {
-                    let state = next().map(|(time, m1, m2)| AdamWState {
-                        momentum: AdaptiveMomentumState::new(time, to_host(m1), to_host(m2)),
-                    });
-                    *adamw = adamw.clone().with_state(state);
-                }
-            }
+            Self::Device(adamws) => restore(adamws, state, |t| t),
+            Self::Host(adamws) => restore(adamws, state, to_host),
         }
     }
 
@@ -301,6 +259,50 @@ impl<B: Backend> PlacedAdamW<B> {
             Self::Device(adamws) => (adamws.iter().map(ShardedAdamW::state_bytes).sum(), 0),
             Self::Host(adamws) => (0, adamws.iter().map(ShardedAdamW::state_bytes).sum()),
         }
+    }
+}
+
+/// One AdamW per part on backend `C`, each holding its part of `master` (moved there by
+/// `place`) when given.
+fn per_part<B: Backend, C: Backend>(
+    config: &AdamWConfig,
+    parts: usize,
+    master: Option<Vec<Tensor<B, 1>>>,
+    place: impl Fn(Tensor<B, 1>) -> Tensor<C, 1>,
+) -> Result<Vec<ShardedAdamW<C>>, ZeroError> {
+    let mut master = master.map(Vec::into_iter);
+    (0..parts)
+        .map(|_| {
+            let adamw = ShardedAdamW::new(config)?;
+            Ok(match master.as_mut().and_then(Iterator::next) {
+                Some(part) => adamw.with_master(place(part)),
+                None => adamw,
+            })
+        })
+        .collect()
+}
+
+/// `adamws` continuing from `state` (the step count and each part's moments, moved to them by
+/// `place`), or with no moments.
+fn restore<B: Backend, C: Backend>(
+    adamws: &mut [ShardedAdamW<C>],
+    state: Option<(usize, [Vec<Tensor<B, 1>>; 2])>,
+    place: impl Fn(Tensor<B, 1>) -> Tensor<C, 1>,
+) {
+    let mut moments = state.map(|(time, [first, second])| {
+        first
+            .into_iter()
+            .zip(second)
+            .map(move |(m1, m2)| (time, m1, m2))
+    });
+    for adamw in adamws {
+        let state = moments
+            .as_mut()
+            .and_then(Iterator::next)
+            .map(|(time, m1, m2)| AdamWState {
+                momentum: AdaptiveMomentumState::new(time, place(m1), place(m2)),
+            });
+        *adamw = adamw.clone().with_state(state);
     }
 }
 

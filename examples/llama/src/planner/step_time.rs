@@ -390,21 +390,18 @@ fn micro_batch(
 
     let layers = shape.layers.div_ceil(layout.pp) as f64;
     // burn-zero's stage 3 runs every block but the last forward again, its collectives too.
-    let zero3_again = if engine.zero3_forward_twice && layout.zero == ZeroStage::Parameters {
-        (layers - 1.0).max(0.0) * (layer_forward + forward_tp)
+    let rerun = if engine.zero3_forward_twice && layout.zero == ZeroStage::Parameters {
+        (layers - 1.0).max(0.0)
     } else {
         0.0
-    };
-    let zero3_again_tp = match zero3_again > 0.0 {
-        true => (layers - 1.0).max(0.0) * forward_tp,
-        false => 0.0,
     };
     let head_forward = cluster.matmul(1.0, tokens, shape.vocab / t, h)
         + cluster.stream(engine.elementwise_passes * 3.0 * 4.0 * tokens * shape.vocab / t);
     MicroBatch {
         forward: layers * (layer_forward + forward_tp),
-        backward: layers * (layer_backward + layer_recompute + layer_tp - forward_tp) + zero3_again,
-        tp_comm: layers * layer_tp + zero3_again_tp,
+        backward: layers * (layer_backward + layer_recompute + layer_tp - forward_tp)
+            + rerun * (layer_forward + forward_tp),
+        tp_comm: layers * layer_tp + rerun * forward_tp,
         head: 3.0 * head_forward,
     }
 }

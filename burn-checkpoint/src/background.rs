@@ -1,5 +1,5 @@
 //! Saving while training goes on, as PyTorch's `async_save` does: the step that checkpoints
-//! only hands in its pieces, already copied to host memory; a thread of each rank then agrees,
+//! only hands in its pieces, copied to host memory or to be read as they are written; a thread of each rank then agrees,
 //! writes and commits them through a group of its own, so its collectives never interleave
 //! with the training's. One save is under way at a time: the next waits for it.
 
@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use burn_comm::Communicator;
 
 use crate::error::CheckpointError;
-use crate::save::{Shard, save};
+use crate::save::save;
+use crate::shard::Shard;
 
 /// A checkpoint committed in the background.
 #[derive(Debug, Clone, PartialEq, Eq)]

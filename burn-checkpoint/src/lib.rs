@@ -9,6 +9,7 @@
 //! - [`region`]: boxes in a tensor, their overlaps, and a flat range cut into boxes (a ZeRO
 //!   shard of a flattened parameter).
 //! - [`manifest`]: what the manifest records.
+//! - [`shard`]: the pieces a rank hands in, in host memory or read from a tensor as written.
 //! - [`save`]: the collective save and its commit protocol.
 //! - [`background`]: the same save in a thread of its own, while training goes on.
 //! - [`load`]: opening a checkpoint (the latest committed one, or a given step) and reading any
@@ -20,9 +21,11 @@ pub mod load;
 pub mod manifest;
 pub mod region;
 pub mod save;
+pub mod shard;
 
 pub use background::{BackgroundSaver, Saved};
 pub use error::CheckpointError;
 pub use load::Checkpoint;
 pub use region::Region;
-pub use save::{Shard, prune, save};
+pub use save::{prune, save};
+pub use shard::{Shard, ShardData};

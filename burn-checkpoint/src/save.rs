@@ -20,32 +20,10 @@ use serde::{Deserialize, Serialize};
 use crate::error::CheckpointError;
 use crate::manifest::{FORMAT, MANIFEST, Manifest, ShardEntry, TensorEntry, dtype_name, dtype_of};
 use crate::region::Region;
+use crate::shard::Shard;
 
 /// The file in a checkpoints' directory naming the newest committed checkpoint.
 pub const LATEST: &str = "latest";
-
-/// One piece of a tensor a rank holds: the box `region` of the tensor `name` shaped `shape`.
-#[derive(Debug, Clone)]
-pub struct Shard {
-    pub name: String,
-    pub shape: Vec<usize>,
-    pub region: Region,
-    /// The box's elements, shaped as its extents.
-    pub data: TensorData,
-}
-
-impl Shard {
-    /// All of the tensor `name`.
-    pub fn whole(name: impl Into<String>, data: TensorData) -> Self {
-        let shape = data.shape.to_vec();
-        Self {
-            name: name.into(),
-            region: Region::whole(&shape),
-            shape,
-            data,
-        }
-    }
-}
 
 /// The name of step `step`'s checkpoint directory.
 pub fn step_dir_name(step: u64) -> String {
@@ -144,20 +122,19 @@ pub fn save(
 fn describe(shards: &[Shard]) -> Result<Vec<Piece>, CheckpointError> {
     let mut pieces = Vec::with_capacity(shards.len());
     for shard in shards {
-        let dtype = dtype_name(shard.data.dtype).ok_or_else(|| {
+        let dtype = dtype_name(shard.data.dtype()).ok_or_else(|| {
             CheckpointError::Mismatch(format!(
                 "`{}` is {:?}, which a checkpoint does not hold; dequantize it first",
-                shard.name, shard.data.dtype
+                shard.name,
+                shard.data.dtype()
             ))
         })?;
-        if !shard.region.is_within(&shard.shape)
-            || shard.data.shape.to_vec() != shard.region.extents
-        {
+        if !shard.region.is_within(&shard.shape) || shard.data.shape() != shard.region.extents {
             return Err(CheckpointError::Mismatch(format!(
                 "the piece of `{}` at {:?} holds data shaped {:?}, not its box's {:?} inside {:?}",
                 shard.name,
                 shard.region.offsets,
-                shard.data.shape,
+                shard.data.shape(),
                 shard.region.extents,
                 shard.shape
             )));
@@ -288,7 +265,7 @@ fn write_mine(
             name: shard.name.clone(),
             region: shard.region.clone(),
             shape: shard.shape.clone(),
-            dtype: dtype_name(shard.data.dtype).expect("checked").into(),
+            dtype: dtype_name(shard.data.dtype()).expect("checked").into(),
         };
         if writers.get(&piece) != Some(&rank) {
             continue;
@@ -299,7 +276,8 @@ fn write_mine(
                 File::create(&path).map_err(CheckpointError::io(&path))?,
             )),
         };
-        let bytes = shard.data.as_bytes();
+        let data = shard.data.read();
+        let bytes = data.as_bytes();
         out.write_all(bytes).map_err(CheckpointError::io(&path))?;
         let entry = ShardEntry {
             region: shard.region.clone(),

@@ -6,8 +6,11 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::tensor::TensorData;
-use burn_checkpoint::{BackgroundSaver, Checkpoint, CheckpointError, Region, Shard, save};
+use burn::backend::Flex;
+use burn::tensor::{Tensor, TensorData};
+use burn_checkpoint::{
+    BackgroundSaver, Checkpoint, CheckpointError, Region, Shard, ShardData, save,
+};
 use burn_comm::{LaunchConfig, launch, launch_with};
 use serde_json::json;
 
@@ -49,7 +52,7 @@ fn piece(name: &str, shape: &[usize], region: Region) -> Shard {
     Shard {
         name: name.into(),
         shape: shape.to_vec(),
-        data: cut(name, shape, &region),
+        data: cut(name, shape, &region).into(),
         region,
     }
 }
@@ -63,7 +66,14 @@ fn pieces_of(rank: usize) -> Vec<Shard> {
     let tp = rank % 2;
     let mut shards = vec![
         piece("w", &W, Region::block(&W, 1, tp * 3..tp * 3 + 3)),
-        piece("b", &[5], Region::whole(&[5])),
+        // Handed in as a tensor, read only by the rank that writes it.
+        Shard::whole(
+            "b",
+            ShardData::read_later(Tensor::<Flex, 1>::from_data(
+                cut("b", &[5], &Region::whole(&[5])),
+                &Default::default(),
+            )),
+        ),
     ];
     for region in Region::from_flat(&M, rank * 5..rank * 5 + 5) {
         shards.push(piece("m", &M, region));
@@ -288,7 +298,7 @@ fn a_crash_leaves_the_last_committed_checkpoint_and_the_next_save_clears_it() {
     std::fs::write(partial.join("data-00000.bin"), b"half").unwrap();
     let latest = Checkpoint::latest(&root).unwrap().unwrap();
     assert_eq!(latest.step(), 1);
-    assert_eq!(latest.read_whole("b").unwrap(), b.data);
+    assert_eq!(latest.read_whole("b").unwrap(), *b.data.read());
     // The run resumes from step 1 and saves step 2 again, then step 2 once more.
     let b2 = Shard::whole("b", TensorData::new(vec![3.0f32, 4.0], [2]));
     save(&root, 2, None, Ok(vec![b.clone()]), json!({})).unwrap();
@@ -296,7 +306,7 @@ fn a_crash_leaves_the_last_committed_checkpoint_and_the_next_save_clears_it() {
     assert!(!partial.exists());
     let latest = Checkpoint::latest(&root).unwrap().unwrap();
     assert_eq!(latest.step(), 2);
-    assert_eq!(latest.read_whole("b").unwrap(), b2.data);
+    assert_eq!(latest.read_whole("b").unwrap(), *b2.data.read());
     // A crash while step 2 was being replaced: the old copy set aside, the new one not yet in
     // place. The old copy is what loads.
     std::fs::rename(
@@ -307,7 +317,7 @@ fn a_crash_leaves_the_last_committed_checkpoint_and_the_next_save_clears_it() {
     let latest = Checkpoint::latest(&root).unwrap().unwrap();
     assert_eq!(
         (latest.step(), latest.read_whole("b").unwrap()),
-        (2, b2.data.clone())
+        (2, b2.data.read().into_owned())
     );
     // Saving step 2 again puts it in place and clears the copy and a stale staging directory
     // of another step; `latest` is trusted over a newer directory it does not name.

@@ -117,6 +117,7 @@ fn main() {
         every: args.every,
         resume: false,
         keep: None,
+        stage_on_host: false,
     });
 
     let (mut plain_steps, mut stalled) = (Vec::new(), Vec::new());

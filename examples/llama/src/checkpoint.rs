@@ -14,8 +14,8 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::record::AdaptorRecord;
 use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorData};
-use burn_checkpoint::{Checkpoint, Region, Shard};
+use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn_checkpoint::{Checkpoint, Region, Shard, ShardData};
 use burn_ddp::params::{ParamVisitor, visit_params};
 use burn_zero::{LossScaleState, ParamRange, ShardState};
 use serde_json::{Value, json};
@@ -41,6 +41,11 @@ pub struct CheckpointConfig {
     pub resume: bool,
     /// Keep only this many of the newest checkpoints (none: all).
     pub keep: Option<usize>,
+    /// Copy the state to host memory in the step that checkpoints, as a GPU run wants: the
+    /// device then holds no old state beside the next step's. Otherwise each piece is read as
+    /// it is written: on the host, burn's tensors being values, that is a snapshot the step
+    /// does not wait for.
+    pub stage_on_host: bool,
 }
 
 /// A parameter's name in a checkpoint.
@@ -353,7 +358,7 @@ pub(crate) fn zero_pieces(held: &Held<'_>, state: ShardState) -> Result<Training
                     name: name.clone(),
                     shape: whole.clone(),
                     region: b.clone(),
-                    data: TensorData::new(flat[at..at + n].to_vec(), b.extents.clone()),
+                    data: TensorData::new(flat[at..at + n].to_vec(), b.extents.clone()).into(),
                 });
                 at += n;
             }
@@ -432,16 +437,16 @@ pub(crate) fn adamw_pieces<B: AutodiffBackend, M: AutodiffModule<B>>(
             }
             self.steps.push(momentum.time);
             let values = [
-                (param_name(&path), param.val().inner().into_data()),
-                (moment_name(1, &path), momentum.moment_1.into_data()),
-                (moment_name(2, &path), momentum.moment_2.into_data()),
+                (param_name(&path), param.val().inner()),
+                (moment_name(1, &path), momentum.moment_1),
+                (moment_name(2, &path), momentum.moment_2),
             ];
-            for (name, data) in values {
+            for (name, tensor) in values {
                 self.pieces.push(Shard {
                     name,
                     shape: shape.clone(),
                     region: region.clone(),
-                    data: data.convert::<f32>(),
+                    data: ShardData::read_later(tensor.cast(FloatDType::F32)),
                 });
             }
             Ok(())

@@ -870,6 +870,7 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
             every: args.checkpoint_every.unwrap_or(0),
             resume: args.resume,
             keep: args.checkpoint_keep,
+            stage_on_host: matches!(args.device, Device::Cuda),
         }),
     };
     config.process = process;

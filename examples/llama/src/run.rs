@@ -180,7 +180,7 @@ impl<'a> Saver<'a> {
         if let Some(staged) = staged {
             self.start(staged, &dir)?;
         }
-        // A signal that came while the state was copied aside is acted on now.
+        // A signal that came while the state was handed in is acted on now.
         if due && !stop {
             return self.agree_on_stop::<B>(device);
         }
@@ -224,7 +224,7 @@ impl<'a> Saver<'a> {
             .dir
     }
 
-    /// Copies this rank's state aside and starts writing it as step `step`'s checkpoint
+    /// Hands this rank's state in and starts writing it as step `step`'s checkpoint
     /// under `dir`.
     fn save<B: AutodiffBackend>(
         &mut self,
@@ -236,8 +236,9 @@ impl<'a> Saver<'a> {
         self.start(staged, dir)
     }
 
-    /// Copies this rank's state aside, once the save before has finished (one copy at a
-    /// time): what the step stalls for.
+    /// Hands this rank's state in (copied aside or to be read as written, see
+    /// [`checkpoint::CheckpointConfig::stage_on_host`]), once the save before has finished
+    /// (one save at a time): what the step stalls for.
     fn stage<B: AutodiffBackend>(
         &mut self,
         engine: &dyn Engine<B>,
@@ -245,7 +246,18 @@ impl<'a> Saver<'a> {
     ) -> Result<Staged, TrainError> {
         self.finish()?;
         // A rank that cannot hand in its pieces still joins the save, so every rank fails alike.
-        let state = engine.checkpoint_pieces();
+        let mut state = engine.checkpoint_pieces();
+        if self
+            .config
+            .checkpoint
+            .as_ref()
+            .is_some_and(|c| c.stage_on_host)
+            && let Ok(state) = &mut state
+        {
+            for piece in &mut state.pieces {
+                piece.data = piece.data.clone().to_host();
+            }
+        }
         let metadata = match &state {
             Ok(state) => checkpoint::metadata(self.config, state),
             Err(_) => serde_json::Value::Null,
@@ -331,7 +343,7 @@ impl<'a> MoeReport<'a> {
     }
 }
 
-/// A rank's state copied aside for a checkpoint, not yet written.
+/// A rank's state handed in for a checkpoint, not yet written.
 struct Staged {
     step: usize,
     pieces: Result<Vec<burn_checkpoint::Shard>, String>,
@@ -477,6 +489,7 @@ mod tests {
             every: 2,
             resume: false,
             keep: None,
+            stage_on_host: false,
         });
         (config, dir)
     }

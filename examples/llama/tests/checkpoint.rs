@@ -94,14 +94,18 @@ fn with_checkpoints(config: &TrainConfig, dir: &Path, every: usize, resume: bool
         every,
         resume,
         keep: None,
+        stage_on_host: false,
     });
     config
 }
 
 /// `config` checkpointing every 3 steps, then stopped after step 3: step 6's checkpoint is
-/// removed, as if the run had died before it.
-fn interrupted(config: &TrainConfig, dir: &Path) -> Run {
-    let run = run(&with_checkpoints(config, dir, 3, false));
+/// removed, as if the run had died before it. `stage_on_host`: the state is copied to host
+/// memory in the step, as a GPU run does, rather than read as it is written.
+fn interrupted(config: &TrainConfig, dir: &Path, stage_on_host: bool) -> Run {
+    let mut checkpointing = with_checkpoints(config, dir, 3, false);
+    checkpointing.checkpoint.as_mut().unwrap().stage_on_host = stage_on_host;
+    let run = run(&checkpointing);
     let checkpointed: Vec<usize> = run
         .steps
         .iter()
@@ -193,7 +197,8 @@ fn a_resumed_run_continues_the_uninterrupted_one_bit_for_bit_in_its_layout() {
     for (i, (what, config)) in layouts.into_iter().enumerate() {
         let whole = run(&config);
         let dir = scratch(&format!("same-{i}"));
-        let first = interrupted(&config, &dir);
+        // Every other layout copies its state to the host in the step.
+        let first = interrupted(&config, &dir, i % 2 == 1);
         assert_eq!(
             first.losses, whole.losses,
             "{what}: checkpointing changes nothing"
@@ -274,7 +279,7 @@ fn a_checkpoint_resumes_in_another_layout() {
     for (i, (what, from, target)) in layouts.into_iter().enumerate() {
         let oracle = run(&target);
         let dir = scratch(&format!("reshard-{i}"));
-        interrupted(&from, &dir);
+        interrupted(&from, &dir, false);
         let resumed = run(&with_checkpoints(&target, &dir, 0, true));
         assert_close(&tail(&oracle, 3), &resumed, what);
         std::fs::remove_dir_all(dir).unwrap();
@@ -386,7 +391,7 @@ fn a_checkpoint_loaded_in_another_layout_and_saved_again_holds_the_same_bits() {
 fn a_checkpoint_of_another_run_or_a_layout_without_checkpoints_is_refused() {
     let config = layout(1, 1, false);
     let dir = scratch("refused");
-    interrupted(&config, &dir);
+    interrupted(&config, &dir, false);
     let data = llama::data::MarkovSource::new(16, 3, config.seq_len, 4096, 1);
     let train = |config: &TrainConfig| {
         llama::train::train::<B>(config, &data, &Default::default(), &mut |_| {})

@@ -178,21 +178,8 @@ pub fn check_memory(
     layout: &Layout,
     available: u64,
 ) -> Result<(), TrainError> {
-    let dims = ParallelDims::of(config);
+    let (here, needed) = process_bytes(config, layout)?;
     let pipeline = run_bytes(config, layout)?;
-    let one_pipeline: u64 = pipeline.iter().map(RankBytes::total).sum();
-    // Thread ranks share this process, every pipeline rank's peers (dp, ep, cp, tp) alike;
-    // under a launcher, this machine's ranks share it, each counted as an average rank.
-    let (here, needed) = match &config.process {
-        None => (dims.ranks(), one_pipeline * (dims.ranks() / dims.pp) as u64),
-        Some(_) => {
-            let local: usize = ["OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"]
-                .iter()
-                .find_map(|name| std::env::var(name).ok()?.parse().ok())
-                .unwrap_or(1);
-            (local, one_pipeline * local as u64 / dims.pp as u64)
-        }
-    };
     if needed <= available {
         return Ok(());
     }
@@ -205,6 +192,28 @@ pub fn check_memory(
         gb(heaviest.activations),
         gb(available),
     )))
+}
+
+/// How many ranks of a run of `config` this process holds, and the bytes they need at their
+/// peak by the estimate (model state and activations, not the buffers around them).
+pub fn process_bytes(config: &TrainConfig, layout: &Layout) -> Result<(usize, u64), TrainError> {
+    let dims = ParallelDims::of(config);
+    let one_pipeline: u64 = run_bytes(config, layout)?
+        .iter()
+        .map(RankBytes::total)
+        .sum();
+    // Thread ranks share this process, every pipeline rank's peers (dp, ep, cp, tp) alike;
+    // under a launcher, this machine's ranks share it, each counted as an average rank.
+    Ok(match &config.process {
+        None => (dims.ranks(), one_pipeline * (dims.ranks() / dims.pp) as u64),
+        Some(_) => {
+            let local: usize = ["OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"]
+                .iter()
+                .find_map(|name| std::env::var(name).ok()?.parse().ok())
+                .unwrap_or(1);
+            (local, one_pipeline * local as u64 / dims.pp as u64)
+        }
+    })
 }
 
 /// A rank's estimated peak: its model state and the activations it keeps at once.
@@ -277,6 +286,8 @@ pub(crate) fn run_bytes(
     // A micro-batch's head (final norm, logits) and one chunk's blocks.
     let head = activations(0);
     let chunk = activations(config.model.num_hidden_layers.div_ceil(chunks)) - head;
+    let one_block = activations(1) - head;
+    let fully_sharded = config.zero == ZeroStage::Parameters && dims.pp == 1;
     // How many chunks' activations each pipeline rank keeps at once, and which holds the head.
     let (in_flight, last) = match dims.pp {
         1 => (vec![1], 0),
@@ -290,6 +301,11 @@ pub(crate) fn run_bytes(
         .enumerate()
         .map(|(rank, &kept)| {
             let blocks = match config.recompute {
+                // burn-zero's stage 3 runs each unit (one block) untracked, keeping its input,
+                // and again before its backward; the last unit (block and head) runs once.
+                false if fully_sharded => {
+                    one_block + input * config.model.num_hidden_layers.saturating_sub(2) as u64
+                }
                 false => chunk * kept,
                 true => chunk + input * kept,
             };

@@ -507,28 +507,26 @@ mod tests {
         assert_eq!(usable, 72_000_000_000);
         assert!(found.fitting.iter().all(|c| c.memory() <= usable));
         assert!(found.too_big.iter().all(|c| c.memory() > usable));
-        // At dp 16 under ZeRO-3 the micro-batch size decides: 4 samples' activations (burn's
-        // attention keeps its scores) do not fit beside the shard, 1 sample's do.
-        let dp16 = |micro: usize| {
+        // At dp 16 with micro-batches of 4, the stage decides: ZeRO-2 keeps a whole forward's
+        // activations (burn's attention keeps its scores) and does not fit; ZeRO-3's units run
+        // their forward again before their backward, so it keeps one block's and the other
+        // blocks' inputs, and fits.
+        let dp16 = |stage: ZeroStage| {
             found
                 .fitting
                 .iter()
                 .chain(&found.too_big)
-                .find(|c| {
-                    (c.config.dp, c.layout.micro_batch, c.config.zero)
-                        == (16, micro, ZeroStage::Parameters)
-                })
-                .expect("dp 16 runs micro-batches of 1 and 4")
+                .find(|c| (c.config.dp, c.layout.micro_batch, c.config.zero) == (16, 4, stage))
+                .expect("dp 16 runs micro-batches of 4 under ZeRO-2 and 3")
         };
-        let (one, four) = (dp16(1), dp16(4));
+        let (two, three) = (dp16(ZeroStage::Gradients), dp16(ZeroStage::Parameters));
         assert!(
-            one.memory() <= usable && four.memory() > usable,
+            three.memory() <= usable && two.memory() > usable,
             "{} B and {} B against {usable} B",
-            one.memory(),
-            four.memory()
+            three.memory(),
+            two.memory()
         );
-        assert_eq!(one.model_state, four.model_state);
-        assert!(four.activations > 3 * one.activations);
+        assert!(two.activations > 10 * three.activations);
         let report = report(&request, &found, 3);
         assert!(report.contains("run it: burn-launch --nnodes 2 --nproc-per-node 8 -- llama train --model llama-7b --batch-size 64 --seq-len 2048 --dp "), "{report}");
         assert!(report.contains(&found.fitting[0].flags()), "{report}");
@@ -575,12 +573,14 @@ mod tests {
     #[test]
     fn layouts_whose_activations_cannot_fit_are_set_aside_for_split_ones() {
         // Long sequences: burn's attention keeps its scores, so only splitting heads over tp
-        // (or layers over pp) makes the activations fit; the model state alone would.
+        // (or layers over pp), or ZeRO-3 (whose units run their forward again before their
+        // backward), makes the activations fit; the model state alone would.
         let request = request("llama-7b", 8, 8, 4096);
         let usable = request.cluster.usable_memory();
         let found = search(&request).unwrap();
-        let whole: Vec<&Candidate> = found.too_big.iter().filter(|c| c.config.dp == 8).collect();
-        assert!(!whole.is_empty() && found.fitting.iter().all(|c| c.config.dp < 8));
+        let unsplit = |c: &&Candidate| c.config.dp == 8 && c.config.zero != ZeroStage::Parameters;
+        let whole: Vec<&Candidate> = found.too_big.iter().filter(unsplit).collect();
+        assert!(!whole.is_empty() && !found.fitting.iter().any(|c| unsplit(&c)));
         assert!(
             whole.iter().all(|c| c.model_state < usable),
             "{:?}",

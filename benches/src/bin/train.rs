@@ -5,10 +5,16 @@
 //!
 //! Every rank is one thread with one compute thread (burn's CPU backend is built without its
 //! thread pool here), so N ranks need N cores to scale. With the `mpi` feature, DDP also runs as
-//! N processes under `mpirun` (this bench starts itself), beside the same DDP as N threads. The row "N independent runs" trains N
-//! single-device models at once without any communication: the most this machine gives N
-//! concurrent ranks, the ceiling for weak scaling. Runs are repeated in interleaved rounds
-//! (`--repeats`) so that drift of the machine's speed hits every configuration alike.
+//! N processes under `mpirun` (this bench starts itself), beside the same DDP as N threads. The
+//! row "N independent runs" trains N single-device models at once without any communication:
+//! the most this machine gives N concurrent ranks, the ceiling for weak scaling. Runs are
+//! repeated in interleaved rounds (`--repeats`) so that drift of the machine's speed hits every
+//! configuration alike.
+//!
+//! With the `flex-threads` feature burn's CPU backend has its thread pool, as a user's one
+//! process does; thread ranks would then share one pool, so every row runs as processes: the
+//! single device on one thread and on every core, and DDP as N processes computing on
+//! cores / N threads each (as torchrun sets `OMP_NUM_THREADS`).
 //!
 //! `cargo run --release -p benches --bin train -- --help`
 
@@ -86,91 +92,13 @@ fn main() {
         config
     };
     let (n, b) = (args.world, args.batch_size);
-    let mut ddp_serial = base(Strategy::Ddp, n, b);
-    ddp_serial.ddp = DdpConfig::new().with_overlap(false);
-    let mut weak_serial = base(Strategy::Ddp, n, b * n);
-    weak_serial.ddp = DdpConfig::new().with_overlap(false);
-    let mut runs: Vec<(&str, String, TrainConfig, usize)> = vec![
-        (
-            "strong",
-            "single-device burn".into(),
-            base(Strategy::Single, 1, b),
-            1,
-        ),
-        ("strong", "DDP, 1 rank".into(), base(Strategy::Ddp, 1, b), 1),
-        (
-            "strong",
-            format!("DDP, {n} ranks"),
-            base(Strategy::Ddp, n, b),
-            1,
-        ),
-        (
-            "strong",
-            format!("DDP, {n} ranks, no overlap"),
-            ddp_serial,
-            1,
-        ),
-        (
-            "strong",
-            format!("DataParallel, {n} ranks"),
-            base(Strategy::ParameterServer, n, b),
-            1,
-        ),
-        (
-            "weak",
-            "single-device burn".into(),
-            base(Strategy::Single, 1, b),
-            1,
-        ),
-        (
-            "weak",
-            format!("{n} independent runs"),
-            base(Strategy::Single, 1, b),
-            n,
-        ),
-        (
-            "weak",
-            format!("DDP, {n} ranks"),
-            base(Strategy::Ddp, n, b * n),
-            1,
-        ),
-        (
-            "weak",
-            format!("DDP, {n} ranks, no overlap"),
-            weak_serial,
-            1,
-        ),
-        (
-            "weak",
-            format!("DataParallel, {n} ranks"),
-            base(Strategy::ParameterServer, n, b * n),
-            1,
-        ),
-    ];
-
-    if cfg!(feature = "mpi") {
-        runs.insert(
-            3,
-            (
-                "strong",
-                format!("DDP, {n} processes"),
-                base(Strategy::Ddp, n, b),
-                0,
-            ),
-        );
-        let weak = runs.iter().position(|r| r.0 == "weak").expect("weak runs") + 3;
-        runs.insert(
-            weak,
-            (
-                "weak",
-                format!("DDP, {n} processes"),
-                base(Strategy::Ddp, n, b * n),
-                0,
-            ),
-        );
-    }
+    let runs = if cfg!(feature = "flex-threads") {
+        pooled_runs(&base, n, b)
+    } else {
+        thread_runs(&base, n, b)
+    };
     if let Some(which) = std::env::var_os(PROCESS_RUN) {
-        // Started by `run_processes` under mpirun: this process is one rank of that run.
+        // Started by `run_processes`: this process is one rank of that run.
         let which = which.to_string_lossy();
         let config = &runs
             .iter()
@@ -183,11 +111,13 @@ fn main() {
     // Interleaved rounds: every configuration once per round.
     let mut counted: Vec<Vec<StepMetrics>> = vec![Vec::new(); runs.len()];
     for round in 0..args.repeats {
-        for (i, (_, name, config, copies)) in runs.iter().enumerate() {
+        for (i, (_, name, config, ranks)) in runs.iter().enumerate() {
             eprintln!("round {}/{}: {name}", round + 1, args.repeats);
-            let steps = match copies {
-                0 => run_processes(&process_run(runs[i].0, name), config.dp),
-                copies => run(config, *copies, &data),
+            let steps = match *ranks {
+                Ranks::Processes { threads } => {
+                    run_processes(&process_run(runs[i].0, name), config.dp, threads)
+                }
+                Ranks::Threads { copies } => run(config, copies, &data),
             };
             counted[i].extend_from_slice(&steps[args.warmup..]);
         }
@@ -198,7 +128,11 @@ fn main() {
         "scaling", "run", "ranks", "batch", "tokens/s", "step s", "comm wait ms", "vs base"
     );
     let mut rows: Vec<Row> = Vec::new();
-    for ((scaling, name, config, copies), steps) in runs.into_iter().zip(counted) {
+    for ((scaling, name, config, ranks), steps) in runs.into_iter().zip(counted) {
+        let copies = match ranks {
+            Ranks::Threads { copies } => copies,
+            Ranks::Processes { .. } => 1,
+        };
         let tokens_per_s = median(steps.iter().map(|m| m.tokens_per_s));
         let baseline = rows
             .iter()
@@ -207,8 +141,8 @@ fn main() {
         let row = Row {
             scaling,
             name,
-            ranks: config.dp * copies.max(1),
-            global_batch: config.batch_size * copies.max(1),
+            ranks: config.dp * copies,
+            global_batch: config.batch_size * copies,
             tokens_per_s,
             step_s: median(steps.iter().map(|m| m.seconds)),
             comm_wait_ms: median(steps.iter().map(|m| m.comm_wait_s)) * 1e3,
@@ -232,13 +166,149 @@ fn main() {
         );
         rows.push(row);
     }
-    let overhead = 100.0 * (1.0 / rows[1].speedup - 1.0);
-    println!("DDP on 1 rank costs {overhead:+.1}% step time against the plain loop");
+    if !cfg!(feature = "flex-threads") {
+        let overhead = 100.0 * (1.0 / rows[1].speedup - 1.0);
+        println!("DDP on 1 rank costs {overhead:+.1}% step time against the plain loop");
+    }
 
     benches::write_json(&args.json, &rows);
 }
 
-/// Names the run that a process started under mpirun is a rank of.
+/// How a run's ranks are started.
+#[derive(Clone, Copy)]
+enum Ranks {
+    /// Threads of this process; `copies` independent runs at once.
+    Threads { copies: usize },
+    /// Processes (under mpirun when more than one), each computing on `threads` threads of
+    /// burn's CPU backend (`RAYON_NUM_THREADS`; one without the `flex-threads` feature).
+    Processes { threads: usize },
+}
+
+/// A run of the table: its scaling, name, config and how its ranks start.
+type Run = (&'static str, String, TrainConfig, Ranks);
+
+/// The runs with ranks as threads of one compute thread each, and with the `mpi` feature DDP
+/// as processes beside them.
+fn thread_runs(
+    base: &dyn Fn(Strategy, usize, usize) -> TrainConfig,
+    n: usize,
+    b: usize,
+) -> Vec<Run> {
+    let one = Ranks::Threads { copies: 1 };
+    let mut ddp_serial = base(Strategy::Ddp, n, b);
+    ddp_serial.ddp = DdpConfig::new().with_overlap(false);
+    let mut weak_serial = base(Strategy::Ddp, n, b * n);
+    weak_serial.ddp = DdpConfig::new().with_overlap(false);
+    let mut runs: Vec<Run> = vec![
+        (
+            "strong",
+            "single-device burn".into(),
+            base(Strategy::Single, 1, b),
+            one,
+        ),
+        (
+            "strong",
+            "DDP, 1 rank".into(),
+            base(Strategy::Ddp, 1, b),
+            one,
+        ),
+        (
+            "strong",
+            format!("DDP, {n} ranks"),
+            base(Strategy::Ddp, n, b),
+            one,
+        ),
+        (
+            "strong",
+            format!("DDP, {n} ranks, no overlap"),
+            ddp_serial,
+            one,
+        ),
+        (
+            "strong",
+            format!("DataParallel, {n} ranks"),
+            base(Strategy::ParameterServer, n, b),
+            one,
+        ),
+        (
+            "weak",
+            "single-device burn".into(),
+            base(Strategy::Single, 1, b),
+            one,
+        ),
+        (
+            "weak",
+            format!("{n} independent runs"),
+            base(Strategy::Single, 1, b),
+            Ranks::Threads { copies: n },
+        ),
+        (
+            "weak",
+            format!("DDP, {n} ranks"),
+            base(Strategy::Ddp, n, b * n),
+            one,
+        ),
+        (
+            "weak",
+            format!("DDP, {n} ranks, no overlap"),
+            weak_serial,
+            one,
+        ),
+        (
+            "weak",
+            format!("DataParallel, {n} ranks"),
+            base(Strategy::ParameterServer, n, b * n),
+            one,
+        ),
+    ];
+    if cfg!(feature = "mpi") {
+        let processes = Ranks::Processes { threads: 1 };
+        let strong = (
+            "strong",
+            format!("DDP, {n} processes"),
+            base(Strategy::Ddp, n, b),
+            processes,
+        );
+        runs.insert(3, strong);
+        let weak = runs.iter().position(|r| r.0 == "weak").expect("weak runs") + 3;
+        let config = base(Strategy::Ddp, n, b * n);
+        runs.insert(
+            weak,
+            ("weak", format!("DDP, {n} processes"), config, processes),
+        );
+    }
+    runs
+}
+
+/// The runs with burn's CPU backend's thread pool: every one a process, so that no two ranks
+/// share a pool. The single device on one thread (the base) and on every core; DDP as `n`
+/// processes on `cores / n` threads each.
+fn pooled_runs(
+    base: &dyn Fn(Strategy, usize, usize) -> TrainConfig,
+    n: usize,
+    b: usize,
+) -> Vec<Run> {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let on = |threads| Ranks::Processes { threads };
+    let mut runs = Vec::new();
+    for (scaling, batch) in [("strong", b), ("weak", b * n)] {
+        let single = base(Strategy::Single, 1, b);
+        runs.push((
+            scaling,
+            "single-device burn, 1 thread".into(),
+            single.clone(),
+            on(1),
+        ));
+        let name = format!("single-device burn, {cores} threads");
+        runs.push((scaling, name, single, on(cores)));
+        let threads = (cores / n).max(1);
+        let name = format!("DDP, {n} processes x {threads} threads");
+        runs.push((scaling, name, base(Strategy::Ddp, n, batch), on(threads)));
+    }
+    runs
+}
+
+/// Names the run that a process started by this bench is a rank of.
 const PROCESS_RUN: &str = "BENCH_TRAIN_PROCESS_RUN";
 
 /// The value of [`PROCESS_RUN`] for run `name` of `scaling` (the names repeat across scalings).
@@ -246,16 +316,24 @@ fn process_run(scaling: &str, name: &str) -> String {
     format!("{scaling}: {name}")
 }
 
-/// The run `name` as `ranks` processes under mpirun, each computing on one thread; returns rank
-/// 0's step metrics.
-fn run_processes(name: &str, ranks: usize) -> Vec<StepMetrics> {
+/// The run `name` as `ranks` processes (under mpirun when more than one), each computing on
+/// `threads` threads; returns rank 0's step metrics.
+fn run_processes(name: &str, ranks: usize, threads: usize) -> Vec<StepMetrics> {
     let exe = std::env::current_exe().expect("the bench's own path");
-    let out = burn_comm::mpirun(ranks)
-        .arg(exe)
+    let mut command = match ranks {
+        1 => std::process::Command::new(exe),
+        _ => {
+            let mut mpirun = burn_comm::mpirun(ranks);
+            mpirun.arg(exe);
+            mpirun
+        }
+    };
+    let out = command
         .args(std::env::args().skip(1))
         .env(PROCESS_RUN, name)
+        .env("RAYON_NUM_THREADS", threads.to_string())
         .output()
-        .expect("mpirun runs (install openmpi-bin)");
+        .expect("the bench starts itself (mpirun: install openmpi-bin)");
     assert!(
         out.status.success(),
         "{name} failed:\n{}",
@@ -290,8 +368,17 @@ fn run_processes(name: &str, ranks: usize) -> Vec<StepMetrics> {
 /// Rank 0's lines of step metrics, read back by `run_processes`.
 const STEP: &str = "STEP ";
 
-/// One rank of a run under mpirun: trains `config` as this process's rank.
+/// One rank of a run started by `run_processes`: trains `config` as this process's rank (the
+/// only one for a single device).
 fn run_as_process(config: &TrainConfig, data: &MarkovSource) {
+    let print = |m: &StepMetrics| {
+        println!("{STEP}{}", serde_json::to_string(m).expect("serialises"));
+    };
+    if config.dp == 1 {
+        train::<Autodiff<Flex>>(config, data, &Default::default(), &mut |m| print(m))
+            .unwrap_or_else(|e| panic!("{e}"));
+        return;
+    }
     let process = burn_comm::Process::from_env()
         .expect("joined the MPI job")
         .expect("started by mpirun");
@@ -301,7 +388,7 @@ fn run_as_process(config: &TrainConfig, data: &MarkovSource) {
         config.process = Some(ctx);
         train::<Autodiff<Flex>>(&config, data, &Default::default(), &mut |m| {
             if lead {
-                println!("{STEP}{}", serde_json::to_string(m).expect("serialises"));
+                print(m);
             }
         })
         .map(drop)

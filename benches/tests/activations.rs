@@ -58,8 +58,10 @@ fn the_plans_activations_are_within_5_percent_of_what_a_forward_keeps() {
     // sp saves (the difference, where attention and the MLP cancel) is held closer: each of
     // sp's terms is about 4 % of the whole.
     let (micro_batch, seq_len, layers) = (2, 256, config.num_hidden_layers);
-    let gathered = (micro_batch * seq_len * (2 * layers + 1) * config.hidden_size * 4) as f64;
-    for tp in [2, 4] {
+    // In bf16 too: a model cast to bf16 and then cut over tp kept bf16 (it became f32).
+    for (tp, dtype) in [(2, DType::F32), (4, DType::F32), (2, DType::BF16)] {
+        let gathered =
+            (micro_batch * seq_len * (2 * layers + 1) * config.hidden_size * dtype.size()) as f64;
         let [whole, split] = [false, true].map(|sequence_parallel| {
             let estimated = activation_bytes(
                 &config,
@@ -71,7 +73,7 @@ fn the_plans_activations_are_within_5_percent_of_what_a_forward_keeps() {
                     sequence_parallel,
                 },
                 ContextSplit::WHOLE,
-                4,
+                dtype.size(),
             ) as f64;
             let shared = match sequence_parallel {
                 true => (tp - 1) as f64 * gathered,
@@ -82,7 +84,7 @@ fn the_plans_activations_are_within_5_percent_of_what_a_forward_keeps() {
                 &config,
                 micro_batch,
                 seq_len,
-                DType::F32,
+                dtype,
                 tp,
                 sequence_parallel,
             )
@@ -90,19 +92,19 @@ fn the_plans_activations_are_within_5_percent_of_what_a_forward_keeps() {
             .sum::<usize>() as f64;
             let off = (measured - expected) / expected;
             eprintln!(
-                "tp {tp} sp {sequence_parallel}: measured {measured} bytes over the ranks, expected {expected} ({:+.1}%), {estimated} per rank",
+                "tp {tp} sp {sequence_parallel} {dtype:?}: measured {measured} bytes over the ranks, expected {expected} ({:+.1}%), {estimated} per rank",
                 100.0 * off
             );
             assert!(
                 off.abs() < 0.05,
-                "tp {tp} sp {sequence_parallel}: measured {measured} bytes over the ranks, expected {expected}"
+                "tp {tp} sp {sequence_parallel} {dtype:?}: measured {measured} bytes over the ranks, expected {expected}"
             );
             (measured, expected)
         });
         let (saved, expected) = (whole.0 - split.0, whole.1 - split.1);
         assert!(
             ((saved - expected) / expected).abs() < 0.03,
-            "tp {tp}: sp saved {saved} bytes over the ranks, the estimate {expected}"
+            "tp {tp} {dtype:?}: sp saved {saved} bytes over the ranks, the estimate {expected}"
         );
     }
     // Under context parallelism, per rank (each counted in its own slot).

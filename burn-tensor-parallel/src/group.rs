@@ -122,8 +122,9 @@ impl TensorParallel {
     ) -> Result<Tensor<B, D>, TpError> {
         let range = self.block_range(full.dims()[dim], blocks)?;
         let part = full.narrow(dim, range.start, range.len());
-        let device = part.device();
-        Ok(Tensor::from_data(part.into_data(), &device))
+        // A copy of its own (a view would keep the whole alive), in the whole's dtype.
+        let (device, dtype) = (part.device(), part.dtype());
+        Ok(Tensor::from_data(part.into_data(), (&device, dtype)))
     }
 
     /// Where [`block_of`](Self::block_of) cuts a dimension of `len` elements into `blocks`:

@@ -212,8 +212,8 @@ impl FlatLayout {
 /// `part` as a copy of its own: a part cut from inside one parameter is a view that would keep
 /// the whole parameter alive.
 pub(crate) fn compact<B: Backend>(part: Tensor<B, 1>) -> Tensor<B, 1> {
-    let device = part.device();
-    Tensor::from_data(part.into_data(), &device)
+    let (device, dtype) = (part.device(), part.dtype());
+    Tensor::from_data(part.into_data(), (&device, dtype))
 }
 
 #[cfg(test)]
@@ -242,6 +242,17 @@ mod tests {
 
     fn floats(t: Tensor<B, 1>) -> Vec<f32> {
         t.into_data().to_vec().unwrap()
+    }
+
+    #[test]
+    fn a_compacted_part_keeps_its_dtype() {
+        let whole = values(&[6]).remove(0).cast(burn::tensor::FloatDType::BF16);
+        let part = compact(whole.narrow(0, 2, 3));
+        assert_eq!(part.dtype(), DType::BF16);
+        assert_eq!(
+            floats(part.cast(burn::tensor::FloatDType::F32)),
+            [3.0, 4.0, 5.0]
+        );
     }
 
     #[test]

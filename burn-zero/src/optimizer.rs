@@ -307,5 +307,6 @@ fn restore<B: Backend, C: Backend>(
 }
 
 fn to_host<B: Backend>(tensor: Tensor<B, 1>) -> Tensor<Flex, 1> {
-    Tensor::from_data(tensor.into_data(), &Default::default())
+    let dtype = tensor.dtype();
+    Tensor::from_data(tensor.into_data(), (&Default::default(), dtype))
 }

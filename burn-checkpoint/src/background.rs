@@ -150,10 +150,15 @@ impl BackgroundSaver {
     }
 
     fn join(pending: Pending) -> Result<Saved, CheckpointError> {
-        let outcome = pending.thread.join().unwrap_or_else(|_| {
-            Err(CheckpointError::Mismatch(
-                "the thread writing it panicked".into(),
-            ))
+        let outcome = pending.thread.join().unwrap_or_else(|panic| {
+            let why = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("no message");
+            Err(CheckpointError::Mismatch(format!(
+                "the thread writing it panicked: {why}"
+            )))
         });
         outcome.map_err(|e| failed(pending.step, e))
     }

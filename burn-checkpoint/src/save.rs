@@ -276,7 +276,10 @@ fn write_mine(
                 File::create(&path).map_err(CheckpointError::io(&path))?,
             )),
         };
-        let data = shard.data.read();
+        // A piece that cannot be read fails this rank's part, which every rank then reports.
+        let data = shard.data.read().map_err(|e| {
+            CheckpointError::Mismatch(format!("`{}` could not be read: {e}", shard.name))
+        })?;
         let bytes = data.as_bytes();
         out.write_all(bytes).map_err(CheckpointError::io(&path))?;
         let entry = ShardEntry {

@@ -48,7 +48,7 @@ enum Source {
     /// Read when written. A burn tensor is a value: the training goes on with new tensors
     /// (or, on the host backends, copies before writing into a buffer still shared), so
     /// this one keeps the elements it had when handed in.
-    Later(Arc<dyn Fn() -> TensorData + Send + Sync>),
+    Later(Arc<dyn Fn() -> Result<TensorData, String> + Send + Sync>),
 }
 
 impl ShardData {
@@ -60,15 +60,17 @@ impl ShardData {
         Self {
             dtype: tensor.dtype(),
             shape: tensor.dims().to_vec(),
-            source: Source::Later(Arc::new(move || tensor.clone().into_data())),
+            source: Source::Later(Arc::new(move || {
+                tensor.clone().try_into_data().map_err(|e| format!("{e:?}"))
+            })),
         }
     }
 
     /// The same elements in host memory, read now if they were to be read later.
-    pub fn to_host(self) -> Self {
+    pub fn to_host(self) -> Result<Self, String> {
         match self.source {
-            Source::Host(_) => self,
-            Source::Later(_) => Self::from(self.read().into_owned()),
+            Source::Host(_) => Ok(self),
+            Source::Later(_) => Ok(Self::from(self.read()?.into_owned())),
         }
     }
 
@@ -80,11 +82,12 @@ impl ShardData {
         &self.shape
     }
 
-    /// The elements (read now from a tensor handed in to be read later).
-    pub fn read(&self) -> Cow<'_, TensorData> {
+    /// The elements (read now from a tensor handed in to be read later), or why the device
+    /// could not give them.
+    pub fn read(&self) -> Result<Cow<'_, TensorData>, String> {
         match &self.source {
-            Source::Host(data) => Cow::Borrowed(data),
-            Source::Later(read) => Cow::Owned(read()),
+            Source::Host(data) => Ok(Cow::Borrowed(data)),
+            Source::Later(read) => read().map(Cow::Owned),
         }
     }
 }
@@ -131,10 +134,13 @@ mod tests {
             vec![11., 21., 31., 41.]
         );
         assert_eq!((data.dtype(), data.shape()), (DType::F32, &[2, 2][..]));
-        let read = data.read().into_owned();
+        let read = data.read().unwrap().into_owned();
         assert_eq!(read.to_vec::<f32>().unwrap(), vec![1., 2., 3., 4.]);
         assert_eq!(read.shape.to_vec(), vec![2, 2]);
-        let host = data.to_host();
-        assert_eq!(host.read().to_vec::<f32>().unwrap(), vec![1., 2., 3., 4.]);
+        let host = data.to_host().unwrap();
+        assert_eq!(
+            host.read().unwrap().to_vec::<f32>().unwrap(),
+            vec![1., 2., 3., 4.]
+        );
     }
 }

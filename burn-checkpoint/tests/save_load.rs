@@ -298,7 +298,7 @@ fn a_crash_leaves_the_last_committed_checkpoint_and_the_next_save_clears_it() {
     std::fs::write(partial.join("data-00000.bin"), b"half").unwrap();
     let latest = Checkpoint::latest(&root).unwrap().unwrap();
     assert_eq!(latest.step(), 1);
-    assert_eq!(latest.read_whole("b").unwrap(), *b.data.read());
+    assert_eq!(latest.read_whole("b").unwrap(), *b.data.read().unwrap());
     // The run resumes from step 1 and saves step 2 again, then step 2 once more.
     let b2 = Shard::whole("b", TensorData::new(vec![3.0f32, 4.0], [2]));
     save(&root, 2, None, Ok(vec![b.clone()]), json!({})).unwrap();
@@ -306,7 +306,7 @@ fn a_crash_leaves_the_last_committed_checkpoint_and_the_next_save_clears_it() {
     assert!(!partial.exists());
     let latest = Checkpoint::latest(&root).unwrap().unwrap();
     assert_eq!(latest.step(), 2);
-    assert_eq!(latest.read_whole("b").unwrap(), *b2.data.read());
+    assert_eq!(latest.read_whole("b").unwrap(), *b2.data.read().unwrap());
     // A crash while step 2 was being replaced: the old copy set aside, the new one not yet in
     // place. The old copy is what loads.
     std::fs::rename(
@@ -317,7 +317,7 @@ fn a_crash_leaves_the_last_committed_checkpoint_and_the_next_save_clears_it() {
     let latest = Checkpoint::latest(&root).unwrap().unwrap();
     assert_eq!(
         (latest.step(), latest.read_whole("b").unwrap()),
-        (2, b2.data.read().into_owned())
+        (2, b2.data.read().unwrap().into_owned())
     );
     // Saving step 2 again puts it in place and clears the copy and a stale staging directory
     // of another step; `latest` is trusted over a newer directory it does not name.

@@ -162,6 +162,9 @@ impl Plan {
             }
             None => out += "\nactivations: give --model for the shapes\n",
         }
+        if self.activations().is_some() && self.pp == 1 {
+            out += "(under ZeRO-3 burn-zero runs each block's forward again before its backward: a rank keeps one block's activations and the other blocks' inputs, and holds a few units whole; `llama train` counts both)\n";
+        }
         if self.ep > 1 {
             out += "(ZeRO with --ep: the experts sharded over dp x cp, the rest over dp x ep x cp; an estimate only, `llama train` does not run it yet)\n";
         }
@@ -238,9 +241,11 @@ pub(crate) fn heaviest(pipeline: &[RankBytes]) -> RankBytes {
 }
 
 /// What every pipeline rank of one replica of `config` keeps at its peak, in pipeline order:
-/// its model state (an even share), and its micro-batches' activations, as many as its
-/// schedule keeps at once (with recompute, one chunk's and the others' inputs), the head's on
-/// the rank holding the last stage.
+/// its model state (an even share; under ZeRO-3 with the units it holds whole), and its
+/// micro-batches' activations, as many as its schedule keeps at once (with recompute, one
+/// chunk's and the others' inputs; under ZeRO-3, whose units run their forward again before
+/// their backward, one block's and the other blocks' inputs), the head's on the rank holding
+/// the last stage.
 pub(crate) fn run_bytes(
     config: &TrainConfig,
     layout: &Layout,
@@ -264,7 +269,11 @@ pub(crate) fn run_bytes(
         micro_batch: layout.micro,
         seq_len: config.seq_len,
     };
-    let model_state = plan.model_state(config.zero).total() as u64;
+    let fully_sharded = config.zero == ZeroStage::Parameters && dims.pp == 1;
+    let mut model_state = plan.model_state(config.zero).total() as u64;
+    if fully_sharded {
+        model_state += gathered_units(&config.model, dims.tp, precision.param);
+    }
     let chunks = dims.pp * config.virtual_stages;
     let activations = |layers| {
         activation_bytes(
@@ -287,7 +296,6 @@ pub(crate) fn run_bytes(
     let head = activations(0);
     let chunk = activations(config.model.num_hidden_layers.div_ceil(chunks)) - head;
     let one_block = activations(1) - head;
-    let fully_sharded = config.zero == ZeroStage::Parameters && dims.pp == 1;
     // How many chunks' activations each pipeline rank keeps at once, and which holds the head.
     let (in_flight, last) = match dims.pp {
         1 => (vec![1], 0),
@@ -318,6 +326,19 @@ pub(crate) fn run_bytes(
             }
         })
         .collect())
+}
+
+/// What burn-zero's stage 3 holds whole beside its shards, per rank: the unit it computes and
+/// the next (prefetched) gathered, and the unit's gradients with their flattened copy before
+/// the reduce-scatter: four of its largest unit (a block with the embedding or the head); one
+/// more with a tied head, whose unit gathers the embedding's too.
+fn gathered_units(model: &LlamaConfig, tp: usize, param_bytes: usize) -> u64 {
+    let (v, h) = (model.vocab_size, model.hidden_size);
+    let tied = model.tie_word_embeddings;
+    let ends = v * h * if tied { 1 } else { 2 } + h;
+    let block = (model.num_params() - ends) / model.num_hidden_layers.max(1);
+    let unit = ((block + v * h) * param_bytes / tp) as u64;
+    unit * if tied { 5 } else { 4 }
 }
 
 /// How many chunks' activations each rank of a pipeline schedule keeps at once, and the rank

@@ -252,10 +252,24 @@ impl<'a> Saver<'a> {
             .checkpoint
             .as_ref()
             .is_some_and(|c| c.stage_on_host)
-            && let Ok(state) = &mut state
+            && let Ok(held) = &mut state
         {
-            for piece in &mut state.pieces {
-                piece.data = piece.data.clone().to_host();
+            let copied: Result<Vec<_>, String> = held
+                .pieces
+                .iter()
+                .map(|p| p.data.clone().to_host())
+                .collect();
+            match copied {
+                Ok(copied) => {
+                    for (piece, data) in held.pieces.iter_mut().zip(copied) {
+                        piece.data = data;
+                    }
+                }
+                Err(why) => {
+                    state = Err(TrainError::Config(format!(
+                        "the state could not be copied to host memory: {why}"
+                    )))
+                }
             }
         }
         let metadata = match &state {

@@ -582,6 +582,13 @@ mod tests {
         let whole: Vec<&Candidate> = found.too_big.iter().filter(unsplit).collect();
         assert!(!whole.is_empty() && !found.fitting.iter().any(|c| unsplit(&c)));
         assert!(
+            found
+                .fitting
+                .iter()
+                .any(|c| c.config.dp == 8 && c.config.zero == ZeroStage::Parameters),
+            "ZeRO-3 fits unsplit"
+        );
+        assert!(
             whole.iter().all(|c| c.model_state < usable),
             "{:?}",
             whole.iter().map(|c| c.model_state).collect::<Vec<_>>()

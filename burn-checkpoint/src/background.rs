@@ -1,7 +1,8 @@
 //! Saving while training goes on, as PyTorch's `async_save` does: the step that checkpoints
-//! only hands in its pieces, copied to host memory or to be read as they are written; a thread of each rank then agrees,
-//! writes and commits them through a group of its own, so its collectives never interleave
-//! with the training's. One save is under way at a time: the next waits for it.
+//! only hands in its pieces, copied to host memory or to be read as they are written; a thread
+//! of each rank then agrees, writes and commits them through a group of its own, so its
+//! collectives never interleave with the training's. One save is under way at a time: the next
+//! waits for it.
 
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;

@@ -181,8 +181,8 @@ pub fn check_memory(
     layout: &Layout,
     available: u64,
 ) -> Result<(), TrainError> {
-    let (here, needed) = process_bytes(config, layout)?;
     let pipeline = run_bytes(config, layout)?;
+    let (here, needed) = in_this_process(config, &pipeline);
     if needed <= available {
         return Ok(());
     }
@@ -200,14 +200,16 @@ pub fn check_memory(
 /// How many ranks of a run of `config` this process holds, and the bytes they need at their
 /// peak by the estimate (model state and activations, not the buffers around them).
 pub fn process_bytes(config: &TrainConfig, layout: &Layout) -> Result<(usize, u64), TrainError> {
+    Ok(in_this_process(config, &run_bytes(config, layout)?))
+}
+
+/// [`process_bytes`] from one replica's `pipeline` ([`run_bytes`]).
+fn in_this_process(config: &TrainConfig, pipeline: &[RankBytes]) -> (usize, u64) {
     let dims = ParallelDims::of(config);
-    let one_pipeline: u64 = run_bytes(config, layout)?
-        .iter()
-        .map(RankBytes::total)
-        .sum();
+    let one_pipeline: u64 = pipeline.iter().map(RankBytes::total).sum();
     // Thread ranks share this process, every pipeline rank's peers (dp, ep, cp, tp) alike;
     // under a launcher, this machine's ranks share it, each counted as an average rank.
-    Ok(match &config.process {
+    match &config.process {
         None => (dims.ranks(), one_pipeline * (dims.ranks() / dims.pp) as u64),
         Some(_) => {
             let local: usize = ["OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"]
@@ -216,7 +218,7 @@ pub fn process_bytes(config: &TrainConfig, layout: &Layout) -> Result<(usize, u6
                 .unwrap_or(1);
             (local, one_pipeline * local as u64 / dims.pp as u64)
         }
-    })
+    }
 }
 
 /// A rank's estimated peak: its model state and the activations it keeps at once.

@@ -252,25 +252,17 @@ impl<'a> Saver<'a> {
             .checkpoint
             .as_ref()
             .is_some_and(|c| c.stage_on_host)
-            && let Ok(held) = &mut state
         {
-            let copied: Result<Vec<_>, String> = held
-                .pieces
-                .iter()
-                .map(|p| p.data.clone().to_host())
-                .collect();
-            match copied {
-                Ok(copied) => {
-                    for (piece, data) in held.pieces.iter_mut().zip(copied) {
-                        piece.data = data;
-                    }
+            state = state.and_then(|mut held| {
+                for piece in &mut held.pieces {
+                    piece.data = piece.data.clone().to_host().map_err(|why| {
+                        TrainError::Config(format!(
+                            "the state could not be copied to host memory: {why}"
+                        ))
+                    })?;
                 }
-                Err(why) => {
-                    state = Err(TrainError::Config(format!(
-                        "the state could not be copied to host memory: {why}"
-                    )))
-                }
-            }
+                Ok(held)
+            });
         }
         let metadata = match &state {
             Ok(state) => checkpoint::metadata(self.config, state),

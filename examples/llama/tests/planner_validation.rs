@@ -66,7 +66,7 @@ fn megatron(local_ddp: bool) -> Engine {
     Engine {
         compute_bytes: 2.0,
         grad_bytes: if local_ddp { 4.0 } else { 2.0 },
-        flash_attention: false,
+        flash_attention: None,
         score_bytes: 13.0,
         elementwise_passes: 1.0,
         dropout: true,
@@ -292,14 +292,19 @@ fn korthikanti_one_block_table_4() {
 /// Teton hosts, 8 H100s of 96 GB HBM2e (2.4 TB/s, a lower TDP: "the actual peak TFLOPs number is
 /// between SXM and NVL", taken here as their midpoint, 912 TFLOP/s) over NVLink, 400 Gb/s RDMA
 /// per GPU; sequences of 8192 tokens (the configs' `seq_len` at the runs' commit). FSDP (ZeRO-3,
-/// fp32 gradient reduction) overlapped with compute; FlashAttention; eager elementwise
-/// kernels unfused (three passes), `torch.compile`'s fused (one).
+/// fp32 gradient reduction) overlapped with compute; eager elementwise kernels unfused (three
+/// passes), `torch.compile`'s fused (one). Their selective checkpointing is per op
+/// (`selective_ac_option = 'op'` in `train_configs/llama3_8b.toml`; the policy in
+/// `parallelize_llama.py` keeps attention's and every odd `mm`'s output). Attention is
+/// FlashAttention-2, which reaches 35 % of an H100's peak (Shah et al. 2024, FlashAttention-3,
+/// abstract).
 ///
-/// Not yet within 15 %: the model predicts these 19-46 % faster than measured. Not modelled:
-/// the hosts' 500 W power limit (the clocks it costs), torchtitan's per-op selective
-/// checkpointing (which recomputes every second matrix multiplication, where `Selective` here
-/// recomputes attention only), FlashAttention-2's lower efficiency on H100. The bound below
-/// holds the model to what it does today, so that a change making it worse fails.
+/// Not yet within 15 %: the model predicts these 15-32 % faster than measured, and more so
+/// with `torch.compile` (+28-32 %) than without (+21-25 %), so the gap is not in the
+/// elementwise kernels the compiler fuses but in the rate of the products. Not modelled: the
+/// hosts' 500 W power limit (the clocks it costs), the overheads of eager PyTorch and DTensor.
+/// The bound below holds the model to what it does today, so that a change making it worse
+/// fails.
 #[test]
 fn torchtitan_llama3_h100() {
     let cluster = |gpus: usize| Cluster {
@@ -312,7 +317,7 @@ fn torchtitan_llama3_h100() {
     let engine = |compiled: bool| Engine {
         compute_bytes: 2.0,
         grad_bytes: 4.0,
-        flash_attention: true,
+        flash_attention: Some(0.35),
         score_bytes: 0.0,
         elementwise_passes: if compiled { 1.0 } else { 3.0 },
         dropout: false,
@@ -344,7 +349,7 @@ fn torchtitan_llama3_h100() {
             8,
             1,
             2,
-            Recompute::Selective,
+            Recompute::EverySecondMatmul,
             false,
             5762.0,
         ),
@@ -354,9 +359,29 @@ fn torchtitan_llama3_h100() {
             128,
             1,
             2,
-            Recompute::Selective,
+            Recompute::EverySecondMatmul,
             false,
             5605.0,
+        ),
+        (
+            "8B FSDP 8, selective AC, compiled",
+            l8,
+            8,
+            1,
+            2,
+            Recompute::EverySecondMatmul,
+            true,
+            6667.0,
+        ),
+        (
+            "8B FSDP 128, selective AC, compiled",
+            l8,
+            128,
+            1,
+            2,
+            Recompute::EverySecondMatmul,
+            true,
+            6514.0,
         ),
         (
             "8B FSDP 8 TP 8, selective AC, compiled",
@@ -364,7 +389,7 @@ fn torchtitan_llama3_h100() {
             64,
             8,
             12,
-            Recompute::Selective,
+            Recompute::EverySecondMatmul,
             true,
             4378.0,
         ),
@@ -409,7 +434,7 @@ fn torchtitan_llama3_h100() {
     check_within(
         "torchtitan, Llama 3.1 on H100 (tokens/s per GPU)",
         "tokens/s",
-        0.5,
+        0.35,
         &cases,
     );
 }

@@ -121,7 +121,7 @@ pub fn burn_parallel(bf16: bool) -> Engine {
     Engine {
         compute_bytes: bytes,
         grad_bytes: bytes,
-        flash_attention: false,
+        flash_attention: None,
         score_bytes: 24.0,
         elementwise_passes: 3.0,
         dropout: false,

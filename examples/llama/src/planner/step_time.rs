@@ -117,6 +117,11 @@ pub enum Recompute {
     Selective,
     /// Each block's whole forward, from its input.
     Full,
+    /// torchtitan's per-op selective checkpointing: the backward runs each block's forward
+    /// again, taking attention's output and every odd matrix product's from memory and
+    /// computing the rest: the 2nd, 4th and 6th products (keys, output projection, one MLP
+    /// matrix), the elementwise work and the all-gathers.
+    EverySecondMatmul,
 }
 
 /// How a training system runs a layout, where systems differ.
@@ -126,9 +131,10 @@ pub struct Engine {
     pub compute_bytes: f64,
     /// Bytes of a gradient element as data parallelism reduces it.
     pub grad_bytes: f64,
-    /// Attention never writes its scores to memory (FlashAttention), and skips the masked
-    /// half of a causal product.
-    pub flash_attention: bool,
+    /// Attention is one fused kernel (FlashAttention) reaching this fraction of the device's
+    /// peak: it never writes its scores to memory, skips the masked half of a causal product,
+    /// and its backward computes the scores again (five products to the forward's two).
+    pub flash_attention: Option<f64>,
     /// Bytes each attention score streams through memory in the forward (its write, scale,
     /// mask, softmax, dropout), where attention writes its scores.
     pub score_bytes: f64,
@@ -323,16 +329,11 @@ fn micro_batch(
     let (h, d) = (shape.hidden, shape.head_dim());
     let p = engine.compute_bytes;
     let heads = shape.heads / t;
-    // Keys each query meets: all of them, or the causal half a FlashAttention kernel visits.
-    let keys = if engine.flash_attention { s / 2.0 } else { s };
-
     let kv_rank = shape.kv_width_per_rank(t);
     let linears = cluster.matmul(1.0, tokens, h / t + 2.0 * kv_rank, h)
         + cluster.matmul(1.0, tokens, h, h / t)
         + cluster.matmul(1.0, tokens, shape.ffn / t, h) * if shape.gated { 2.0 } else { 1.0 }
         + cluster.matmul(1.0, tokens, h, shape.ffn / t);
-    let scores_context =
-        cluster.matmul(b * heads, s, keys, d) + cluster.matmul(b * heads, s, d, keys);
     // Elementwise work, in elements per token: on the whole residual stream (two norms, two
     // residual additions, dropouts), which sequence parallelism splits over tp, and on split
     // activations (the heads' reshapes, rotary, the MLP's activation).
@@ -352,19 +353,34 @@ fn micro_batch(
     let whole_split = if layout.sp { t } else { 1.0 };
     let elementwise =
         cluster.stream(engine.elementwise_passes * p * tokens * (whole / whole_split + split));
-    let scores = if engine.flash_attention {
-        0.0
-    } else {
-        cluster.stream(engine.score_bytes * b * heads * s * s)
+    let (attention_forward, attention_backward) = match engine.flash_attention {
+        // The causal half of the scores and of the context, at the kernel's own rate.
+        Some(efficiency) => {
+            let forward = 2.0 * 2.0 * b * heads * s * (s / 2.0) * d;
+            let forward = forward / (cluster.peak_flops * efficiency);
+            (forward, 2.5 * forward)
+        }
+        None => {
+            let forward = cluster.matmul(b * heads, s, s, d)
+                + cluster.matmul(b * heads, s, d, s)
+                + cluster.stream(engine.score_bytes * b * heads * s * s);
+            (forward, 2.0 * forward)
+        }
     };
-    let attention_core = scores_context + scores;
     // A block's fixed cost, shared as its work is: a third forward, two thirds backward.
-    let layer_forward = linears + attention_core + elementwise + cluster.block_overhead / 3.0;
-    let layer_backward = 2.0 * layer_forward;
+    let layer_forward = linears + attention_forward + elementwise + cluster.block_overhead / 3.0;
+    let layer_backward = 2.0 * (layer_forward - attention_forward) + attention_backward;
     let layer_recompute = match layout.recompute {
         Recompute::None => 0.0,
-        Recompute::Selective => attention_core,
+        Recompute::Selective => attention_forward,
         Recompute::Full => layer_forward,
+        Recompute::EverySecondMatmul => {
+            cluster.matmul(1.0, tokens, kv_rank, h)
+                + cluster.matmul(1.0, tokens, h, h / t)
+                + cluster.matmul(1.0, tokens, shape.ffn / t, h)
+                + elementwise
+                + cluster.block_overhead / 3.0
+        }
     };
 
     // Tensor parallelism: two all-reduces of the block's output forward and two backward (a
@@ -375,6 +391,9 @@ fn micro_batch(
     let backward_share = if layout.sp { 1.5 } else { 1.0 };
     let recomputed = match layout.recompute {
         Recompute::Full => 2.0,
+        // Its reduce-scatters are kept, its all-gathers (half an all-reduce each) run again.
+        Recompute::EverySecondMatmul if layout.sp => 1.0,
+        Recompute::EverySecondMatmul => 2.0,
         _ => 0.0,
     };
     let layer_tp = if layout.tp > 1 && !engine.overlap_tp {
@@ -559,6 +578,62 @@ mod tests {
         // Only stage 3 gathers weights per unit and runs the forward again.
         let first = stage(ZeroStage::OptimizerState, true);
         assert_eq!(first.backward, once.backward);
+    }
+
+    #[test]
+    fn flash_attentions_backward_makes_five_products_to_its_forwards_two() {
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let cluster = Cluster::preset("h100", 1).unwrap();
+        let at = |efficiency| {
+            let engine = Engine {
+                flash_attention: Some(efficiency),
+                ..engine()
+            };
+            micro_batch(
+                &shape,
+                &cluster,
+                &engine,
+                &layout(8, 1, 1, ScheduleKind::OneFOneB, 1),
+            )
+        };
+        let (slow, fast) = (at(0.35), at(0.7));
+        // Only attention's time depends on the kernel's rate.
+        let forward = slow.forward - fast.forward;
+        assert!(forward > 0.0);
+        let backward = slow.backward - fast.backward;
+        assert!(
+            (backward - 2.5 * forward).abs() < 1e-9 * backward,
+            "{backward} {forward}"
+        );
+    }
+
+    #[test]
+    fn per_op_checkpointing_recomputes_more_than_attention_and_less_than_the_block() {
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let cluster = Cluster::preset("h100", 1).unwrap();
+        let engine = Engine {
+            flash_attention: Some(0.35),
+            ..engine()
+        };
+        let run = |recompute| {
+            let layout = StepLayout {
+                recompute,
+                ..layout(1, 8, 1, ScheduleKind::OneFOneB, 1)
+            };
+            micro_batch(&shape, &cluster, &engine, &layout)
+        };
+        let none = run(Recompute::None);
+        let [selective, per_op, full] = [
+            Recompute::Selective,
+            Recompute::EverySecondMatmul,
+            Recompute::Full,
+        ]
+        .map(|r| run(r).backward - none.backward);
+        assert!(0.0 < selective && selective < per_op && per_op < full);
+        // Under sp it keeps the reduce-scatters and gathers again: half a whole forward's.
+        let comm = |r| run(r).tp_comm - none.tp_comm;
+        let (per_op, full) = (comm(Recompute::EverySecondMatmul), comm(Recompute::Full));
+        assert!(per_op > 0.0 && (per_op - full / 2.0).abs() < 1e-12 * full);
     }
 
     #[test]

@@ -6,7 +6,6 @@
 //! `s % ranks` (the interleaved placement of Narayanan et al., 2021); with one virtual stage
 //! rank `r` holds stage `r`. An action names a micro-batch and a stage.
 
-use std::collections::HashMap;
 use std::fmt;
 
 use serde::Serialize;
@@ -35,6 +34,9 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// How many kinds there are (the last one's index, plus one).
+    const COUNT: usize = Kind::RecvBackward as usize + 1;
+
     /// Whether this is model work (forward or a backward), as opposed to communication.
     pub fn is_compute(self) -> bool {
         matches!(
@@ -235,7 +237,7 @@ impl Schedule {
                 self.ranks
             ));
         }
-        let mut counts: HashMap<(Kind, usize, usize), usize> = HashMap::new();
+        let mut counts = ActionTable::new(self, 0usize);
         for (rank, actions) in self.actions.iter().enumerate() {
             for action in actions {
                 if action.stage >= self.stages() || action.micro_batch >= self.micro_batches {
@@ -251,21 +253,20 @@ impl Schedule {
                         self.rank_of(action.stage)
                     ));
                 }
-                *counts
-                    .entry((action.kind, action.micro_batch, action.stage))
-                    .or_default() += 1;
+                *counts.get_mut(action.kind, action.micro_batch, action.stage) += 1;
             }
         }
-        let count = |kind, mb, stage| counts.get(&(kind, mb, stage)).copied().unwrap_or(0);
+        let count = |kind, mb, stage| *counts.get(kind, mb, stage);
         for stage in 0..self.stages() {
             let rank = self.rank_of(stage);
             let crosses_before = stage > 0 && self.rank_of(stage - 1) != rank;
             let crosses_after = stage + 1 < self.stages() && self.rank_of(stage + 1) != rank;
             for mb in 0..self.micro_batches {
-                let at = format!("micro-batch {mb} at stage {stage} (rank {rank})");
+                // Formatted only for an error: validation runs for every simulation.
+                let at = || format!("micro-batch {mb} at stage {stage} (rank {rank})");
                 let forwards = count(Kind::Forward, mb, stage);
                 if forwards != 1 {
-                    return invalid(format!("{at} runs forward {forwards} times, not once"));
+                    return invalid(format!("{} runs forward {forwards} times, not once", at()));
                 }
                 let (full, input, weight) = (
                     count(Kind::Backward, mb, stage),
@@ -274,7 +275,8 @@ impl Schedule {
                 );
                 if !((full, input, weight) == (1, 0, 0) || (full, input, weight) == (0, 1, 1)) {
                     return invalid(format!(
-                        "{at} runs {full} backward(s), {input} input half(s) and {weight} weight half(s); it needs one backward, or one of each half"
+                        "{} runs {full} backward(s), {input} input half(s) and {weight} weight half(s); it needs one backward, or one of each half",
+                        at()
                     ));
                 }
                 let expected = [
@@ -287,7 +289,8 @@ impl Schedule {
                     let n = count(kind, mb, stage);
                     if n != needed as usize {
                         return invalid(format!(
-                            "{at} has {n} {}, where it needs {}",
+                            "{} has {n} {}, where it needs {}",
+                            at(),
                             Action::new(kind, mb, stage),
                             needed as usize
                         ));
@@ -296,6 +299,40 @@ impl Schedule {
             }
         }
         crate::simulate::replay(self, &crate::Costs::UNIT).map(|_| ())
+    }
+}
+
+/// A value for every action a schedule can name, (kind, micro-batch, stage), in one dense
+/// table: validation and simulation look one up per action.
+pub(crate) struct ActionTable<T> {
+    micro_batches: usize,
+    stages: usize,
+    values: Vec<T>,
+}
+
+impl<T: Clone> ActionTable<T> {
+    /// `fill` for every action of `schedule`.
+    pub(crate) fn new(schedule: &Schedule, fill: T) -> Self {
+        let (micro_batches, stages) = (schedule.micro_batches, schedule.stages());
+        Self {
+            micro_batches,
+            stages,
+            values: vec![fill; Kind::COUNT * micro_batches * stages],
+        }
+    }
+
+    fn index(&self, kind: Kind, micro_batch: usize, stage: usize) -> usize {
+        debug_assert!(micro_batch < self.micro_batches && stage < self.stages);
+        (kind as usize * self.micro_batches + micro_batch) * self.stages + stage
+    }
+
+    pub(crate) fn get(&self, kind: Kind, micro_batch: usize, stage: usize) -> &T {
+        &self.values[self.index(kind, micro_batch, stage)]
+    }
+
+    pub(crate) fn get_mut(&mut self, kind: Kind, micro_batch: usize, stage: usize) -> &mut T {
+        let i = self.index(kind, micro_batch, stage);
+        &mut self.values[i]
     }
 }
 

@@ -2,12 +2,10 @@
 //! bubble, and the activations each rank holds. The executor's measured timelines are the same
 //! [`Timeline`], so simulated and measured bubbles are computed by the same code.
 
-use std::collections::HashMap;
-
 use serde::Serialize;
 
 use crate::PipelineError;
-use crate::schedule::{Action, Kind, Schedule};
+use crate::schedule::{Action, ActionTable, Kind, Schedule};
 
 /// What the actions of one rank's whole share of the model cost; a chunk of an interleaved
 /// schedule costs `1 / virtual_stages` of it. A whole backward costs both halves.
@@ -133,30 +131,35 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<Timeline, Pipeline
 pub(crate) fn replay(schedule: &Schedule, costs: &Costs) -> Result<Timeline, PipelineError> {
     let stages = schedule.stages();
     let same_rank = |a: usize, b: usize| schedule.rank_of(a) == schedule.rank_of(b);
-    // End times of what has run, keyed by (kind, micro-batch, stage); a whole backward also
-    // counts as its input half, which is what the previous stage waits for.
-    let mut done: HashMap<(Kind, usize, usize), f64> = HashMap::new();
-    let needs = |action: &Action| -> Vec<(Kind, usize, usize)> {
+    // End times of what has run, by (kind, micro-batch, stage); a whole backward also counts
+    // as its input half, which is what the previous stage waits for.
+    let mut done: ActionTable<Option<f64>> = ActionTable::new(schedule, None);
+    // What an action waits for: at most two earlier actions.
+    let needs = |action: &Action| -> [Option<(Kind, usize, usize)>; 2] {
         let (mb, s) = (action.micro_batch, action.stage);
+        let one = |kind, stage| [Some((kind, mb, stage)), None];
         match action.kind {
-            Kind::Forward if s == 0 => vec![],
-            Kind::Forward if same_rank(s - 1, s) => vec![(Kind::Forward, mb, s - 1)],
-            Kind::Forward => vec![(Kind::RecvForward, mb, s)],
-            Kind::RecvForward => vec![(Kind::SendForward, mb, s - 1)],
-            Kind::SendForward => vec![(Kind::Forward, mb, s)],
-            Kind::Backward | Kind::BackwardInput if s + 1 == stages => {
-                vec![(Kind::Forward, mb, s)]
-            }
-            Kind::Backward | Kind::BackwardInput if same_rank(s, s + 1) => {
-                vec![(Kind::Forward, mb, s), (Kind::BackwardInput, mb, s + 1)]
-            }
-            Kind::Backward | Kind::BackwardInput => {
-                vec![(Kind::Forward, mb, s), (Kind::RecvBackward, mb, s)]
-            }
-            Kind::RecvBackward => vec![(Kind::SendBackward, mb, s + 1)],
-            Kind::SendBackward => vec![(Kind::BackwardInput, mb, s)],
-            Kind::BackwardWeight => vec![(Kind::BackwardInput, mb, s)],
+            Kind::Forward if s == 0 => [None, None],
+            Kind::Forward if same_rank(s - 1, s) => one(Kind::Forward, s - 1),
+            Kind::Forward => one(Kind::RecvForward, s),
+            Kind::RecvForward => one(Kind::SendForward, s - 1),
+            Kind::SendForward => one(Kind::Forward, s),
+            Kind::Backward | Kind::BackwardInput if s + 1 == stages => one(Kind::Forward, s),
+            Kind::Backward | Kind::BackwardInput if same_rank(s, s + 1) => [
+                Some((Kind::Forward, mb, s)),
+                Some((Kind::BackwardInput, mb, s + 1)),
+            ],
+            Kind::Backward | Kind::BackwardInput => [
+                Some((Kind::Forward, mb, s)),
+                Some((Kind::RecvBackward, mb, s)),
+            ],
+            Kind::RecvBackward => one(Kind::SendBackward, s + 1),
+            Kind::SendBackward => one(Kind::BackwardInput, s),
+            Kind::BackwardWeight => one(Kind::BackwardInput, s),
         }
+    };
+    let end_of = |done: &ActionTable<Option<f64>>, (kind, mb, stage): (Kind, usize, usize)| {
+        *done.get(kind, mb, stage)
     };
     let ranks = schedule.ranks;
     let mut next = vec![0usize; ranks];
@@ -169,10 +172,11 @@ pub(crate) fn replay(schedule: &Schedule, costs: &Costs) -> Result<Timeline, Pip
         let mut progressed = false;
         for rank in 0..ranks {
             while let Some(action) = schedule.actions[rank].get(next[rank]) {
-                let ready: Option<Vec<f64>> =
-                    needs(action).iter().map(|k| done.get(k).copied()).collect();
+                let mut ready = Some(0.0f64);
+                for key in needs(action).into_iter().flatten() {
+                    ready = ready.zip(end_of(&done, key)).map(|(a, b)| a.max(b));
+                }
                 let Some(ready) = ready else { break };
-                let ready = ready.into_iter().fold(0.0, f64::max);
                 let (start, end) = if matches!(action.kind, Kind::RecvForward | Kind::RecvBackward)
                 {
                     (free[rank], free[rank].max(ready))
@@ -183,10 +187,10 @@ pub(crate) fn replay(schedule: &Schedule, costs: &Costs) -> Result<Timeline, Pip
                         start + costs.of(action.kind, schedule.virtual_stages),
                     )
                 };
-                let key = (action.kind, action.micro_batch, action.stage);
-                done.insert(key, end);
+                *done.get_mut(action.kind, action.micro_batch, action.stage) = Some(end);
                 if action.kind == Kind::Backward {
-                    done.insert((Kind::BackwardInput, action.micro_batch, action.stage), end);
+                    *done.get_mut(Kind::BackwardInput, action.micro_batch, action.stage) =
+                        Some(end);
                 }
                 timeline.ranks[rank].push(Span {
                     action: *action,
@@ -207,7 +211,8 @@ pub(crate) fn replay(schedule: &Schedule, costs: &Costs) -> Result<Timeline, Pip
                     let action = schedule.actions[r].get(next[r])?;
                     let missing: Vec<String> = needs(action)
                         .into_iter()
-                        .filter(|k| !done.contains_key(k))
+                        .flatten()
+                        .filter(|&k| end_of(&done, k).is_none())
                         .map(|(kind, mb, stage)| {
                             let on = schedule.rank_of(stage);
                             format!(

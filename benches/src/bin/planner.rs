@@ -1,12 +1,13 @@
 //! The planner's predicted step times against measured ones, in one run: the planner
 //! calibrates this machine (`llama plan --cluster cpu`), predicts each layout the train,
-//! tensor_parallel, zero and pipeline benches measure, and the same layouts are then trained
-//! and timed. The error is `predicted / measured - 1`.
+//! tensor_parallel, zero and pipeline benches measure, and context parallelism by the ring and
+//! by all-gather, and the same layouts are then trained and timed. The error is `predicted / measured - 1`.
 //!
 //! `cargo run --release -p benches --bin planner -- --help`
 
 use benches::median;
 use burn_pipeline::ScheduleKind;
+use burn_tensor_parallel::CpAttention;
 use burn_zero::ZeroStage;
 use clap::Parser;
 use llama::data::MarkovSource;
@@ -73,6 +74,14 @@ fn main() {
     sp.sequence_parallel = true;
     runs.push(("tp 2 + sp".into(), sp));
     runs.push(("tp 4".into(), config(8, Strategy::Single, 1, 4, 1)));
+    for (name, attention) in [
+        ("cp 2 ring", CpAttention::Ring),
+        ("cp 2 all-gather", CpAttention::AllGather),
+    ] {
+        let mut c = config(8, Strategy::Ddp, 1, 1, 1);
+        (c.cp, c.cp_attention) = (2, attention);
+        runs.push((name.into(), c));
+    }
     for stage in [ZeroStage::OptimizerState, ZeroStage::Parameters] {
         let mut c = config(8, Strategy::Ddp, 2, 1, 1);
         c.zero = stage;
@@ -128,7 +137,7 @@ fn main() {
     let mut rows = Vec::new();
     for (i, (name, config)) in runs.iter().enumerate() {
         let layout = config.layout().expect("a bench layout runs");
-        let ranks = config.dp * config.tp * config.pp;
+        let ranks = config.dp * config.cp * config.tp * config.pp;
         let predicted = median(calibrations.iter().map(|calibration| {
             let cluster = Cluster::cpu(ranks, calibration, u64::MAX);
             step_time(

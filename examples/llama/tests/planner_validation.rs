@@ -5,6 +5,7 @@
 //! are reduced) is each system's, as its paper or repository states it.
 
 use burn_pipeline::ScheduleKind;
+use burn_tensor_parallel::CpAttention;
 use burn_zero::ZeroStage;
 use llama::planner::{Cluster, Engine, Recompute, Shape, StepLayout, StepTime, step_time};
 
@@ -115,6 +116,8 @@ impl GptRun {
             dp,
             tp: self.tp,
             pp: self.pp,
+            cp: 1,
+            cp_attention: CpAttention::Ring,
             sp,
             zero: ZeroStage::Replicated,
             recompute,
@@ -263,6 +266,8 @@ fn korthikanti_one_block_table_4() {
             dp: 1,
             tp: 8,
             pp: 1,
+            cp: 1,
+            cp_attention: CpAttention::Ring,
             sp,
             zero: ZeroStage::Replicated,
             recompute,
@@ -412,6 +417,8 @@ fn torchtitan_llama3_h100() {
                     dp: gpus / tp,
                     tp,
                     pp: 1,
+                    cp: 1,
+                    cp_attention: CpAttention::Ring,
                     sp: tp > 1,
                     zero: ZeroStage::Parameters,
                     recompute,

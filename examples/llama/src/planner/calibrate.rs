@@ -14,6 +14,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Int, Tensor};
 use burn_pipeline::ScheduleKind;
+use burn_tensor_parallel::CpAttention;
 use burn_zero::ZeroStage;
 
 use super::cluster::{Cluster, Link};
@@ -111,6 +112,8 @@ pub fn calibrate() -> Result<Calibration, String> {
             dp: 1,
             tp: 1,
             pp: 1,
+            cp: 1,
+            cp_attention: CpAttention::Ring,
             sp: false,
             zero: ZeroStage::Replicated,
             recompute: Recompute::None,

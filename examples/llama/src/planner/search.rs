@@ -1,9 +1,11 @@
 //! The layouts `llama train` can run for a model, a cluster and a batch (dp, tp within a
-//! node, pp, ZeRO, micro-batch size, sp, recompute, three schedules; not yet cp, ep or
-//! `--tp-overlap`), each with its memory per device (`llama plan`'s estimate) and its step
-//! time (the cost model), ranked by tokens per second per device among those that fit.
+//! node, cp by the ring or all-gather, pp, ZeRO, micro-batch size, sp, recompute, three
+//! schedules; not yet ep or `--tp-overlap`), each with its memory per device (`llama plan`'s
+//! estimate) and its step time (the cost model), ranked by tokens per second per device among
+//! those that fit.
 
 use burn_pipeline::ScheduleKind;
+use burn_tensor_parallel::CpAttention;
 use burn_zero::{MixedPrecision, ZeroStage};
 
 use super::cluster::Cluster;
@@ -95,6 +97,12 @@ impl Candidate {
         if c.sequence_parallel {
             flags += " --sp";
         }
+        if c.cp > 1 {
+            flags += &format!(" --cp {}", c.cp);
+            if c.cp_attention == CpAttention::AllGather {
+                flags += " --cp-attention all-gather";
+            }
+        }
         if c.pp > 1 {
             flags += &format!(" --schedule {}", c.schedule);
             if c.virtual_stages > 1 {
@@ -138,6 +146,8 @@ pub fn step_layout(config: &TrainConfig, layout: &Layout) -> StepLayout {
         dp: config.dp,
         tp: config.tp,
         pp: config.pp,
+        cp: config.cp,
+        cp_attention: config.cp_attention,
         sp: config.sequence_parallel,
         zero: config.zero,
         recompute: if config.recompute {
@@ -191,8 +201,8 @@ pub fn search(request: &Request) -> Result<Found, String> {
             Err(e) => {
                 refused.get_or_insert_with(|| {
                     format!(
-                        "--dp {} --tp {} --pp {}: {e}",
-                        config.dp, config.tp, config.pp
+                        "--dp {} --tp {} --cp {} --pp {}: {e}",
+                        config.dp, config.tp, config.cp, config.pp
                     )
                 });
                 continue;
@@ -233,42 +243,60 @@ pub fn search(request: &Request) -> Result<Found, String> {
     Ok(found)
 }
 
-/// The configurations to try: tp within a machine, pp over the rest, dp what is left;
-/// micro-batches of 1 to 8 samples; every ZeRO stage the layout allows; sequence parallelism
-/// and recompute on and off; the pipeline schedules with their memory and bubble trade-offs.
+/// The configurations to try: tp within a machine, cp (where the sequence cuts into its
+/// `2 cp` chunks) and pp over the rest, dp what is left; micro-batches of 1 to 8 samples;
+/// every ZeRO stage the layout allows; sequence parallelism and recompute on and off; the
+/// pipeline schedules with their memory and bubble trade-offs; the ring and all-gather.
 fn configs(request: &Request, devices: usize) -> Vec<TrainConfig> {
     let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut configs = Vec::new();
     for tp in divisors(request.cluster.devices_per_node.min(devices)) {
-        for pp in divisors(devices / tp) {
-            if pp > request.model.num_hidden_layers {
-                continue;
-            }
-            let dp = devices / (tp * pp);
-            if !request.global_batch.is_multiple_of(dp) {
-                continue;
-            }
-            let per_rank = request.global_batch / dp;
-            for micro in [1, 2, 4, 8]
-                .into_iter()
-                .filter(|m| per_rank.is_multiple_of(*m))
-            {
-                configs.extend(variants(request, dp, tp, pp, micro));
+        for cp in divisors(devices / tp).filter(|cp| request.seq_len.is_multiple_of(2 * cp)) {
+            for pp in divisors(devices / (tp * cp)) {
+                if pp > request.model.num_hidden_layers {
+                    continue;
+                }
+                let dp = devices / (tp * cp * pp);
+                if !request.global_batch.is_multiple_of(dp) {
+                    continue;
+                }
+                let per_rank = request.global_batch / dp;
+                for micro in [1, 2, 4, 8]
+                    .into_iter()
+                    .filter(|m| per_rank.is_multiple_of(*m))
+                {
+                    let dims = Dims { dp, tp, cp, pp };
+                    configs.extend(variants(request, dims, micro));
+                }
             }
         }
     }
     configs
 }
 
-/// The runs of one `dp x tp x pp` layout and micro-batch size.
-fn variants(request: &Request, dp: usize, tp: usize, pp: usize, micro: usize) -> Vec<TrainConfig> {
+/// How many ranks each dimension of a layout the search tries has.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    dp: usize,
+    tp: usize,
+    cp: usize,
+    pp: usize,
+}
+
+/// The runs of one `dp x pp x cp x tp` layout and micro-batch size.
+fn variants(request: &Request, dims: Dims, micro: usize) -> Vec<TrainConfig> {
+    let Dims { dp, tp, cp, pp } = dims;
     let base = {
         let mut c = TrainConfig::new(request.model.clone(), 1);
         c.batch_size = request.global_batch;
         c.seq_len = request.seq_len;
         c.micro_batch_size = Some(micro);
-        (c.dp, c.tp, c.pp) = (dp, tp, pp);
+        (c.dp, c.tp, c.cp, c.pp) = (dp, tp, cp, pp);
         c
+    };
+    let attentions: &[CpAttention] = match cp {
+        1 => &[CpAttention::Ring],
+        _ => &[CpAttention::Ring, CpAttention::AllGather],
     };
     let schedules: &[(ScheduleKind, usize)] = match pp {
         1 => &[(ScheduleKind::OneFOneB, 1)],
@@ -283,7 +311,7 @@ fn variants(request: &Request, dp: usize, tp: usize, pp: usize, micro: usize) ->
         // burn-parallel keeps 16-bit weights' fp32 masters in ZeRO's sharded optimizer; on
         // one data-parallel rank the stages shard nothing, so one of them stands for all.
         let half = request.dtype != Dtype::F32;
-        let needed = match (half, dp) {
+        let needed = match (half, dp * cp) {
             (false, 1) => ZeroStage::Replicated,
             (true, 1) => ZeroStage::OptimizerState,
             _ => zero,
@@ -294,19 +322,22 @@ fn variants(request: &Request, dp: usize, tp: usize, pp: usize, micro: usize) ->
         for sp in [false, true].into_iter().filter(|sp| !sp || tp > 1) {
             for recompute in [false, true].into_iter().filter(|r| !r || pp > 1) {
                 for &(schedule, virtual_stages) in schedules {
-                    let mut c = base.clone();
-                    c.zero = zero;
-                    c.strategy = if dp > 1 || zero != ZeroStage::Replicated {
-                        Strategy::Ddp
-                    } else {
-                        Strategy::Single
-                    };
-                    c.zero_config = c.zero_config.with_precision(request.dtype.mixed());
-                    c.sequence_parallel = sp;
-                    c.recompute = recompute;
-                    c.schedule = schedule;
-                    c.virtual_stages = virtual_stages;
-                    out.push(c);
+                    for &attention in attentions {
+                        let mut c = base.clone();
+                        c.zero = zero;
+                        c.strategy = if dp * cp > 1 || zero != ZeroStage::Replicated {
+                            Strategy::Ddp
+                        } else {
+                            Strategy::Single
+                        };
+                        c.zero_config = c.zero_config.with_precision(request.dtype.mixed());
+                        c.sequence_parallel = sp;
+                        c.recompute = recompute;
+                        c.schedule = schedule;
+                        c.virtual_stages = virtual_stages;
+                        c.cp_attention = attention;
+                        out.push(c);
+                    }
                 }
             }
         }
@@ -346,7 +377,7 @@ pub fn report(request: &Request, found: &Found, top: usize) -> String {
             "step s",
             "tok/s/dev",
             "MFU",
-            "step: compute, tp comm, bubble, dp comm, optimizer (s)"
+            "step: compute, tp comm, cp comm, bubble, dp comm, optimizer (s)"
         );
         // Model FLOPs utilisation: the model's own FLOPs (no recompute) per second of peak.
         let flops_per_token = Shape::llama(&request.model).map_or(f64::NAN, |shape| {
@@ -417,12 +448,12 @@ pub fn report(request: &Request, found: &Found, top: usize) -> String {
     out
 }
 
-/// Why `best` beats the fastest layout of another shape (dp, tp, pp): the part of the step
-/// where they differ most.
+/// Why `best` beats the fastest layout of another shape (dp, tp, cp, pp): the part of the
+/// step where they differ most.
 fn why_best(best: &Candidate, fitting: &[Candidate]) -> String {
-    let shape = |c: &Candidate| (c.config.dp, c.config.tp, c.config.pp);
+    let shape = |c: &Candidate| (c.config.dp, c.config.tp, c.config.cp, c.config.pp);
     let Some(next) = fitting.iter().find(|c| shape(c) != shape(best)) else {
-        return "; no layout of another dp x tp x pp fits\n".into();
+        return "; no layout of another dp x tp x cp x pp fits\n".into();
     };
     let (name, ours, theirs) = best
         .time
@@ -493,7 +524,7 @@ mod tests {
                 .config
                 .layout()
                 .expect("the search offers runnable layouts only");
-            assert_eq!(c.config.dp * c.config.tp * c.config.pp, 16);
+            assert_eq!(c.config.dp * c.config.tp * c.config.cp * c.config.pp, 16);
             assert_eq!(layout.micro * layout.accum * c.config.dp, 64);
             assert!(
                 c.config.zero != ZeroStage::Replicated,
@@ -568,6 +599,28 @@ mod tests {
             "{report}"
         );
         assert!(report.contains("GB too many"), "{report}");
+    }
+
+    #[test]
+    fn long_sequences_are_split_over_context_parallel_ranks() {
+        // burn's attention keeps and streams every score: at 32768 tokens the ring, which
+        // computes only the chunk pairs under the causal mask, is the fastest split.
+        let request = request("llama-1b", 8, 8, 32768);
+        let found = search(&request).unwrap();
+        let best = found.fitting.first().expect("a layout fits");
+        assert!(best.config.cp > 1, "{}", best.flags());
+        assert!(
+            found
+                .fitting
+                .iter()
+                .any(|c| c.config.cp_attention == CpAttention::AllGather),
+            "all-gather is tried too"
+        );
+        let report = report(&request, &found, 1);
+        assert!(
+            report.contains(&format!("--cp {} ", best.config.cp)),
+            "{report}"
+        );
     }
 
     #[test]

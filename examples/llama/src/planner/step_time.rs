@@ -5,6 +5,7 @@
 //! schedule with these costs, and the optimizer's step from the state it streams.
 
 use burn_pipeline::{Costs, Schedule, ScheduleKind, simulate};
+use burn_tensor_parallel::CpAttention;
 use burn_zero::ZeroStage;
 
 use super::cluster::Cluster;
@@ -164,6 +165,11 @@ pub struct StepLayout {
     pub tp: usize,
     /// Pipeline ranks.
     pub pp: usize,
+    /// Context-parallel ranks: each holds `seq_len / cp` tokens of every sequence, in two
+    /// chunks (load-balanced for the causal mask).
+    pub cp: usize,
+    /// How context-parallel attention reaches the other ranks' keys and values.
+    pub cp_attention: CpAttention,
     /// Sequence parallelism within the tensor-parallel group.
     pub sp: bool,
     /// What ZeRO shards over the data-parallel ranks.
@@ -185,7 +191,7 @@ pub struct StepLayout {
 impl StepLayout {
     /// Devices the layout uses.
     pub fn devices(&self) -> usize {
-        self.dp * self.tp * self.pp
+        self.dp * self.cp * self.tp * self.pp
     }
 
     /// Samples per step over all devices.
@@ -203,6 +209,9 @@ pub struct StepTime {
     pub compute: f64,
     /// Tensor-parallel collectives the computation waits for, on that rank.
     pub tp_comm: f64,
+    /// Context-parallel attention's keys and values (and their gradients) the computation
+    /// waits for.
+    pub cp_comm: f64,
     /// Idle while others work: the pipeline's bubble and message time, and thread ranks
     /// waiting for a core when there are more of them than cores.
     pub bubble: f64,
@@ -219,6 +228,7 @@ impl StepTime {
     pub const UNKNOWN: StepTime = StepTime {
         compute: f64::NAN,
         tp_comm: f64::NAN,
+        cp_comm: f64::NAN,
         bubble: f64::NAN,
         dp_comm: f64::NAN,
         optimizer: f64::NAN,
@@ -226,10 +236,11 @@ impl StepTime {
     };
 
     /// The step's parts as `name seconds` pairs, for the printout.
-    pub fn parts(&self) -> [(&'static str, f64); 5] {
+    pub fn parts(&self) -> [(&'static str, f64); 6] {
         [
             ("compute", self.compute),
             ("tp comm", self.tp_comm),
+            ("cp comm", self.cp_comm),
             ("bubble", self.bubble),
             ("dp comm", self.dp_comm),
             ("optimizer", self.optimizer),
@@ -243,6 +254,7 @@ struct MicroBatch {
     forward: f64,
     backward: f64,
     tp_comm: f64,
+    cp_comm: f64,
     head: f64,
 }
 
@@ -257,16 +269,16 @@ pub fn step_time(
     let micro = micro_batch(shape, cluster, engine, layout);
     let m = layout.micro_batches;
     let send = {
-        let tokens = (layout.micro_batch * layout.seq_len) as f64;
+        let tokens = (layout.micro_batch * layout.seq_len / layout.cp) as f64;
         let split = if engine.split_pipeline_messages || layout.sp {
             layout.tp as f64
         } else {
             1.0
         };
-        // Stages are `tp` ranks apart in the mesh (tp innermost); the schedule times every
-        // hop alike, so the slowest one the pipeline crosses (interleaving sends from the last
-        // rank back to the first).
-        let link = cluster.link(layout.tp, layout.pp);
+        // Stages are `cp x tp` ranks apart in the mesh (tp innermost); the schedule times
+        // every hop alike, so the slowest one the pipeline crosses (interleaving sends from
+        // the last rank back to the first).
+        let link = cluster.link(layout.cp * layout.tp, layout.pp);
         link.send(tokens * shape.hidden * engine.compute_bytes / split)
     };
     let blocks = micro.forward + micro.backward;
@@ -295,17 +307,19 @@ pub fn step_time(
     // lasts at least the work of all ranks shared over the cores.
     if let Some(cores) = cluster.shared_cores.filter(|&c| c < layout.devices()) {
         let ranks = layout.devices() as f64;
-        let work = ranks * (m as f64 * blocks + optimizer) + head * (layout.dp * layout.tp) as f64;
+        let last_stage = (layout.dp * layout.cp * layout.tp) as f64;
+        let work = ranks * (m as f64 * blocks + optimizer) + head * last_stage;
         total = total.max(work / cores as f64 + dp_comm);
     }
-    let compute = m as f64 * (blocks - micro.tp_comm) + head;
-    let tp_comm = m as f64 * micro.tp_comm;
+    let compute = m as f64 * (blocks - micro.tp_comm - micro.cp_comm) + head;
+    let (tp_comm, cp_comm) = (m as f64 * micro.tp_comm, m as f64 * micro.cp_comm);
     Ok(StepTime {
         compute,
         tp_comm,
+        cp_comm,
         // Whatever the busiest rank is not computing or communicating (never below 0 but for
         // rounding).
-        bubble: (total - (compute + tp_comm + dp_comm + optimizer)).max(0.0),
+        bubble: (total - (compute + tp_comm + cp_comm + dp_comm + optimizer)).max(0.0),
         dp_comm,
         optimizer,
         total,
@@ -320,12 +334,14 @@ fn micro_batch(
     engine: &Engine,
     layout: &StepLayout,
 ) -> MicroBatch {
-    let (b, s, t) = (
+    let (b, s, t, c) = (
         layout.micro_batch as f64,
         layout.seq_len as f64,
         layout.tp as f64,
+        layout.cp as f64,
     );
-    let tokens = b * s;
+    // This rank's tokens: its share of every sequence under context parallelism.
+    let tokens = b * s / c;
     let (h, d) = (shape.hidden, shape.head_dim());
     let p = engine.compute_bytes;
     let heads = shape.heads / t;
@@ -354,17 +370,53 @@ fn micro_batch(
     let elementwise =
         cluster.stream(engine.elementwise_passes * p * tokens * (whole / whole_split + split));
     let (attention_forward, attention_backward) = match engine.flash_attention {
-        // The causal half of the scores and of the context, at the kernel's own rate.
+        // The causal half of the scores and of the context, at the kernel's own rate, shared
+        // evenly by load-balanced context-parallel ranks.
         Some(efficiency) => {
-            let forward = 2.0 * 2.0 * b * heads * s * (s / 2.0) * d;
+            let forward = 2.0 * 2.0 * b * heads * s * (s / 2.0) * d / c;
             let forward = forward / (cluster.peak_flops * efficiency);
             (forward, 2.5 * forward)
         }
         None => {
-            let forward = cluster.matmul(b * heads, s, s, d)
-                + cluster.matmul(b * heads, s, d, s)
-                + cluster.stream(engine.score_bytes * b * heads * s * s);
+            // Blocks of `rows x keys` scores, each masked where causal.
+            let (blocks, rows, keys) = match (layout.cp, layout.cp_attention) {
+                (1, _) => (1.0, s, s),
+                (_, CpAttention::AllGather) => (1.0, s / c, s),
+                // The ring computes the pairs of the `2 cp` chunks on or below the diagonal:
+                // `2 cp + 1` on each rank.
+                (_, CpAttention::Ring) => (2.0 * c + 1.0, s / (2.0 * c), s / (2.0 * c)),
+            };
+            let n = b * heads * blocks;
+            let forward = cluster.matmul(n, rows, keys, d)
+                + cluster.matmul(n, rows, d, keys)
+                + cluster.stream(engine.score_bytes * n * rows * keys);
             (forward, 2.0 * forward)
+        }
+    };
+    // Context parallelism: the ring passes this rank's keys and values on `cp - 1` times
+    // forward and again with their fp32 gradients backward, overlapped with the blocks of
+    // scores where a device has cores of its own; all-gather gathers them forward and
+    // reduce-scatters their gradients backward, waited for.
+    let (cp_forward, cp_backward) = {
+        let link = cluster.link(layout.tp, layout.cp);
+        let kv = tokens * 2.0 * kv_rank;
+        let overlapped = |comm: f64, compute: f64| match cluster.shared_cores {
+            Some(_) => comm,
+            None => (comm - compute).max(0.0),
+        };
+        match (layout.cp, layout.cp_attention) {
+            (1, _) => (0.0, 0.0),
+            (cp, CpAttention::Ring) => {
+                let hops = (cp - 1) as f64;
+                (
+                    overlapped(hops * link.send(kv * p), attention_forward),
+                    overlapped(hops * link.send(kv * (p + 4.0)), attention_backward),
+                )
+            }
+            (cp, CpAttention::AllGather) => {
+                let gather = link.all_gather(kv * p * c, cp);
+                (gather, gather)
+            }
         }
     };
     // A block's fixed cost, shared as its work is: a third forward, two thirds backward.
@@ -407,6 +459,13 @@ fn micro_batch(
         0.0
     };
 
+    let layer_cp = cp_forward
+        + cp_backward
+        + match layout.recompute {
+            Recompute::Full => cp_forward,
+            _ => 0.0,
+        };
+
     let layers = shape.layers.div_ceil(layout.pp) as f64;
     // burn-zero's stage 3 runs every block but the last forward again, its collectives too.
     let rerun = if engine.zero3_forward_twice && layout.zero == ZeroStage::Parameters {
@@ -417,10 +476,12 @@ fn micro_batch(
     let head_forward = cluster.matmul(1.0, tokens, shape.vocab / t, h)
         + cluster.stream(engine.elementwise_passes * 3.0 * 4.0 * tokens * shape.vocab / t);
     MicroBatch {
-        forward: layers * (layer_forward + forward_tp),
+        forward: layers * (layer_forward + forward_tp + cp_forward),
         backward: layers * (layer_backward + layer_recompute + layer_tp - forward_tp)
-            + rerun * (layer_forward + forward_tp),
+            + layers * (layer_cp - cp_forward)
+            + rerun * (layer_forward + forward_tp + cp_forward),
         tp_comm: layers * layer_tp + rerun * forward_tp,
+        cp_comm: layers * layer_cp + rerun * cp_forward,
         head: 3.0 * head_forward,
     }
 }
@@ -434,8 +495,9 @@ fn data_parallel(
     micro: &MicroBatch,
 ) -> (f64, f64) {
     let held = shape.params_per_rank(layout.tp, layout.pp);
-    let dp = layout.dp;
-    // Data-parallel peers are tp x pp ranks apart (the mesh puts dp outermost).
+    // Gradients are averaged, and ZeRO shards, over the data- and context-parallel ranks:
+    // `tp` apart without a pipeline (the mesh is `dp x pp x cp x tp`), spanning it with one.
+    let dp = layout.dp * layout.cp;
     let link = cluster.link(layout.tp * layout.pp, dp);
     let grads = held * engine.grad_bytes;
     let params = held * engine.compute_bytes;
@@ -489,6 +551,8 @@ mod tests {
             dp,
             tp,
             pp,
+            cp: 1,
+            cp_attention: CpAttention::Ring,
             sp: tp > 1,
             zero: ZeroStage::OptimizerState,
             recompute: Recompute::None,
@@ -522,12 +586,22 @@ mod tests {
                 zero: ZeroStage::Parameters,
                 ..layout(16, 1, 1, ScheduleKind::OneFOneB, 1)
             },
+            StepLayout {
+                cp: 2,
+                cp_attention: CpAttention::AllGather,
+                ..layout(2, 2, 2, ScheduleKind::OneFOneB, 1)
+            },
         ];
-        for (cluster, layout) in layouts
-            .iter()
-            .map(|l| (&gpus, *l))
-            .chain([(&threads, layout(1, 2, 2, ScheduleKind::OneFOneB, 1))])
-        {
+        for (cluster, layout) in layouts.iter().map(|l| (&gpus, *l)).chain([
+            (&threads, layout(1, 2, 2, ScheduleKind::OneFOneB, 1)),
+            (
+                &threads,
+                StepLayout {
+                    cp: 2,
+                    ..layout(1, 1, 1, ScheduleKind::OneFOneB, 1)
+                },
+            ),
+        ]) {
             let step = step_time(&shape, cluster, &engine(), &layout).unwrap();
             let sum: f64 = step.parts().iter().map(|(_, s)| s).sum();
             assert!(
@@ -634,6 +708,45 @@ mod tests {
         let comm = |r| run(r).tp_comm - none.tp_comm;
         let (per_op, full) = (comm(Recompute::EverySecondMatmul), comm(Recompute::Full));
         assert!(per_op > 0.0 && (per_op - full / 2.0).abs() < 1e-12 * full);
+    }
+
+    #[test]
+    fn context_parallel_ranks_share_the_tokens_and_the_ring_skips_masked_chunk_pairs() {
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let cluster = Cluster::preset("a100", 1).unwrap();
+        let cut = |dp, cp, cp_attention| StepLayout {
+            cp,
+            cp_attention,
+            seq_len: 16384,
+            ..layout(dp, 1, 1, ScheduleKind::OneFOneB, 1)
+        };
+        let run = |cluster: &Cluster, cp, attention| {
+            micro_batch(&shape, cluster, &engine(), &cut(1, cp, attention))
+        };
+        let whole = run(&cluster, 1, CpAttention::Ring);
+        let ring = run(&cluster, 2, CpAttention::Ring);
+        let gathered = run(&cluster, 2, CpAttention::AllGather);
+        // burn's attention computes every score under the mask; the ring computes 5 of the
+        // 16 pairs of 4 chunks on each rank, all-gather half the scores.
+        assert!(ring.forward < whole.forward / 2.0 && gathered.forward > whole.forward / 2.0);
+        assert!(gathered.forward > ring.forward);
+        // A GPU passes the ring's keys behind its scores; all-gather and thread ranks wait.
+        assert_eq!(whole.cp_comm, 0.0);
+        assert_eq!(ring.cp_comm, 0.0);
+        assert!(gathered.cp_comm > 0.0);
+        let threads = Cluster {
+            shared_cores: Some(2),
+            ..cluster.clone()
+        };
+        assert!(run(&threads, 2, CpAttention::Ring).cp_comm > 0.0);
+        // Gradients are averaged, and ZeRO shards, over dp x cp.
+        let optimizer = |dp, cp| {
+            step_time(&shape, &cluster, &engine(), &cut(dp, cp, CpAttention::Ring))
+                .unwrap()
+                .optimizer
+        };
+        assert_eq!(optimizer(2, 2), optimizer(4, 1));
+        assert!(optimizer(2, 2) < optimizer(2, 1));
     }
 
     #[test]

@@ -251,7 +251,9 @@ fn configs(request: &Request, devices: usize) -> Vec<TrainConfig> {
     let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut configs = Vec::new();
     for tp in divisors(request.cluster.devices_per_node.min(devices)) {
-        for cp in divisors(devices / tp).filter(|cp| request.seq_len.is_multiple_of(2 * cp)) {
+        // Context parallelism cuts each sequence into `2 cp` chunks.
+        let cuts = |cp: &usize| *cp == 1 || request.seq_len.is_multiple_of(2 * cp);
+        for cp in divisors(devices / tp).filter(cuts) {
             for pp in divisors(devices / (tp * cp)) {
                 if pp > request.model.num_hidden_layers {
                     continue;
@@ -621,6 +623,13 @@ mod tests {
             report.contains(&format!("--cp {} ", best.config.cp)),
             "{report}"
         );
+    }
+
+    #[test]
+    fn an_odd_sequence_length_is_planned_without_context_parallelism() {
+        let found = search(&request("llama-1b", 8, 8, 2047)).unwrap();
+        assert!(!found.fitting.is_empty());
+        assert!(found.fitting.iter().all(|c| c.config.cp == 1));
     }
 
     #[test]

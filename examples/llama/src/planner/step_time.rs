@@ -393,10 +393,11 @@ fn micro_batch(
             (forward, 2.0 * forward)
         }
     };
-    // Context parallelism: the ring passes this rank's keys and values on `cp - 1` times
-    // forward and again with their fp32 gradients backward, overlapped with the blocks of
-    // scores where a device has cores of its own; all-gather gathers them forward and
-    // reduce-scatters their gradients backward, waited for.
+    // Context parallelism. The ring passes this rank's keys and values on `cp - 1` times
+    // forward and again backward, behind the blocks of scores where a device has cores of its
+    // own; backward, each step's fp32 gradients of the keys and values it holds travel on after
+    // its blocks and are waited for, and finished ones go back to their owner once more.
+    // All-gather gathers them forward and reduce-scatters their gradients backward, waited for.
     let (cp_forward, cp_backward) = {
         let link = cluster.link(layout.tp, layout.cp);
         let kv = tokens * 2.0 * kv_rank;
@@ -410,7 +411,8 @@ fn micro_batch(
                 let hops = (cp - 1) as f64;
                 (
                     overlapped(hops * link.send(kv * p), attention_forward),
-                    overlapped(hops * link.send(kv * (p + 4.0)), attention_backward),
+                    overlapped(hops * link.send(kv * p), attention_backward)
+                        + cp as f64 * link.send(kv * 4.0),
                 )
             }
             (cp, CpAttention::AllGather) => {
@@ -462,8 +464,8 @@ fn micro_batch(
     let layer_cp = cp_forward
         + cp_backward
         + match layout.recompute {
-            Recompute::Full => cp_forward,
-            _ => 0.0,
+            Recompute::Full | Recompute::Selective => cp_forward,
+            Recompute::None | Recompute::EverySecondMatmul => 0.0,
         };
 
     let layers = shape.layers.div_ceil(layout.pp) as f64;
@@ -495,10 +497,15 @@ fn data_parallel(
     micro: &MicroBatch,
 ) -> (f64, f64) {
     let held = shape.params_per_rank(layout.tp, layout.pp);
-    // Gradients are averaged, and ZeRO shards, over the data- and context-parallel ranks:
-    // `tp` apart without a pipeline (the mesh is `dp x pp x cp x tp`), spanning it with one.
+    // Gradients are averaged, and ZeRO shards, over the data- and context-parallel ranks. The
+    // mesh is `dp x pp x cp x tp`: the context-parallel ranks are `tp` apart, the data-parallel
+    // ones `pp x cp x tp`; with both and a pipeline the group spans the mesh.
     let dp = layout.dp * layout.cp;
-    let link = cluster.link(layout.tp * layout.pp, dp);
+    let link = match (layout.dp, layout.pp) {
+        (1, _) => cluster.link(layout.tp, layout.cp),
+        (_, 1) => cluster.link(layout.tp, dp),
+        _ => cluster.link(layout.tp * layout.pp, dp),
+    };
     let grads = held * engine.grad_bytes;
     let params = held * engine.compute_bytes;
     let m = layout.micro_batches as f64;
@@ -730,15 +737,15 @@ mod tests {
         // 16 pairs of 4 chunks on each rank, all-gather half the scores.
         assert!(ring.forward < whole.forward / 2.0 && gathered.forward > whole.forward / 2.0);
         assert!(gathered.forward > ring.forward);
-        // A GPU passes the ring's keys behind its scores; all-gather and thread ranks wait.
+        // A GPU passes the ring's keys behind its scores, but waits for their gradients;
+        // all-gather waits for both, thread ranks for everything.
         assert_eq!(whole.cp_comm, 0.0);
-        assert_eq!(ring.cp_comm, 0.0);
-        assert!(gathered.cp_comm > 0.0);
+        assert!(ring.cp_comm > 0.0 && gathered.cp_comm > 0.0);
         let threads = Cluster {
             shared_cores: Some(2),
             ..cluster.clone()
         };
-        assert!(run(&threads, 2, CpAttention::Ring).cp_comm > 0.0);
+        assert!(run(&threads, 2, CpAttention::Ring).cp_comm > ring.cp_comm);
         // Gradients are averaged, and ZeRO shards, over dp x cp.
         let optimizer = |dp, cp| {
             step_time(&shape, &cluster, &engine(), &cut(dp, cp, CpAttention::Ring))
@@ -747,6 +754,26 @@ mod tests {
         };
         assert_eq!(optimizer(2, 2), optimizer(4, 1));
         assert!(optimizer(2, 2) < optimizer(2, 1));
+    }
+
+    #[test]
+    fn context_parallel_gradients_cross_nodes_only_where_the_ranks_do() {
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let mut cluster = Cluster::preset("a100", 2).unwrap();
+        cluster.inter_node.bandwidth = 1e6;
+        let dp_comm = |tp, cp, pp| {
+            let layout = StepLayout {
+                cp,
+                zero: ZeroStage::Replicated,
+                ..layout(16 / (tp * cp * pp), tp, pp, ScheduleKind::OneFOneB, 1)
+            };
+            step_time(&shape, &cluster, &engine(), &layout)
+                .unwrap()
+                .dp_comm
+        };
+        // tp 4 x cp 2: the cp peers are 4 apart, in one node (pp 2 puts the stages on the
+        // other); tp 8 x cp 2: 8 apart, across the nodes.
+        assert!(dp_comm(8, 2, 1) > 100.0 * dp_comm(4, 2, 2));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The planner's predicted step times against measured ones, in one run: the planner
 //! calibrates this machine (`llama plan --cluster cpu`), predicts each layout the train,
-//! tensor_parallel, zero and pipeline benches measure, and context parallelism by the ring and
-//! by all-gather, and the same layouts are then trained and timed. The error is `predicted / measured - 1`.
+//! tensor_parallel, zero, pipeline and expert_parallel benches measure, and context
+//! parallelism by the ring and by all-gather, and the same layouts are then trained and timed. The error is `predicted / measured - 1`.
 //!
 //! `cargo run --release -p benches --bin planner -- --help`
 
@@ -22,6 +22,9 @@ struct Args {
     /// Model preset.
     #[arg(long, default_value = "small")]
     model: String,
+    /// Model preset with experts, for the expert-parallel rows.
+    #[arg(long, default_value = "small-moe")]
+    moe_model: String,
     /// Tokens per sample.
     #[arg(long, default_value_t = 64)]
     seq_len: usize,
@@ -49,7 +52,6 @@ fn main() {
     let args = Args::parse();
     assert!(args.steps > 1, "--steps must exceed the one warm-up step");
     let model = benches::preset(&args.model);
-    let shape = Shape::llama(&model).expect("the planner times dense models");
     let data = MarkovSource::new(16, 3, args.seq_len, 1 << 16, 1);
     // The machine's speed drifts: calibrated before the first round and after every round,
     // each layout's prediction is the median of the calibrations'.
@@ -81,6 +83,16 @@ fn main() {
         let mut c = config(8, Strategy::Ddp, 1, 1, 1);
         (c.cp, c.cp_attention) = (2, attention);
         runs.push((name.into(), c));
+    }
+    // The expert_parallel bench's mixture: its experts on one device, and split over 2 and 4.
+    let moe = benches::preset(&args.moe_model);
+    for ep in [1, 2, 4] {
+        let mut c = config(8, Strategy::Ddp, 1, 1, 1);
+        (c.model, c.ep) = (moe.clone(), ep);
+        if ep == 1 {
+            c.strategy = Strategy::Single;
+        }
+        runs.push((format!("{}, ep {ep}", args.moe_model), c));
     }
     for stage in [ZeroStage::OptimizerState, ZeroStage::Parameters] {
         let mut c = config(8, Strategy::Ddp, 2, 1, 1);
@@ -137,11 +149,11 @@ fn main() {
     let mut rows = Vec::new();
     for (i, (name, config)) in runs.iter().enumerate() {
         let layout = config.layout().expect("a bench layout runs");
-        let ranks = config.dp * config.cp * config.tp * config.pp;
+        let ranks = config.dp * config.ep * config.cp * config.tp * config.pp;
         let predicted = median(calibrations.iter().map(|calibration| {
             let cluster = Cluster::cpu(ranks, calibration, u64::MAX);
             step_time(
-                &shape,
+                &Shape::llama(&config.model),
                 &cluster,
                 &burn_parallel(false),
                 &step_layout(config, &layout),

@@ -627,7 +627,6 @@ fn run_search(args: &PlanArgs, gpus: usize) -> Result<(), String> {
     if gpus == 0 || global_batch == 0 || args.seq_len == 0 || args.top == 0 {
         return Err("--gpus, --global-batch, --seq-len and --top must be at least 1".into());
     }
-    llama::planner::search::timed_shape(&model)?;
     let overrides = ClusterOverrides::of(args)?;
     let gpu = args.cluster != "cpu";
     if !gpu && args.devices_per_node.is_some() {

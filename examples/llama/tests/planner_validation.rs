@@ -114,6 +114,7 @@ impl GptRun {
         let dp = self.gpus / (self.tp * self.pp);
         let layout = StepLayout {
             dp,
+            ep: 1,
             tp: self.tp,
             pp: self.pp,
             cp: 1,
@@ -264,6 +265,7 @@ fn korthikanti_one_block_table_4() {
     .map(|(name, recompute, sp, published)| {
         let layout = StepLayout {
             dp: 1,
+            ep: 1,
             tp: 8,
             pp: 1,
             cp: 1,
@@ -342,6 +344,7 @@ fn torchtitan_llama3_h100() {
         layers,
         vocab: 128_256.0,
         tied_embeddings: false,
+        experts: None,
     };
     let (l8, l70) = (
         llama3(4096.0, 14_336.0, 32, 32.0),
@@ -416,6 +419,7 @@ fn torchtitan_llama3_h100() {
             |(name, shape, gpus, tp, local, recompute, compiled, published)| {
                 let layout = StepLayout {
                     dp: gpus / tp,
+                    ep: 1,
                     tp,
                     pp: 1,
                     cp: 1,

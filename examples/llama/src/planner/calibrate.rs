@@ -42,6 +42,11 @@ pub struct Calibration {
     pub overhead: f64,
     /// That fixed cost: seconds per block per forward and backward.
     pub block_overhead: f64,
+    /// A mixture of experts' block's fixed cost beyond that, for its routing (measured on the
+    /// reference with its MLPs made mixtures of 2 and of 8 experts).
+    pub routing_overhead: f64,
+    /// And for each expert it holds.
+    pub expert_overhead: f64,
     /// How much slower each of `cores` ranks computes when all compute at once (shared
     /// memory bandwidth and caches, the machine's turbo).
     pub contention: f64,
@@ -100,16 +105,17 @@ pub fn calibrate() -> Result<Calibration, String> {
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         overhead: 1.0,
         block_overhead: 0.0,
+        routing_overhead: 0.0,
+        expert_overhead: 0.0,
         contention: 1.0,
     };
     // The reference at two batch sizes: what grows with the work (the rates burn's
     // operations reach) and what does not (each block's fixed cost).
     let (model, seq) = reference();
-    let shape = Shape::llama(&model).expect("the reference is dense");
-    let raw = Cluster::cpu(1, &calibration, 0);
-    let modelled = |batch| -> Result<f64, String> {
+    let modelled = |model: &LlamaConfig, cluster: &Cluster, batch| -> Result<f64, String> {
         let layout = StepLayout {
             dp: 1,
+            ep: 1,
             tp: 1,
             pp: 1,
             cp: 1,
@@ -123,18 +129,35 @@ pub fn calibrate() -> Result<Calibration, String> {
             schedule: ScheduleKind::OneFOneB,
             virtual_stages: 1,
         };
-        Ok(step_time(&shape, &raw, &burn_parallel(false), &layout)?.compute)
+        let shape = Shape::llama(model);
+        Ok(step_time(&shape, cluster, &burn_parallel(false), &layout)?.compute)
     };
     let (small, large) = (1, 8);
     let (t_small, t_large) = (
         time_training_pass::<Autodiff<Flex>>(&model, small, seq),
         time_training_pass::<Autodiff<Flex>>(&model, large, seq),
     );
-    let (m_small, m_large) = (modelled(small)?, modelled(large)?);
+    let raw = Cluster::cpu(1, &calibration, 0);
+    let (m_small, m_large) = (
+        modelled(&model, &raw, small)?,
+        modelled(&model, &raw, large)?,
+    );
     let overhead = ((t_large - t_small) / (m_large - m_small)).max(0.1);
     calibration.overhead = overhead;
-    calibration.block_overhead =
-        ((t_small - overhead * m_small) / model.num_hidden_layers as f64).max(0.0);
+    let blocks = model.num_hidden_layers as f64;
+    calibration.block_overhead = ((t_small - overhead * m_small) / blocks).max(0.0);
+    // The reference's MLPs made mixtures of 2 and of 8 experts (of a quarter of its width,
+    // top-2): what a block costs beyond the model calibrated so far, once and per expert.
+    let calibrated = Cluster::cpu(1, &calibration, 0);
+    let beyond = |experts: usize| -> Result<f64, String> {
+        let mut moe = model.clone().with_num_local_experts(experts);
+        moe.intermediate_size /= 4;
+        let measured = time_training_pass::<Autodiff<Flex>>(&moe, large, seq);
+        Ok(((measured - modelled(&moe, &calibrated, large)?) / blocks).max(0.0))
+    };
+    let (two, eight) = (beyond(2)?, beyond(8)?);
+    calibration.expert_overhead = ((eight - two) / 6.0).max(0.0);
+    calibration.routing_overhead = (two - 2.0 * calibration.expert_overhead).max(0.0);
     // Every core busy at once: what a rank gets when all are.
     let together = std::thread::scope(|scope| {
         let runs: Vec<_> = (0..calibration.cores)
@@ -242,6 +265,8 @@ impl Cluster {
             matmul_half_dim: half,
             memory_bandwidth: calibration.bandwidth * share / calibration.overhead,
             block_overhead: calibration.block_overhead / share,
+            routing_overhead: calibration.routing_overhead / share,
+            expert_overhead: calibration.expert_overhead / share,
             intra_node: calibration.link,
             inter_node: calibration.link,
             shared_cores: Some(calibration.cores),

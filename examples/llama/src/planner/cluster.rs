@@ -56,6 +56,12 @@ pub struct Cluster {
     /// the dispatch of its operations and the autodiff graph's bookkeeping (0 on a GPU,
     /// where launches hide behind the device's work; measured on a CPU).
     pub block_overhead: f64,
+    /// Seconds a mixture of experts' block costs more, whatever its size: the routing's trip
+    /// to the host, the sorting and exchange of its copies (0 on a GPU; measured on a CPU).
+    pub routing_overhead: f64,
+    /// And per expert of the block the rank holds: its gathers, scatters and small products'
+    /// dispatch (0 on a GPU; measured on a CPU).
+    pub expert_overhead: f64,
     /// Between devices of one machine.
     pub intra_node: Link,
     /// Between machines.
@@ -88,6 +94,8 @@ impl Cluster {
             matmul_half_dim: 64.0,
             memory_bandwidth: hbm,
             block_overhead: 0.0,
+            routing_overhead: 0.0,
+            expert_overhead: 0.0,
             intra_node: Link {
                 bandwidth: nvlink,
                 latency: 5e-6,

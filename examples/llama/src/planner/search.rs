@@ -1,8 +1,8 @@
 //! The layouts `llama train` can run for a model, a cluster and a batch (dp, tp within a
-//! node, cp by the ring or all-gather, pp, ZeRO, micro-batch size, sp, recompute, three
-//! schedules; not yet ep or `--tp-overlap`), each with its memory per device (`llama plan`'s
-//! estimate) and its step time (the cost model), ranked by tokens per second per device among
-//! those that fit.
+//! node, cp by the ring or all-gather, ep for a mixture of experts, pp, ZeRO, micro-batch
+//! size, sp, recompute, three schedules; not yet `--tp-overlap`), each with its memory per
+//! device (`llama plan`'s estimate) and its step time (the cost model), ranked by tokens per
+//! second per device among those that fit.
 
 use burn_pipeline::ScheduleKind;
 use burn_tensor_parallel::CpAttention;
@@ -93,7 +93,11 @@ impl Candidate {
     /// The layout in `llama train`'s flags, such as `--dp 8 --tp 8 --pp 2 --zero 1`.
     pub fn flags(&self) -> String {
         let c = &self.config;
-        let mut flags = format!("--dp {} --tp {} --pp {}", c.dp, c.tp, c.pp);
+        let mut flags = format!("--dp {}", c.dp);
+        if c.ep > 1 {
+            flags += &format!(" --ep {}", c.ep);
+        }
+        flags += &format!(" --tp {} --pp {}", c.tp, c.pp);
         if c.sequence_parallel {
             flags += " --sp";
         }
@@ -144,6 +148,7 @@ pub fn burn_parallel(bf16: bool) -> Engine {
 pub fn step_layout(config: &TrainConfig, layout: &Layout) -> StepLayout {
     StepLayout {
         dp: config.dp,
+        ep: config.ep,
         tp: config.tp,
         pp: config.pp,
         cp: config.cp,
@@ -176,16 +181,9 @@ pub struct Found {
     pub refused: Option<String>,
 }
 
-/// The shape the cost model times for `model`, or why it cannot.
-pub fn timed_shape(model: &LlamaConfig) -> Result<Shape, String> {
-    Shape::llama(model).ok_or_else(|| {
-        "the planner times dense models only; a mixture of experts is sized by `llama plan --model ... --ep N` without --gpus".into()
-    })
-}
-
 /// Every layout of `request` that `llama train` accepts, sized and timed.
 pub fn search(request: &Request) -> Result<Found, String> {
-    let shape = timed_shape(&request.model)?;
+    let shape = Shape::llama(&request.model);
     let cluster = &request.cluster;
     let devices = cluster.devices();
     let engine = burn_parallel(request.dtype != Dtype::F32);
@@ -201,8 +199,8 @@ pub fn search(request: &Request) -> Result<Found, String> {
             Err(e) => {
                 refused.get_or_insert_with(|| {
                     format!(
-                        "--dp {} --tp {} --cp {} --pp {}: {e}",
-                        config.dp, config.tp, config.cp, config.pp
+                        "--dp {} --ep {} --tp {} --cp {} --pp {}: {e}",
+                        config.dp, config.ep, config.tp, config.cp, config.pp
                     )
                 });
                 continue;
@@ -244,31 +242,38 @@ pub fn search(request: &Request) -> Result<Found, String> {
 }
 
 /// The configurations to try: tp within a machine, cp (where the sequence cuts into its
-/// `2 cp` chunks) and pp over the rest, dp what is left; micro-batches of 1 to 8 samples;
-/// every ZeRO stage the layout allows; sequence parallelism and recompute on and off; the
-/// pipeline schedules with their memory and bubble trade-offs; the ring and all-gather.
+/// `2 cp` chunks), ep (dividing the experts) and pp over the rest, dp what is left;
+/// micro-batches of 1 to 8 samples; every ZeRO stage the layout allows; sequence parallelism
+/// and recompute on and off; the pipeline schedules with their memory and bubble trade-offs;
+/// the ring and all-gather.
 fn configs(request: &Request, devices: usize) -> Vec<TrainConfig> {
     let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
+    // Context parallelism cuts each sequence into `2 cp` chunks; expert parallelism splits
+    // the experts evenly.
+    let cuts = |cp: &usize| *cp == 1 || request.seq_len.is_multiple_of(2 * cp);
+    let experts = request.model.num_local_experts;
+    let splits = |ep: &usize| *ep == 1 || (experts > 0 && experts.is_multiple_of(*ep));
     let mut configs = Vec::new();
     for tp in divisors(request.cluster.devices_per_node.min(devices)) {
-        // Context parallelism cuts each sequence into `2 cp` chunks.
-        let cuts = |cp: &usize| *cp == 1 || request.seq_len.is_multiple_of(2 * cp);
         for cp in divisors(devices / tp).filter(cuts) {
-            for pp in divisors(devices / (tp * cp)) {
-                if pp > request.model.num_hidden_layers {
-                    continue;
-                }
-                let dp = devices / (tp * cp * pp);
-                if !request.global_batch.is_multiple_of(dp) {
-                    continue;
-                }
-                let per_rank = request.global_batch / dp;
-                for micro in [1, 2, 4, 8]
-                    .into_iter()
-                    .filter(|m| per_rank.is_multiple_of(*m))
-                {
-                    let dims = Dims { dp, tp, cp, pp };
-                    configs.extend(variants(request, dims, micro));
+            for ep in divisors(devices / (tp * cp)).filter(splits) {
+                for pp in divisors(devices / (tp * cp * ep)) {
+                    if pp > request.model.num_hidden_layers {
+                        continue;
+                    }
+                    let dp = devices / (tp * cp * ep * pp);
+                    // Expert-parallel ranks read their own samples, as data-parallel ones do.
+                    if !request.global_batch.is_multiple_of(dp * ep) {
+                        continue;
+                    }
+                    let per_rank = request.global_batch / (dp * ep);
+                    for micro in [1, 2, 4, 8]
+                        .into_iter()
+                        .filter(|m| per_rank.is_multiple_of(*m))
+                    {
+                        let dims = Dims { dp, ep, tp, cp, pp };
+                        configs.extend(variants(request, dims, micro));
+                    }
                 }
             }
         }
@@ -280,20 +285,21 @@ fn configs(request: &Request, devices: usize) -> Vec<TrainConfig> {
 #[derive(Debug, Clone, Copy)]
 struct Dims {
     dp: usize,
+    ep: usize,
     tp: usize,
     cp: usize,
     pp: usize,
 }
 
-/// The runs of one `dp x pp x cp x tp` layout and micro-batch size.
+/// The runs of one `dp x ep x pp x cp x tp` layout and micro-batch size.
 fn variants(request: &Request, dims: Dims, micro: usize) -> Vec<TrainConfig> {
-    let Dims { dp, tp, cp, pp } = dims;
+    let Dims { dp, ep, tp, cp, pp } = dims;
     let base = {
         let mut c = TrainConfig::new(request.model.clone(), 1);
         c.batch_size = request.global_batch;
         c.seq_len = request.seq_len;
         c.micro_batch_size = Some(micro);
-        (c.dp, c.tp, c.cp, c.pp) = (dp, tp, cp, pp);
+        (c.dp, c.ep, c.tp, c.cp, c.pp) = (dp, ep, tp, cp, pp);
         c
     };
     let attentions: &[CpAttention] = match cp {
@@ -313,7 +319,7 @@ fn variants(request: &Request, dims: Dims, micro: usize) -> Vec<TrainConfig> {
         // burn-parallel keeps 16-bit weights' fp32 masters in ZeRO's sharded optimizer; on
         // one data-parallel rank the stages shard nothing, so one of them stands for all.
         let half = request.dtype != Dtype::F32;
-        let needed = match (half, dp * cp) {
+        let needed = match (half, dp * ep * cp) {
             (false, 1) => ZeroStage::Replicated,
             (true, 1) => ZeroStage::OptimizerState,
             _ => zero,
@@ -327,7 +333,7 @@ fn variants(request: &Request, dims: Dims, micro: usize) -> Vec<TrainConfig> {
                     for &attention in attentions {
                         let mut c = base.clone();
                         c.zero = zero;
-                        c.strategy = if dp * cp > 1 || zero != ZeroStage::Replicated {
+                        c.strategy = if dp * ep * cp > 1 || zero != ZeroStage::Replicated {
                             Strategy::Ddp
                         } else {
                             Strategy::Single
@@ -379,12 +385,10 @@ pub fn report(request: &Request, found: &Found, top: usize) -> String {
             "step s",
             "tok/s/dev",
             "MFU",
-            "step: compute, tp comm, cp comm, bubble, dp comm, optimizer (s)"
+            "step: compute, tp comm, cp comm, ep comm, bubble, dp comm, optimizer (s)"
         );
         // Model FLOPs utilisation: the model's own FLOPs (no recompute) per second of peak.
-        let flops_per_token = Shape::llama(&request.model).map_or(f64::NAN, |shape| {
-            shape.model_flops_per_token(request.seq_len)
-        });
+        let flops_per_token = Shape::llama(&request.model).model_flops_per_token(request.seq_len);
         for (i, c) in found.fitting.iter().take(top).enumerate() {
             let parts: Vec<String> = c
                 .time
@@ -450,12 +454,15 @@ pub fn report(request: &Request, found: &Found, top: usize) -> String {
     out
 }
 
-/// Why `best` beats the fastest layout of another shape (dp, tp, cp, pp): the part of the
-/// step where they differ most.
+/// Why `best` beats the fastest layout of another shape (dp, ep, tp, cp, pp): the part of
+/// the step where they differ most.
 fn why_best(best: &Candidate, fitting: &[Candidate]) -> String {
-    let shape = |c: &Candidate| (c.config.dp, c.config.tp, c.config.cp, c.config.pp);
+    let shape = |c: &Candidate| {
+        let c = &c.config;
+        (c.dp, c.ep, c.tp, c.cp, c.pp)
+    };
     let Some(next) = fitting.iter().find(|c| shape(c) != shape(best)) else {
-        return "; no layout of another dp x tp x cp x pp fits\n".into();
+        return "; no layout of another dp x ep x tp x cp x pp fits\n".into();
     };
     let (name, ours, theirs) = best
         .time
@@ -526,7 +533,10 @@ mod tests {
                 .config
                 .layout()
                 .expect("the search offers runnable layouts only");
-            assert_eq!(c.config.dp * c.config.tp * c.config.cp * c.config.pp, 16);
+            assert_eq!(
+                c.config.dp * c.config.ep * c.config.tp * c.config.cp * c.config.pp,
+                16
+            );
             assert_eq!(layout.micro * layout.accum * c.config.dp, 64);
             assert!(
                 c.config.zero != ZeroStage::Replicated,
@@ -630,6 +640,29 @@ mod tests {
         let found = search(&request("llama-1b", 8, 8, 2047)).unwrap();
         assert!(!found.fitting.is_empty());
         assert!(found.fitting.iter().all(|c| c.config.cp == 1));
+    }
+
+    #[test]
+    fn a_mixture_of_experts_is_split_over_expert_parallel_ranks_where_it_can_run() {
+        let f32 = Request {
+            dtype: Dtype::F32,
+            ..request("small-moe", 8, 64, 256)
+        };
+        let found = search(&f32).unwrap();
+        let split: Vec<&Candidate> = found.fitting.iter().filter(|c| c.config.ep > 1).collect();
+        assert!(!split.is_empty());
+        for c in &split {
+            // llama train runs expert parallelism without ZeRO, each rank on its own samples.
+            assert_eq!(c.config.zero, ZeroStage::Replicated);
+            assert!(c.flags().contains(&format!("--ep {}", c.config.ep)));
+            let layout = c.config.layout().unwrap();
+            assert_eq!(layout.micro * layout.accum * c.config.dp * c.config.ep, 64);
+            assert!(c.time.ep_comm > 0.0);
+        }
+        // In bf16 the fp32 masters live in ZeRO's shards, which expert parallelism lacks.
+        let bf16 = search(&request("small-moe", 8, 64, 256)).unwrap();
+        assert!(!bf16.fitting.is_empty());
+        assert!(bf16.fitting.iter().all(|c| c.config.ep == 1));
     }
 
     #[test]

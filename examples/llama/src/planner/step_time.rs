@@ -8,7 +8,7 @@ use burn_pipeline::{Costs, Schedule, ScheduleKind, simulate};
 use burn_tensor_parallel::CpAttention;
 use burn_zero::ZeroStage;
 
-use super::cluster::Cluster;
+use super::cluster::{Cluster, Link};
 use crate::config::LlamaConfig;
 
 /// A decoder-only transformer's shape.
@@ -16,7 +16,7 @@ use crate::config::LlamaConfig;
 pub struct Shape {
     /// Width of the residual stream.
     pub hidden: f64,
-    /// Width of the MLP's hidden layer.
+    /// Width of the MLP's hidden layer (of each expert's, in a mixture of experts).
     pub ffn: f64,
     /// A gated MLP (SwiGLU: three matrices) rather than two matrices and a GeLU.
     pub gated: bool,
@@ -30,12 +30,34 @@ pub struct Shape {
     pub vocab: f64,
     /// The head reads the embedding's weight.
     pub tied_embeddings: bool,
+    /// Each block's MLP is a mixture of these experts.
+    pub experts: Option<Experts>,
+}
+
+/// A mixture of experts in place of each block's MLP.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Experts {
+    /// Experts per block.
+    pub count: f64,
+    /// Experts each token visits.
+    pub top_k: f64,
+}
+
+/// The parameters one rank holds: those data parallelism reduces over all its ranks, and
+/// the experts', reduced over the ranks holding the same experts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Held {
+    /// Everything but the experts.
+    pub dense: f64,
+    /// This rank's experts.
+    pub experts: f64,
 }
 
 impl Shape {
-    /// A Llama model's shape; none for a mixture of experts, which this model does not time.
-    pub fn llama(model: &LlamaConfig) -> Option<Self> {
-        (!model.is_moe()).then_some(Self {
+    /// A Llama model's shape, with its experts if it has them (dropless: a capacity factor
+    /// only ever drops copies, which this model does not time).
+    pub fn llama(model: &LlamaConfig) -> Self {
+        Self {
             hidden: model.hidden_size as f64,
             ffn: model.intermediate_size as f64,
             gated: true,
@@ -44,7 +66,11 @@ impl Shape {
             layers: model.num_hidden_layers,
             vocab: model.vocab_size as f64,
             tied_embeddings: model.tie_word_embeddings,
-        })
+            experts: model.is_moe().then(|| Experts {
+                count: model.num_local_experts as f64,
+                top_k: model.num_experts_per_tok.min(model.num_local_experts) as f64,
+            }),
+        }
     }
 
     /// A GPT model as Megatron-LM's papers train it: `4 h` MLP with GeLU, as many key/value
@@ -59,6 +85,7 @@ impl Shape {
             layers,
             vocab: vocab as f64,
             tied_embeddings: true,
+            experts: None,
         }
     }
 
@@ -72,11 +99,25 @@ impl Shape {
         self.kv_heads * self.head_dim()
     }
 
+    /// Parameters of one MLP (of one expert's, in a mixture of experts).
+    fn mlp_params(&self) -> f64 {
+        let matrices = if self.gated { 3.0 } else { 2.0 };
+        matrices * self.hidden * self.ffn
+    }
+
+    /// Parameters of one block with `experts` of its experts (the router counted whole).
+    fn block_params_using(&self, experts: f64) -> f64 {
+        let h = self.hidden;
+        let mlp = match self.experts {
+            None => self.mlp_params(),
+            Some(mixture) => h * mixture.count + experts * self.mlp_params(),
+        };
+        h * (h + 2.0 * self.kv_width()) + h * h + mlp + 2.0 * h
+    }
+
     /// Parameters of one block.
     pub fn block_params(&self) -> f64 {
-        let h = self.hidden;
-        let mlp = if self.gated { 3.0 } else { 2.0 };
-        h * (h + 2.0 * self.kv_width()) + h * h + mlp * h * self.ffn + 2.0 * h
+        self.block_params_using(self.experts.map_or(1.0, |e| e.count))
     }
 
     /// Parameters of the whole model.
@@ -85,12 +126,24 @@ impl Shape {
         self.layers as f64 * self.block_params() + tables * self.vocab * self.hidden + self.hidden
     }
 
-    /// Parameters each of `tp x pp` ranks holds: an even share, and the key/value heads
-    /// copied on several tensor-parallel ranks when there are fewer heads than ranks.
-    pub fn params_per_rank(&self, tp: usize, pp: usize) -> f64 {
+    /// Parameters of every block's experts (none in a dense model).
+    fn expert_params(&self) -> f64 {
+        self.experts
+            .map_or(0.0, |e| self.layers as f64 * e.count * self.mlp_params())
+    }
+
+    /// Parameters each of `tp x pp` ranks holds, the experts split over `ep` more: an even
+    /// share, and the key/value heads copied on several tensor-parallel ranks when there are
+    /// fewer heads than ranks.
+    pub fn held(&self, tp: usize, pp: usize, ep: usize) -> Held {
         let t = tp as f64;
         let copied = 2.0 * self.hidden * (self.kv_width_per_rank(t) - self.kv_width() / t);
-        self.params() / (tp * pp) as f64 + self.layers.div_ceil(pp) as f64 * copied
+        let experts = self.expert_params();
+        Held {
+            dense: (self.params() - experts) / (tp * pp) as f64
+                + self.layers.div_ceil(pp) as f64 * copied,
+            experts: experts / (tp * pp * ep) as f64,
+        }
     }
 
     /// Width of the keys (and of the values) each of `tp` ranks computes: its share of the
@@ -100,11 +153,12 @@ impl Shape {
     }
 
     /// Floating-point operations a step does per token, forward and backward, without
-    /// recompute and counting attention's whole `s x s` products: `6` per weight and `12 l h s`
-    /// for attention (the convention of the Megatron-LM and PaLM papers' model FLOPs).
+    /// recompute and counting attention's whole `s x s` products: `6` per weight a token uses
+    /// (its `top-k` experts only) and `12 l h s` for attention (the convention of the
+    /// Megatron-LM and PaLM papers' model FLOPs).
     pub fn model_flops_per_token(&self, seq_len: usize) -> f64 {
-        let weights = self.layers as f64 * (self.block_params() - 2.0 * self.hidden)
-            + self.vocab * self.hidden;
+        let active = self.block_params_using(self.experts.map_or(1.0, |e| e.top_k));
+        let weights = self.layers as f64 * (active - 2.0 * self.hidden) + self.vocab * self.hidden;
         6.0 * weights + 12.0 * self.layers as f64 * self.hidden * seq_len as f64
     }
 }
@@ -161,6 +215,8 @@ pub struct Engine {
 pub struct StepLayout {
     /// Data-parallel ranks.
     pub dp: usize,
+    /// Expert-parallel ranks: each holds `1 / ep` of the experts and reads its own samples.
+    pub ep: usize,
     /// Tensor-parallel ranks.
     pub tp: usize,
     /// Pipeline ranks.
@@ -191,13 +247,38 @@ pub struct StepLayout {
 impl StepLayout {
     /// Devices the layout uses.
     pub fn devices(&self) -> usize {
-        self.dp * self.cp * self.tp * self.pp
+        self.dp * self.ep * self.cp * self.tp * self.pp
     }
 
     /// Samples per step over all devices.
     pub fn global_batch(&self) -> usize {
-        self.dp * self.micro_batch * self.micro_batches
+        self.dp * self.ep * self.micro_batch * self.micro_batches
     }
+
+    /// The link a group of ranks crosses, in the mesh `dp x ep x pp x cp x tp` (tp fastest):
+    /// the devices from its first rank to its last, by the outermost dimension it spans.
+    fn link(&self, cluster: &Cluster, dims: Dims) -> Link {
+        let sizes = [
+            (dims.dp, self.dp),
+            (dims.ep, self.ep),
+            (dims.pp, self.pp),
+            (dims.cp, self.cp),
+            (dims.tp, self.tp),
+        ];
+        let outermost = sizes.iter().position(|&(within, size)| within && size > 1);
+        let span = outermost.map_or(1, |i| sizes[i..].iter().map(|(_, size)| size).product());
+        cluster.link(span, 1)
+    }
+}
+
+/// Which dimensions of the mesh a group spans.
+#[derive(Debug, Clone, Copy, Default)]
+struct Dims {
+    dp: bool,
+    ep: bool,
+    pp: bool,
+    cp: bool,
+    tp: bool,
 }
 
 /// One step's predicted time, in seconds, by where the busiest rank spends it: the parts
@@ -212,6 +293,8 @@ pub struct StepTime {
     /// Context-parallel attention's keys and values (and their gradients) the computation
     /// waits for.
     pub cp_comm: f64,
+    /// The all-to-alls that take tokens to their experts and back, forward and backward.
+    pub ep_comm: f64,
     /// Idle while others work: the pipeline's bubble and message time, and thread ranks
     /// waiting for a core when there are more of them than cores.
     pub bubble: f64,
@@ -229,6 +312,7 @@ impl StepTime {
         compute: f64::NAN,
         tp_comm: f64::NAN,
         cp_comm: f64::NAN,
+        ep_comm: f64::NAN,
         bubble: f64::NAN,
         dp_comm: f64::NAN,
         optimizer: f64::NAN,
@@ -236,11 +320,12 @@ impl StepTime {
     };
 
     /// The step's parts as `name seconds` pairs, for the printout.
-    pub fn parts(&self) -> [(&'static str, f64); 6] {
+    pub fn parts(&self) -> [(&'static str, f64); 7] {
         [
             ("compute", self.compute),
             ("tp comm", self.tp_comm),
             ("cp comm", self.cp_comm),
+            ("ep comm", self.ep_comm),
             ("bubble", self.bubble),
             ("dp comm", self.dp_comm),
             ("optimizer", self.optimizer),
@@ -255,6 +340,7 @@ struct MicroBatch {
     backward: f64,
     tp_comm: f64,
     cp_comm: f64,
+    ep_comm: f64,
     head: f64,
 }
 
@@ -307,19 +393,24 @@ pub fn step_time(
     // lasts at least the work of all ranks shared over the cores.
     if let Some(cores) = cluster.shared_cores.filter(|&c| c < layout.devices()) {
         let ranks = layout.devices() as f64;
-        let last_stage = (layout.dp * layout.cp * layout.tp) as f64;
+        let last_stage = (layout.dp * layout.ep * layout.cp * layout.tp) as f64;
         let work = ranks * (m as f64 * blocks + optimizer) + head * last_stage;
         total = total.max(work / cores as f64 + dp_comm);
     }
-    let compute = m as f64 * (blocks - micro.tp_comm - micro.cp_comm) + head;
-    let (tp_comm, cp_comm) = (m as f64 * micro.tp_comm, m as f64 * micro.cp_comm);
+    let compute = m as f64 * (blocks - micro.tp_comm - micro.cp_comm - micro.ep_comm) + head;
+    let (tp_comm, cp_comm, ep_comm) = (
+        m as f64 * micro.tp_comm,
+        m as f64 * micro.cp_comm,
+        m as f64 * micro.ep_comm,
+    );
     Ok(StepTime {
         compute,
         tp_comm,
         cp_comm,
+        ep_comm,
         // Whatever the busiest rank is not computing or communicating (never below 0 but for
         // rounding).
-        bubble: (total - (compute + tp_comm + cp_comm + dp_comm + optimizer)).max(0.0),
+        bubble: (total - (compute + tp_comm + cp_comm + ep_comm + dp_comm + optimizer)).max(0.0),
         dp_comm,
         optimizer,
         total,
@@ -346,10 +437,26 @@ fn micro_batch(
     let p = engine.compute_bytes;
     let heads = shape.heads / t;
     let kv_rank = shape.kv_width_per_rank(t);
+    // `times` MLPs (or experts) on `rows` rows each.
+    let mlps = |times: f64, rows: f64| {
+        let up = if shape.gated { 2.0 } else { 1.0 };
+        times
+            * (up * cluster.matmul(1.0, rows, shape.ffn / t, h)
+                + cluster.matmul(1.0, rows, h, shape.ffn / t))
+    };
+    // The MLP; or the router, and this rank's experts on the copies they receive: evenly
+    // routed, `tokens x top-k` in all over its `experts / ep`.
+    let (copies, mlp) = match shape.experts {
+        None => (1.0, mlps(1.0, tokens)),
+        Some(e) => {
+            let local = e.count / layout.ep as f64;
+            let router = cluster.matmul(1.0, tokens, e.count, h);
+            (e.top_k, router + mlps(local, tokens * e.top_k / local))
+        }
+    };
     let linears = cluster.matmul(1.0, tokens, h / t + 2.0 * kv_rank, h)
         + cluster.matmul(1.0, tokens, h, h / t)
-        + cluster.matmul(1.0, tokens, shape.ffn / t, h) * if shape.gated { 2.0 } else { 1.0 }
-        + cluster.matmul(1.0, tokens, h, shape.ffn / t);
+        + mlp;
     // Elementwise work, in elements per token: on the whole residual stream (two norms, two
     // residual additions, dropouts), which sequence parallelism splits over tp, and on split
     // activations (the heads' reshapes, rotary, the MLP's activation).
@@ -360,12 +467,20 @@ fn micro_batch(
     } else {
         0.0
     };
-    let activation = if shape.gated {
-        3.0 * shape.ffn
+    let activation = copies
+        * if shape.gated {
+            3.0 * shape.ffn
+        } else {
+            2.0 * shape.ffn
+        }
+        / t;
+    // A token's copies gathered by expert, their outputs weighted and added back.
+    let routing = if shape.experts.is_some() {
+        4.0 * copies * h
     } else {
-        2.0 * shape.ffn
-    } / t;
-    let split = 2.0 * (h / t + 2.0 * kv_rank) + rotary + activation;
+        0.0
+    };
+    let split = 2.0 * (h / t + 2.0 * kv_rank) + rotary + activation + routing;
     let whole_split = if layout.sp { t } else { 1.0 };
     let elementwise =
         cluster.stream(engine.elementwise_passes * p * tokens * (whole / whole_split + split));
@@ -422,7 +537,11 @@ fn micro_batch(
         }
     };
     // A block's fixed cost, shared as its work is: a third forward, two thirds backward.
-    let layer_forward = linears + attention_forward + elementwise + cluster.block_overhead / 3.0;
+    let fixed = cluster.block_overhead
+        + shape.experts.map_or(0.0, |e| {
+            cluster.routing_overhead + e.count / layout.ep as f64 * cluster.expert_overhead
+        });
+    let layer_forward = linears + attention_forward + elementwise + fixed / 3.0;
     let layer_backward = 2.0 * (layer_forward - attention_forward) + attention_backward;
     let layer_recompute = match layout.recompute {
         Recompute::None => 0.0,
@@ -433,7 +552,7 @@ fn micro_batch(
                 + cluster.matmul(1.0, tokens, h, h / t)
                 + cluster.matmul(1.0, tokens, shape.ffn / t, h)
                 + elementwise
-                + cluster.block_overhead / 3.0
+                + fixed / 3.0
         }
     };
 
@@ -468,6 +587,27 @@ fn micro_batch(
             Recompute::None | Recompute::EverySecondMatmul => 0.0,
         };
 
+    // Expert parallelism: the copies go to their experts' ranks and come back (two
+    // all-to-alls), mirrored backward and again in a recomputed forward; waited for.
+    let ep_forward = match shape.experts {
+        Some(_) if layout.ep > 1 => {
+            let link = layout.link(
+                cluster,
+                Dims {
+                    ep: true,
+                    ..Dims::default()
+                },
+            );
+            2.0 * link.all_gather(tokens * copies * h * p, layout.ep)
+        }
+        _ => 0.0,
+    };
+    let layer_ep = ep_forward
+        * match layout.recompute {
+            Recompute::Full => 3.0,
+            _ => 2.0,
+        };
+
     let layers = shape.layers.div_ceil(layout.pp) as f64;
     // burn-zero's stage 3 runs every block but the last forward again, its collectives too.
     let rerun = if engine.zero3_forward_twice && layout.zero == ZeroStage::Parameters {
@@ -478,12 +618,13 @@ fn micro_batch(
     let head_forward = cluster.matmul(1.0, tokens, shape.vocab / t, h)
         + cluster.stream(engine.elementwise_passes * 3.0 * 4.0 * tokens * shape.vocab / t);
     MicroBatch {
-        forward: layers * (layer_forward + forward_tp + cp_forward),
+        forward: layers * (layer_forward + forward_tp + cp_forward + ep_forward),
         backward: layers * (layer_backward + layer_recompute + layer_tp - forward_tp)
-            + layers * (layer_cp - cp_forward)
-            + rerun * (layer_forward + forward_tp + cp_forward),
+            + layers * (layer_cp - cp_forward + layer_ep - ep_forward)
+            + rerun * (layer_forward + forward_tp + cp_forward + ep_forward),
         tp_comm: layers * layer_tp + rerun * forward_tp,
         cp_comm: layers * layer_cp + rerun * cp_forward,
+        ep_comm: layers * layer_ep + rerun * ep_forward,
         head: 3.0 * head_forward,
     }
 }
@@ -496,51 +637,64 @@ fn data_parallel(
     layout: &StepLayout,
     micro: &MicroBatch,
 ) -> (f64, f64) {
-    let held = shape.params_per_rank(layout.tp, layout.pp);
-    // Gradients are averaged, and ZeRO shards, over the data- and context-parallel ranks. The
-    // mesh is `dp x pp x cp x tp`: the context-parallel ranks are `tp` apart, the data-parallel
-    // ones `pp x cp x tp`; with both and a pipeline the group spans the mesh.
-    let dp = layout.dp * layout.cp;
-    let link = match (layout.dp, layout.pp) {
-        (1, _) => cluster.link(layout.tp, layout.cp),
-        (_, 1) => cluster.link(layout.tp, dp),
-        _ => cluster.link(layout.tp * layout.pp, dp),
+    let held = shape.held(layout.tp, layout.pp, layout.ep);
+    // Gradients are averaged, and ZeRO shards, over the ranks holding the same parameters:
+    // the dense ones over dp x ep x cp, the experts over dp x cp.
+    let within = Dims {
+        dp: true,
+        cp: true,
+        ..Dims::default()
     };
-    let grads = held * engine.grad_bytes;
-    let params = held * engine.compute_bytes;
+    let groups = [
+        (
+            held.dense,
+            layout.dp * layout.ep * layout.cp,
+            Dims { ep: true, ..within },
+        ),
+        (held.experts, layout.dp * layout.cp, within),
+    ];
     let m = layout.micro_batches as f64;
-    let dp_comm = match layout.zero {
-        ZeroStage::Replicated | ZeroStage::OptimizerState | ZeroStage::Gradients => {
+    // Per group: the gradients' reduction, the stepped weights' gather (ZeRO-1/2), and
+    // ZeRO-3's gathers and reduce-scatter of one micro-batch.
+    let (mut reduce, mut gather, mut per_micro, mut optimizer_state) = (0.0, 0.0, 0.0, 0.0);
+    for (params, ranks, dims) in groups.into_iter().filter(|(params, ..)| *params > 0.0) {
+        let link = layout.link(cluster, dims);
+        let (grads, weights) = (params * engine.grad_bytes, params * engine.compute_bytes);
+        match layout.zero {
+            ZeroStage::Replicated => {
+                reduce += link.all_reduce(grads, ranks);
+                optimizer_state += params;
+            }
             // ZeRO-1/2 reduce-scatter (half an all-reduce) and gather the stepped weights.
-            let reduce = match layout.zero {
-                ZeroStage::Replicated => link.all_reduce(grads, dp),
-                _ => link.all_gather(grads, dp),
-            };
+            ZeroStage::OptimizerState | ZeroStage::Gradients => {
+                reduce += link.all_gather(grads, ranks);
+                gather += link.all_gather(weights, ranks);
+                optimizer_state += params / ranks as f64;
+            }
+            ZeroStage::Parameters => {
+                per_micro += 2.0 * link.all_gather(weights, ranks) + link.all_gather(grads, ranks);
+                optimizer_state += params / ranks as f64;
+            }
+        }
+    }
+    let dp_comm = match layout.zero {
+        ZeroStage::Parameters => {
+            // Every micro-batch gathers the weights for forward and again for backward and
+            // reduce-scatters their gradients, prefetched behind its computation.
+            match cluster.shared_cores {
+                Some(_) => m * per_micro,
+                None => m * (per_micro - (micro.forward + micro.backward)).max(0.0),
+            }
+        }
+        _ => {
             let overlaps = engine.overlap_grad_reduce && cluster.shared_cores.is_none();
             let exposed = if overlaps {
                 (reduce - micro.backward).max(0.0)
             } else {
                 reduce
             };
-            let gather = match layout.zero {
-                ZeroStage::Replicated => 0.0,
-                _ => link.all_gather(params, dp),
-            };
             exposed + gather
         }
-        ZeroStage::Parameters => {
-            // Every micro-batch gathers the weights for forward and again for backward and
-            // reduce-scatters their gradients, prefetched behind its computation.
-            let per_micro = 2.0 * link.all_gather(params, dp) + link.all_gather(grads, dp);
-            match cluster.shared_cores {
-                Some(_) => m * per_micro,
-                None => m * (per_micro - (micro.forward + micro.backward)).max(0.0),
-            }
-        }
-    };
-    let optimizer_state = match layout.zero {
-        ZeroStage::Replicated => held,
-        _ => held / dp as f64,
     };
     // Adam reads the gradient, weight and both moments and writes the three back (fp32),
     // and casts the updated weight to the compute dtype.
@@ -556,6 +710,7 @@ mod tests {
     fn layout(dp: usize, tp: usize, pp: usize, schedule: ScheduleKind, v: usize) -> StepLayout {
         StepLayout {
             dp,
+            ep: 1,
             tp,
             pp,
             cp: 1,
@@ -575,9 +730,13 @@ mod tests {
         crate::planner::burn_parallel(true)
     }
 
+    fn burn_parallel_f32() -> Engine {
+        crate::planner::burn_parallel(false)
+    }
+
     #[test]
     fn the_parts_sum_to_the_step_and_none_is_negative() {
-        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap());
         let gpus = Cluster::preset("a100", 2).unwrap();
         let threads = Cluster {
             shared_cores: Some(2),
@@ -636,7 +795,7 @@ mod tests {
 
     #[test]
     fn burn_zeros_stage_3_computes_every_blocks_forward_twice() {
-        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap());
         let cluster = Cluster::preset("a100", 2).unwrap();
         let stage = |zero, twice| {
             let layout = StepLayout {
@@ -663,7 +822,7 @@ mod tests {
 
     #[test]
     fn flash_attentions_backward_makes_five_products_to_its_forwards_two() {
-        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap());
         let cluster = Cluster::preset("h100", 1).unwrap();
         let at = |efficiency| {
             let engine = Engine {
@@ -690,7 +849,7 @@ mod tests {
 
     #[test]
     fn per_op_checkpointing_recomputes_more_than_attention_and_less_than_the_block() {
-        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap());
         let cluster = Cluster::preset("h100", 1).unwrap();
         let engine = Engine {
             flash_attention: Some(0.35),
@@ -719,7 +878,7 @@ mod tests {
 
     #[test]
     fn context_parallel_ranks_share_the_tokens_and_the_ring_skips_masked_chunk_pairs() {
-        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap());
         let cluster = Cluster::preset("a100", 1).unwrap();
         let cut = |dp, cp, cp_attention| StepLayout {
             cp,
@@ -758,7 +917,7 @@ mod tests {
 
     #[test]
     fn context_parallel_gradients_cross_nodes_only_where_the_ranks_do() {
-        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap());
         let mut cluster = Cluster::preset("a100", 2).unwrap();
         cluster.inter_node.bandwidth = 1e6;
         let dp_comm = |tp, cp, pp| {
@@ -777,8 +936,57 @@ mod tests {
     }
 
     #[test]
+    fn a_mixtures_shape_counts_its_parameters_and_a_tokens_flops_by_its_experts() {
+        for name in ["small", "small-moe", "llama-7b"] {
+            let model = LlamaConfig::preset(name).unwrap();
+            let shape = Shape::llama(&model);
+            assert_eq!(shape.params(), model.num_params() as f64, "{name}");
+            assert_eq!(shape.experts.is_some(), model.is_moe());
+            // 6 per weight a token multiplies by: its experts', not the embedding's or norms'.
+            let (h, l) = (model.hidden_size, model.num_hidden_layers);
+            let weights = model.num_active_params() - model.vocab_size * h - 2 * h * l - h;
+            let attention = 12.0 * (l * h * 64) as f64;
+            let flops = shape.model_flops_per_token(64) - attention;
+            assert_eq!(flops, 6.0 * weights as f64, "{name}");
+        }
+    }
+
+    #[test]
+    fn expert_parallel_ranks_hold_their_experts_and_exchange_the_copies() {
+        let model = LlamaConfig::preset("small-moe").unwrap();
+        let shape = Shape::llama(&model);
+        let cluster = Cluster::preset("a100", 1).unwrap();
+        let engine = burn_parallel_f32();
+        let cut = |ep| StepLayout {
+            ep,
+            zero: ZeroStage::Replicated,
+            ..layout(1, 1, 1, ScheduleKind::OneFOneB, 1)
+        };
+        let (one, two) = (shape.held(1, 1, 1), shape.held(1, 1, 2));
+        assert_eq!((two.dense, two.experts), (one.dense, one.experts / 2.0));
+        let single = micro_batch(&shape, &cluster, &engine, &cut(1));
+        let split = micro_batch(&shape, &cluster, &engine, &cut(2));
+        assert_eq!(single.ep_comm, 0.0);
+        // Each of 8 blocks sends its token copies (2 per token, 512 wide, fp32) to their
+        // experts and back, and their gradients back and forth.
+        let copies = 2048.0 * 2.0 * 512.0 * 4.0;
+        let link = cluster.link(2, 1);
+        let expected = 8.0 * 4.0 * link.all_gather(copies, 2);
+        assert!(
+            (split.ep_comm - expected).abs() < 1e-12,
+            "{}",
+            split.ep_comm
+        );
+        // Half the experts each, on twice the rows: the same products, larger (the forward
+        // holds half the all-to-alls), and half the experts to step.
+        assert!(split.forward - split.ep_comm / 2.0 <= single.forward);
+        let step = |ep| step_time(&shape, &cluster, &engine, &cut(ep)).unwrap();
+        assert!(step(2).optimizer < step(1).optimizer);
+    }
+
+    #[test]
     fn a_pipeline_whose_stages_span_nodes_sends_over_the_slower_link() {
-        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap());
         let mut cluster = Cluster::preset("a100", 2).unwrap();
         cluster.inter_node.bandwidth = 1e6;
         let bubble = |tp, pp| {
@@ -793,11 +1001,11 @@ mod tests {
 
     #[test]
     fn key_value_heads_copied_over_tensor_parallel_ranks_are_held_by_each() {
-        let shape = Shape::llama(&LlamaConfig::preset("llama3-8b").unwrap()).unwrap();
+        let shape = Shape::llama(&LlamaConfig::preset("llama3-8b").unwrap());
         // 8 key/value heads: split over 8 ranks, copied (each rank one head) over 16.
-        assert_eq!(shape.params_per_rank(8, 1), shape.params() / 8.0);
+        assert_eq!(shape.held(8, 1, 1).dense, shape.params() / 8.0);
         let copies = 32.0 * 2.0 * 4096.0 * (128.0 - 1024.0 / 16.0);
-        let held = shape.params_per_rank(16, 1);
+        let held = shape.held(16, 1, 1).dense;
         assert!(
             (held - (shape.params() / 16.0 + copies)).abs() < 1.0,
             "{held}"

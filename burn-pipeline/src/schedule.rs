@@ -237,6 +237,17 @@ impl Schedule {
                 self.ranks
             ));
         }
+        // Every micro-batch runs forward at every stage: fewer actions than that cannot be a
+        // schedule, and checking it first bounds the tables below by the actions there are.
+        let actions: usize = self.actions.iter().map(Vec::len).sum();
+        let forwards = (self.ranks.checked_mul(self.virtual_stages))
+            .and_then(|stages| stages.checked_mul(self.micro_batches));
+        if forwards.is_none_or(|forwards| forwards > actions) {
+            return invalid(format!(
+                "{actions} actions cannot run the forward of {} micro-batch(es) at each of {} x {} stages",
+                self.micro_batches, self.ranks, self.virtual_stages
+            ));
+        }
         let mut counts = ActionTable::new(self, 0usize);
         for (rank, actions) in self.actions.iter().enumerate() {
             for action in actions {

@@ -135,6 +135,16 @@ fn validate_names_the_first_violation() {
         "{error}"
     );
 
+    // A hand-made schedule claiming more micro-batches than its actions could run is refused
+    // before anything is sized by its claim.
+    let mut claimed = good.clone();
+    claimed.micro_batches = usize::MAX / 2;
+    let error = error_of(&claimed);
+    assert!(error.contains("cannot run the forward of"), "{error}");
+    claimed.virtual_stages = usize::MAX;
+    let error = error_of(&claimed);
+    assert!(error.contains("cannot run the forward of"), "{error}");
+
     let mut unmatched = good;
     unmatched.actions[0].retain(|a| !(a.kind == Kind::SendForward && a.micro_batch == 3));
     let error = error_of(&unmatched);

@@ -198,9 +198,13 @@ pub fn search(request: &Request) -> Result<Found, String> {
             Ok(layout) => layout,
             Err(e) => {
                 refused.get_or_insert_with(|| {
+                    let ep = match config.ep {
+                        1 => String::new(),
+                        ep => format!(" --ep {ep}"),
+                    };
                     format!(
-                        "--dp {} --ep {} --tp {} --cp {} --pp {}: {e}",
-                        config.dp, config.ep, config.tp, config.cp, config.pp
+                        "--dp {}{ep} --tp {} --cp {} --pp {}: {e}",
+                        config.dp, config.tp, config.cp, config.pp
                     )
                 });
                 continue;

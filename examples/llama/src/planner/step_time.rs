@@ -133,14 +133,17 @@ impl Shape {
     }
 
     /// Parameters each of `tp x pp` ranks holds, the experts split over `ep` more: an even
-    /// share, and the key/value heads copied on several tensor-parallel ranks when there are
-    /// fewer heads than ranks.
+    /// share, the routers whole, and the key/value heads copied on several tensor-parallel
+    /// ranks when there are fewer heads than ranks.
     pub fn held(&self, tp: usize, pp: usize, ep: usize) -> Held {
         let t = tp as f64;
         let copied = 2.0 * self.hidden * (self.kv_width_per_rank(t) - self.kv_width() / t);
         let experts = self.expert_params();
+        // Every tensor-parallel rank routes its tokens with the whole router.
+        let routers = self.layers as f64 * self.experts.map_or(0.0, |e| e.count * self.hidden);
         Held {
-            dense: (self.params() - experts) / (tp * pp) as f64
+            dense: (self.params() - experts - routers) / (tp * pp) as f64
+                + routers / pp as f64
                 + self.layers.div_ceil(pp) as f64 * copied,
             experts: experts / (tp * pp * ep) as f64,
         }
@@ -446,16 +449,17 @@ fn micro_batch(
     };
     // The MLP; or the router, and this rank's experts on the copies they receive: evenly
     // routed, `tokens x top-k` in all over its `experts / ep`.
-    let (copies, mlp) = match shape.experts {
-        None => (1.0, mlps(1.0, tokens)),
+    let (copies, router, mlp) = match shape.experts {
+        None => (1.0, 0.0, mlps(1.0, tokens)),
         Some(e) => {
             let local = e.count / layout.ep as f64;
             let router = cluster.matmul(1.0, tokens, e.count, h);
-            (e.top_k, router + mlps(local, tokens * e.top_k / local))
+            (e.top_k, router, mlps(local, tokens * e.top_k / local))
         }
     };
     let linears = cluster.matmul(1.0, tokens, h / t + 2.0 * kv_rank, h)
         + cluster.matmul(1.0, tokens, h, h / t)
+        + router
         + mlp;
     // Elementwise work, in elements per token: on the whole residual stream (two norms, two
     // residual additions, dropouts), which sequence parallelism splits over tp, and on split
@@ -548,19 +552,22 @@ fn micro_batch(
         Recompute::Selective => attention_forward,
         Recompute::Full => layer_forward,
         Recompute::EverySecondMatmul => {
+            let matrices = if shape.gated { 3.0 } else { 2.0 };
             cluster.matmul(1.0, tokens, kv_rank, h)
                 + cluster.matmul(1.0, tokens, h, h / t)
-                + cluster.matmul(1.0, tokens, shape.ffn / t, h)
+                + mlp / matrices
                 + elementwise
                 + fixed / 3.0
         }
     };
 
-    // Tensor parallelism: two all-reduces of the block's output forward and two backward (a
-    // reduce-scatter and all-gather each under sequence parallelism, which gathers its input
-    // once more in backward), and the recomputed forward's.
+    // Tensor parallelism: two all-reduces forward, of attention's output and the MLP's (of
+    // the experts' outputs, a row per copy, in a mixture), and two backward (a reduce-scatter
+    // and all-gather each under sequence parallelism, which gathers its input once more in
+    // backward), and the recomputed forward's.
     let tp_link = cluster.link(1, layout.tp);
-    let all_reduce = tp_link.all_reduce(tokens * h * p, layout.tp);
+    let pair = tp_link.all_reduce(tokens * h * p, layout.tp)
+        + tp_link.all_reduce(tokens * copies * h * p, layout.tp);
     let backward_share = if layout.sp { 1.5 } else { 1.0 };
     let recomputed = match layout.recompute {
         Recompute::Full => 2.0,
@@ -570,12 +577,12 @@ fn micro_batch(
         _ => 0.0,
     };
     let layer_tp = if layout.tp > 1 && !engine.overlap_tp {
-        all_reduce * (2.0 + 2.0 * backward_share + recomputed)
+        pair * (1.0 + backward_share + recomputed / 2.0)
     } else {
         0.0
     };
     let forward_tp = if layout.tp > 1 && !engine.overlap_tp {
-        2.0 * all_reduce
+        pair
     } else {
         0.0
     };
@@ -645,14 +652,14 @@ fn data_parallel(
         cp: true,
         ..Dims::default()
     };
-    let groups = [
-        (
-            held.dense,
-            layout.dp * layout.ep * layout.cp,
-            Dims { ep: true, ..within },
-        ),
-        (held.experts, layout.dp * layout.cp, within),
-    ];
+    let replicas = layout.dp * layout.cp;
+    let groups = match layout.ep {
+        1 => vec![(held.dense + held.experts, replicas, within)],
+        ep => vec![
+            (held.dense, replicas * ep, Dims { ep: true, ..within }),
+            (held.experts, replicas, within),
+        ],
+    };
     let m = layout.micro_batches as f64;
     // Per group: the gradients' reduction, the stepped weights' gather (ZeRO-1/2), and
     // ZeRO-3's gathers and reduce-scatter of one micro-batch.
@@ -982,6 +989,31 @@ mod tests {
         assert!(split.forward - split.ep_comm / 2.0 <= single.forward);
         let step = |ep| step_time(&shape, &cluster, &engine, &cut(ep)).unwrap();
         assert!(step(2).optimizer < step(1).optimizer);
+        // Under tp every rank keeps the whole router (8 blocks of 8 x 512)...
+        let routers = 8.0 * 8.0 * 512.0;
+        let halved = shape.held(2, 1, 1).dense - shape.held(1, 1, 1).dense / 2.0;
+        assert!((halved - routers / 2.0).abs() < 1e-6, "{halved}");
+        // ...and all-reduces the experts' outputs, a row per copy: twice attention's rows.
+        let at_tp = |shape: &Shape| {
+            let layout = StepLayout {
+                sp: false,
+                ..cut(1)
+            };
+            let layout = StepLayout { tp: 2, ..layout };
+            micro_batch(shape, &cluster, &engine, &layout).tp_comm
+        };
+        let dense = Shape {
+            experts: None,
+            ..shape
+        };
+        let link = cluster.link(1, 2);
+        let rows = |copies: f64| link.all_reduce(2048.0 * copies * 512.0 * 4.0, 2);
+        let expected = (rows(1.0) + rows(2.0)) / (2.0 * rows(1.0));
+        let ratio = at_tp(&shape) / at_tp(&dense);
+        assert!(
+            (ratio - expected).abs() < 1e-9,
+            "{ratio} against {expected}"
+        );
     }
 
     #[test]

@@ -19,6 +19,7 @@ use benches::median;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::TensorData;
 use burn_checkpoint::{Checkpoint, Shard};
+use burn_zero::ZeroStage;
 use clap::Parser;
 use llama::checkpoint::CheckpointConfig;
 use llama::data::MarkovSource;
@@ -37,6 +38,9 @@ struct Args {
     /// Data-parallel ranks (threads); 1 trains on one device.
     #[arg(long, default_value_t = 1)]
     dp: usize,
+    /// ZeRO stage over the data-parallel ranks (0: none); its shards are what is saved.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
+    zero: u8,
     /// Samples per step over all ranks.
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
@@ -64,6 +68,7 @@ struct Args {
 struct Results {
     model: String,
     dp: usize,
+    zero: u8,
     checkpoint_bytes: u64,
     /// Median time between consecutive steps without checkpoints.
     step_s: f64,
@@ -92,10 +97,11 @@ fn main() {
     let model = benches::preset(&args.model);
     let data = MarkovSource::new(16, 3, args.seq_len, 1 << 16, 1);
     println!(
-        "{} ({:.1}M parameters), dp {}, {} x {} tokens per step, {} steps, a checkpoint every {}",
+        "{} ({:.1}M parameters), dp {}, ZeRO-{}, {} x {} tokens per step, {} steps, a checkpoint every {}",
         args.model,
         model.num_params() as f64 / 1e6,
         args.dp,
+        args.zero,
         args.batch_size,
         args.seq_len,
         args.steps,
@@ -105,7 +111,8 @@ fn main() {
     config.batch_size = args.batch_size;
     config.seq_len = args.seq_len;
     config.dp = args.dp;
-    config.strategy = if args.dp > 1 {
+    config.zero = ZeroStage::from_number(args.zero.into()).expect("--zero is 0 to 3");
+    config.strategy = if args.dp > 1 || args.zero > 0 {
         Strategy::Ddp
     } else {
         Strategy::Single
@@ -203,6 +210,7 @@ fn main() {
     let results = Results {
         model: args.model,
         dp: args.dp,
+        zero: args.zero,
         checkpoint_bytes: bytes,
         step_s: step,
         checkpointing_step_s: checkpointing_step,

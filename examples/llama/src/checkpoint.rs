@@ -326,49 +326,69 @@ fn range_boxes(
 }
 
 /// A ZeRO engine's shard state as checkpoint pieces: each range cut into boxes of its whole
-/// parameter.
+/// parameter. The state is this rank's own copy, so a range that is one box of f32 is handed
+/// over as it is; only a range spanning several boxes is cut (the step waits for every copy).
 pub(crate) fn zero_pieces(held: &Held<'_>, state: ShardState) -> Result<TrainingState, TrainError> {
-    let mut pieces = Vec::new();
+    let ShardState {
+        ranges,
+        weights,
+        moments,
+        steps,
+        loss_scale,
+    } = state;
     let zeros = |d: &TensorData| TensorData::new(vec![0f32; d.num_elements()], d.shape.clone());
-    for (i, (range, weights)) in state.ranges.iter().zip(&state.weights).enumerate() {
+    let moments: [Vec<TensorData>; 2] = match moments {
+        Some(moments) => moments,
+        // No step has been applied yet (f16 skipped them all): AdamW starts from zeros.
+        None => [0, 1].map(|_| weights.iter().map(zeros).collect()),
+    };
+    let [first, second] = moments;
+    let mut pieces = Vec::new();
+    for (((range, weights), first), second) in ranges.iter().zip(weights).zip(first).zip(second) {
         if held.is_tied_copy(&range.name) {
             continue;
         }
         let (path, whole, boxes) = range_boxes(held, range)?;
-        let moments = match &state.moments {
-            Some([first, second]) => [first[i].clone(), second[i].clone()],
-            // No step has been applied yet (f16 skipped them all): AdamW starts from zeros.
-            None => [zeros(weights), zeros(weights)],
-        };
         let values = [
             (param_name(&path), weights),
-            (moment_name(1, &path), &moments[0]),
-            (moment_name(2, &path), &moments[1]),
+            (moment_name(1, &path), first),
+            (moment_name(2, &path), second),
         ];
         for (name, data) in values {
-            let flat = data
-                .clone()
-                .convert::<f32>()
-                .to_vec::<f32>()
-                .expect("f32 values");
+            let data = data.convert::<f32>();
+            if let [only] = boxes.as_slice() {
+                let data = TensorData {
+                    shape: only.extents.clone().into(),
+                    ..data
+                };
+                pieces.push(shard(&name, &whole, only, data));
+                continue;
+            }
+            let flat = data.to_vec::<f32>().expect("f32 values");
             let mut at = 0;
             for b in &boxes {
                 let n = b.volume();
-                pieces.push(Shard {
-                    name: name.clone(),
-                    shape: whole.clone(),
-                    region: b.clone(),
-                    data: TensorData::new(flat[at..at + n].to_vec(), b.extents.clone()).into(),
-                });
+                let part = TensorData::new(flat[at..at + n].to_vec(), b.extents.clone());
+                pieces.push(shard(&name, &whole, b, part));
                 at += n;
             }
         }
     }
     Ok(TrainingState {
         pieces,
-        adam_steps: state.steps,
-        loss_scale: state.loss_scale,
+        adam_steps: steps,
+        loss_scale,
     })
+}
+
+/// Piece `region` of the parameter `name` of shape `whole`.
+fn shard(name: &str, whole: &[usize], region: &Region, data: TensorData) -> Shard {
+    Shard {
+        name: name.to_string(),
+        shape: whole.to_vec(),
+        region: region.clone(),
+        data: data.into(),
+    }
 }
 
 /// A ZeRO engine's moments for `ranges` (see [`zero_pieces`]) read from `checkpoint`, none

@@ -460,6 +460,31 @@ where
         }
     }
 
+    /// [`full_master`](Self::full_master) at the end of training: the optimizer's state and
+    /// the shards are let go before the units are gathered, so the whole model is never held
+    /// beside them (with AdamW's two moments, the state of ZeRO-3 is three times its masters).
+    pub fn into_full_master(mut self) -> Result<Vec<S>, ZeroError> {
+        let master = match self.shard.first().map(|s| s.device()) {
+            Some(device) => self.optimizer.master(&device),
+            None => None,
+        };
+        // An optimizer of no parts holds nothing: the moments (and masters, held in `master`
+        // now when there are any) go with the one it replaces.
+        drop(std::mem::replace(
+            &mut self.optimizer,
+            PlacedAdamW::Device(Vec::new()),
+        ));
+        self.grads = None;
+        let parts = match master {
+            Some(master) => {
+                self.shard.clear();
+                master
+            }
+            None => std::mem::take(&mut self.shard),
+        };
+        self.gather_all(parts)
+    }
+
     fn gather_all(&self, parts: Vec<Tensor<Inner<B>, 1>>) -> Result<Vec<S>, ZeroError> {
         let full = parts
             .into_iter()

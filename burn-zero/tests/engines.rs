@@ -482,7 +482,10 @@ fn sixteen_bit_parameters_are_the_rounded_master_weights_which_keep_small_update
                 .map(|l| f32s(l.weight.val()))
                 .collect::<Vec<_>>()
         };
-        Ok::<_, ZeroError>((of(fsdp.full()?), of(fsdp.full_master()?)))
+        let (full, master) = (of(fsdp.full()?), of(fsdp.full_master()?));
+        // At the end of training, the same masters with the optimizer let go first.
+        assert_eq!(of(fsdp.into_full_master()?), master);
+        Ok::<_, ZeroError>((full, master))
     });
     let start: Vec<_> = layers(3, false)
         .into_iter()

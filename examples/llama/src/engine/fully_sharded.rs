@@ -142,11 +142,11 @@ impl<B: TrainBackend> Engine<B> for FullyShardedEngine<'_, B> {
     }
 
     fn finish(self: Box<Self>) -> Result<Finished<B::InnerBackend>, TrainError> {
-        let units = self
-            .fsdp
-            .full_master()?
+        let Self { plan, fsdp, .. } = *self;
+        let units = fsdp
+            .into_full_master()?
             .into_iter()
-            .map(|unit| self.plan.gather(unit.valid()))
+            .map(|unit| plan.gather(unit.valid()))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Finished {
             model: Llama::join(units),

@@ -462,7 +462,7 @@ where
 
     /// [`full_master`](Self::full_master) at the end of training: the optimizer's state and
     /// the shards are let go before the units are gathered, so the whole model is never held
-    /// beside them (with AdamW's two moments, the state of ZeRO-3 is three times its masters).
+    /// beside them (AdamW's two moments alone are twice the shard).
     pub fn into_full_master(mut self) -> Result<Vec<S>, ZeroError> {
         let master = match self.shard.first().map(|s| s.device()) {
             Some(device) => self.optimizer.master(&device),

@@ -101,9 +101,12 @@ fn the_plans_activations_are_within_5_percent_of_what_a_forward_keeps() {
             );
             (measured, expected)
         });
+        // What sp saves is a tenth of the whole, so each measurement's noise (up to 0.3 % of
+        // the whole, the allocations the thread ranks happen to hold at the peak) is up to
+        // 3-4 % of it; one of sp's terms counted wrong would be about 40 %.
         let (saved, expected) = (whole.0 - split.0, whole.1 - split.1);
         assert!(
-            ((saved - expected) / expected).abs() < 0.03,
+            ((saved - expected) / expected).abs() < 0.1,
             "tp {tp} {dtype:?}: sp saved {saved} bytes over the ranks, the estimate {expected}"
         );
     }

@@ -451,23 +451,23 @@ where
     /// Every unit gathered whole from the fp32 master weights, for export; without mixed
     /// precision, [`full`](Self::full).
     pub fn full_master(&self) -> Result<Vec<S>, ZeroError> {
-        let Some(device) = self.shard.first().map(|s| s.device()) else {
-            return self.full();
-        };
-        match self.optimizer.master(&device) {
+        match self.master() {
             Some(master) => self.gather_all(master),
             None => self.full(),
         }
+    }
+
+    /// This rank's parts of the fp32 master weights, on the shard's device, when held.
+    fn master(&self) -> Option<Vec<Tensor<Inner<B>, 1>>> {
+        let device = self.shard.first()?.device();
+        self.optimizer.master(&device)
     }
 
     /// [`full_master`](Self::full_master) at the end of training: the optimizer's state and
     /// the shards are let go before the units are gathered, so the whole model is never held
     /// beside them (AdamW's two moments alone are twice the shard).
     pub fn into_full_master(mut self) -> Result<Vec<S>, ZeroError> {
-        let master = match self.shard.first().map(|s| s.device()) {
-            Some(device) => self.optimizer.master(&device),
-            None => None,
-        };
+        let master = self.master();
         // An optimizer of no parts holds nothing: the moments (and masters, held in `master`
         // now when there are any) go with the one it replaces.
         drop(std::mem::replace(

@@ -361,7 +361,7 @@ pub(crate) fn zero_pieces(held: &Held<'_>, state: ShardState) -> Result<Training
                     shape: only.extents.clone().into(),
                     ..data
                 };
-                pieces.push(shard(&name, &whole, only, data));
+                pieces.push(shard(name.clone(), &whole, only, data));
                 continue;
             }
             let flat = data.to_vec::<f32>().expect("f32 values");
@@ -369,7 +369,7 @@ pub(crate) fn zero_pieces(held: &Held<'_>, state: ShardState) -> Result<Training
             for b in &boxes {
                 let n = b.volume();
                 let part = TensorData::new(flat[at..at + n].to_vec(), b.extents.clone());
-                pieces.push(shard(&name, &whole, b, part));
+                pieces.push(shard(name.clone(), &whole, b, part));
                 at += n;
             }
         }
@@ -382,9 +382,9 @@ pub(crate) fn zero_pieces(held: &Held<'_>, state: ShardState) -> Result<Training
 }
 
 /// Piece `region` of the parameter `name` of shape `whole`.
-fn shard(name: &str, whole: &[usize], region: &Region, data: TensorData) -> Shard {
+fn shard(name: String, whole: &[usize], region: &Region, data: impl Into<ShardData>) -> Shard {
     Shard {
-        name: name.to_string(),
+        name,
         shape: whole.to_vec(),
         region: region.clone(),
         data: data.into(),
@@ -462,12 +462,8 @@ pub(crate) fn adamw_pieces<B: AutodiffBackend, M: AutodiffModule<B>>(
                 (moment_name(2, &path), momentum.moment_2),
             ];
             for (name, tensor) in values {
-                self.pieces.push(Shard {
-                    name,
-                    shape: shape.clone(),
-                    region: region.clone(),
-                    data: ShardData::read_later(tensor.cast(FloatDType::F32)),
-                });
+                let data = ShardData::read_later(tensor.cast(FloatDType::F32));
+                self.pieces.push(shard(name, &shape, &region, data));
             }
             Ok(())
         }

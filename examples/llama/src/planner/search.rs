@@ -11,6 +11,7 @@ use burn_zero::{MixedPrecision, ZeroStage};
 use super::cluster::Cluster;
 use super::step_time::{Engine, Recompute, Shape, StepLayout, StepTime, step_time};
 use crate::config::LlamaConfig;
+use crate::dims::ParallelDims;
 use crate::plan::{heaviest, run_bytes};
 use crate::train::{Layout, Strategy, TrainConfig};
 
@@ -275,7 +276,7 @@ fn configs(request: &Request, devices: usize) -> Vec<TrainConfig> {
                         .into_iter()
                         .filter(|m| per_rank.is_multiple_of(*m))
                     {
-                        let dims = Dims { dp, ep, tp, cp, pp };
+                        let dims = ParallelDims { dp, ep, pp, cp, tp };
                         configs.extend(variants(request, dims, micro));
                     }
                 }
@@ -285,19 +286,9 @@ fn configs(request: &Request, devices: usize) -> Vec<TrainConfig> {
     configs
 }
 
-/// How many ranks each dimension of a layout the search tries has.
-#[derive(Debug, Clone, Copy)]
-struct Dims {
-    dp: usize,
-    ep: usize,
-    tp: usize,
-    cp: usize,
-    pp: usize,
-}
-
 /// The runs of one `dp x ep x pp x cp x tp` layout and micro-batch size.
-fn variants(request: &Request, dims: Dims, micro: usize) -> Vec<TrainConfig> {
-    let Dims { dp, ep, tp, cp, pp } = dims;
+fn variants(request: &Request, dims: ParallelDims, micro: usize) -> Vec<TrainConfig> {
+    let ParallelDims { dp, ep, pp, cp, tp } = dims;
     let base = {
         let mut c = TrainConfig::new(request.model.clone(), 1);
         c.batch_size = request.global_batch;

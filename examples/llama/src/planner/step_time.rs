@@ -275,13 +275,24 @@ impl StepLayout {
 }
 
 /// Which dimensions of the mesh a group spans.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct Dims {
     dp: bool,
     ep: bool,
     pp: bool,
     cp: bool,
     tp: bool,
+}
+
+impl Dims {
+    /// None: the group of one rank.
+    const NONE: Dims = Dims {
+        dp: false,
+        ep: false,
+        pp: false,
+        cp: false,
+        tp: false,
+    };
 }
 
 /// One step's predicted time, in seconds, by where the busiest rank spends it: the parts
@@ -367,7 +378,13 @@ pub fn step_time(
         // Stages are `cp x tp` ranks apart in the mesh (tp innermost); the schedule times
         // every hop alike, so the slowest one the pipeline crosses (interleaving sends from
         // the last rank back to the first).
-        let link = cluster.link(layout.cp * layout.tp, layout.pp);
+        let link = layout.link(
+            cluster,
+            Dims {
+                pp: true,
+                ..Dims::NONE
+            },
+        );
         link.send(tokens * shape.hidden * engine.compute_bytes / split)
     };
     let blocks = micro.forward + micro.backward;
@@ -518,7 +535,13 @@ fn micro_batch(
     // its blocks and are waited for, and finished ones go back to their owner once more.
     // All-gather gathers them forward and reduce-scatters their gradients backward, waited for.
     let (cp_forward, cp_backward) = {
-        let link = cluster.link(layout.tp, layout.cp);
+        let link = layout.link(
+            cluster,
+            Dims {
+                cp: true,
+                ..Dims::NONE
+            },
+        );
         let kv = tokens * 2.0 * kv_rank;
         let overlapped = |comm: f64, compute: f64| match cluster.shared_cores {
             Some(_) => comm,
@@ -565,7 +588,13 @@ fn micro_batch(
     // the experts' outputs, a row per copy, in a mixture), and two backward (a reduce-scatter
     // and all-gather each under sequence parallelism, which gathers its input once more in
     // backward), and the recomputed forward's.
-    let tp_link = cluster.link(1, layout.tp);
+    let tp_link = layout.link(
+        cluster,
+        Dims {
+            tp: true,
+            ..Dims::NONE
+        },
+    );
     let pair = tp_link.all_reduce(tokens * h * p, layout.tp)
         + tp_link.all_reduce(tokens * copies * h * p, layout.tp);
     let backward_share = if layout.sp { 1.5 } else { 1.0 };
@@ -602,7 +631,7 @@ fn micro_batch(
                 cluster,
                 Dims {
                     ep: true,
-                    ..Dims::default()
+                    ..Dims::NONE
                 },
             );
             2.0 * link.all_gather(tokens * copies * h * p, layout.ep)
@@ -650,7 +679,7 @@ fn data_parallel(
     let within = Dims {
         dp: true,
         cp: true,
-        ..Dims::default()
+        ..Dims::NONE
     };
     let replicas = layout.dp * layout.cp;
     let groups = match layout.ep {

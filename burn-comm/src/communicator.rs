@@ -7,13 +7,13 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{BasicOps, DType, Element, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{BasicOps, DType, Element, Tensor, TensorCreationOptions};
 
 use crate::call::{Call, Op};
 use crate::kernels;
 use crate::stats::CommStats;
 use crate::sync::{lock, panic_message};
-use crate::transport::{Retired, Stream, Transport};
+use crate::transport::{Memory, Payload, Retired, Stream, Transport};
 use crate::{CommError, ReduceOp};
 
 /// What the worker thread is asked to do.
@@ -25,14 +25,10 @@ enum Job {
 }
 
 pub(crate) struct Inner {
-    /// The transport that moves this group's data on host memory.
+    /// The transport that moves this group's data.
     pub(crate) transport: Arc<dyn Transport>,
     /// This rank's index in the group.
     pub(crate) rank: usize,
-    /// The NCCL communicator that moves this group's data, when it is on NCCL; else
-    /// `transport` does.
-    #[cfg(feature = "cuda")]
-    pub(crate) nccl: Option<crate::nccl::Nccl>,
     jobs: Mutex<mpsc::Sender<Job>>,
     /// The stream's state; whoever runs a call (the worker, or a blocking caller while the
     /// stream is idle) holds it.
@@ -92,21 +88,6 @@ impl<T> Work<T> {
 impl Communicator {
     /// Rank `rank` of a group whose data `transport` moves.
     pub(crate) fn new(transport: Arc<dyn Transport>, rank: usize) -> Self {
-        Self::spawn(
-            transport,
-            rank,
-            #[cfg(feature = "cuda")]
-            None,
-        )
-    }
-
-    /// Rank `rank` of a group, whose data NCCL moves when `nccl` is given (the transport then
-    /// keeps the group's bookkeeping only).
-    pub(crate) fn spawn(
-        transport: Arc<dyn Transport>,
-        rank: usize,
-        #[cfg(feature = "cuda")] nccl: Option<crate::nccl::Nccl>,
-    ) -> Self {
         let (jobs, queue) = mpsc::channel::<Job>();
         let name = format!("comm-{}-{}", transport.name(), transport.members()[rank]);
         let stream = Arc::new(Mutex::new(Stream::new()));
@@ -132,8 +113,6 @@ impl Communicator {
             inner: Arc::new(Inner {
                 transport,
                 rank,
-                #[cfg(feature = "cuda")]
-                nccl,
                 jobs: Mutex::new(jobs),
                 stream,
                 queued: AtomicUsize::new(0),
@@ -179,13 +158,10 @@ impl Communicator {
         *lock(&self.inner.stats) = CommStats::default();
     }
 
-    /// Whether NCCL moves this group's data (see [`Communicator::nccl`]); else the local
-    /// transport does.
+    /// Whether NCCL moves this group's data (see [`Communicator::nccl`]); else a transport on
+    /// host memory does (threads or MPI).
     pub fn is_nccl(&self) -> bool {
-        #[cfg(feature = "cuda")]
-        return self.inner.nccl.is_some();
-        #[cfg(not(feature = "cuda"))]
-        false
+        self.inner.transport.memory() != Memory::Host
     }
 
     /// The handle blocking calls use: their call may run on the caller's thread.
@@ -266,13 +242,13 @@ impl Communicator {
 
     /// Submits a collective on `tensor`: every rank joins it even when `checked` refused its
     /// arguments (see [`refuse`]), and a single-rank group returns `tensor` as it is. `body`
-    /// runs the host path; NCCL, when the group is on it, is taken before.
+    /// gives the transport the tensor (see [`Inner::payload`]) and returns what it gave back.
     fn collective<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         &self,
         call: Call,
         checked: Result<(), CommError>,
         tensor: Tensor<B, D, K>,
-        body: impl FnOnce(&Inner, &mut Stream, Call, Tensor<B, D, K>) -> Result<TensorData, CommError>
+        body: impl FnOnce(&Inner, &mut Stream, Call, Tensor<B, D, K>) -> Result<Payload, CommError>
         + Send
         + 'static,
     ) -> Work<Tensor<B, D, K>> {
@@ -287,16 +263,9 @@ impl Communicator {
             if inner.transport.members().len() == 1 {
                 return Ok(tensor);
             }
-            #[cfg(feature = "cuda")]
-            if let Some(nccl) = &inner.nccl {
-                let size = inner.transport.members().len();
-                return nccl
-                    .collective(call.op, size, tensor)
-                    .map_err(|failure| inner.nccl_error(&call.to_string(), failure));
-            }
             let (device, dtype) = (tensor.device(), tensor.dtype());
             let out = body(inner, stream, call, tensor)?;
-            Ok(Tensor::from_data(out, (&device, dtype)))
+            Ok(tensor_of(out, &device, dtype))
         })
     }
 
@@ -365,7 +334,7 @@ impl Communicator {
         let call = Call::new(op, tensor.dtype(), &tensor.dims());
         let checked = self.check_reducible(op, tensor.dtype(), reduce);
         self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
-            let data = tensor.into_data();
+            let data = inner.payload(&call, tensor)?;
             inner
                 .transport
                 .all_reduce(inner.rank, stream, call, data, reduce)
@@ -394,7 +363,7 @@ impl Communicator {
             .check_plain(op, tensor.dtype())
             .and_then(|_| self.check_dim::<D>(op, dim));
         self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
-            let data = tensor.into_data();
+            let data = inner.payload(&call, tensor)?;
             inner
                 .transport
                 .all_gather(inner.rank, stream, call, data, dim)
@@ -427,7 +396,7 @@ impl Communicator {
             .and_then(|_| self.check_divisible(op, &dims, dim))
             .and_then(|_| self.check_reducible(op, tensor.dtype(), reduce));
         self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
-            let data = tensor.into_data();
+            let data = inner.payload(&call, tensor)?;
             inner
                 .transport
                 .reduce_scatter(inner.rank, stream, call, data, reduce, dim)
@@ -456,8 +425,8 @@ impl Communicator {
             .check_plain(op, tensor.dtype())
             .and_then(|_| self.check_rank(op, root));
         self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
-            let data = if inner.rank == root {
-                Some(tensor.into_data())
+            let data = if inner.rank == root || inner.transport.memory() != Memory::Host {
+                Some(inner.payload(&call, tensor)?)
             } else {
                 // Only its shape mattered: no copy to the host.
                 stream.retire(tensor);
@@ -501,7 +470,7 @@ impl Communicator {
             .and_then(|_| self.check_dim::<D>(op, concat_dim))
             .and_then(|_| self.check_divisible(op, &dims, split_dim));
         self.collective(call, checked, tensor, move |inner, stream, call, tensor| {
-            let data = tensor.into_data();
+            let data = inner.payload(&call, tensor)?;
             inner
                 .transport
                 .all_to_all(inner.rank, stream, call, data, split_dim, concat_dim)
@@ -517,13 +486,6 @@ impl Communicator {
     pub fn barrier_async(&self) -> Work<()> {
         let call = Call::bare(Op::Barrier);
         self.submit(call.to_string(), move |inner, stream| {
-            #[cfg(feature = "cuda")]
-            if let Some(nccl) = &inner.nccl {
-                let size = inner.transport.members().len();
-                return nccl
-                    .barrier(size)
-                    .map_err(|failure| inner.nccl_error(&call.to_string(), failure));
-            }
             inner.transport.join(inner.rank, stream, call)
         })
     }
@@ -559,12 +521,8 @@ impl Communicator {
         }
         self.submit(op.clone(), move |inner, _| {
             checked?;
-            #[cfg(feature = "cuda")]
-            if let Some(nccl) = &inner.nccl {
-                return crate::nccl_p2p::send(inner, nccl, dst, tensor)
-                    .map_err(|failure| inner.nccl_error(&op, failure));
-            }
-            inner.transport.send(inner.rank, dst, tensor.into_data())
+            let data = inner.payload(&op, tensor)?;
+            inner.transport.send(inner.rank, dst, data)
         })
     }
 
@@ -592,12 +550,8 @@ impl Communicator {
         let checked = self.check_peer(&op, src);
         self.submit(op.clone(), move |inner, _| {
             checked?;
-            #[cfg(feature = "cuda")]
-            if let Some(nccl) = &inner.nccl {
-                return crate::nccl_p2p::recv(inner, nccl, src, shape, options, &op);
-            }
             let data = inner.transport.recv(inner.rank, src, &op, dtype, &shape)?;
-            Ok(Tensor::from_data(data, (&options.device, dtype)))
+            Ok(tensor_of(data, &options.device, dtype))
         })
     }
 
@@ -607,11 +561,6 @@ impl Communicator {
         let call = Call::bare(Op::Split);
         let name = name.to_string();
         self.submit(call.to_string(), move |inner, stream| {
-            #[cfg(feature = "cuda")]
-            if let Some(nccl) = &inner.nccl {
-                return crate::nccl::split(inner, nccl, name, color)
-                    .map_err(|failure| inner.nccl_error(&call.to_string(), failure));
-            }
             let (transport, rank) = inner
                 .transport
                 .split(inner.rank, stream, call, name, color)?;
@@ -654,11 +603,44 @@ fn refuse<T>(
     call: Call,
     error: CommError,
 ) -> Result<T, CommError> {
-    // NCCL has no way to post a bare call: every rank that made this call refuses it alike.
-    #[cfg(feature = "cuda")]
-    if inner.nccl.is_some() {
-        return Err(error);
-    }
     inner.transport.join(inner.rank, stream, call)?;
     Err(error)
+}
+
+impl Inner {
+    /// `tensor` in the memory this group's transport moves; `op` names the call in the error
+    /// of a tensor the transport cannot move (only a device transport refuses one).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn payload<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+        &self,
+        op: &impl fmt::Display,
+        tensor: Tensor<B, D, K>,
+    ) -> Result<Payload, CommError> {
+        match self.transport.memory() {
+            Memory::Host => Ok(Payload::Host(tensor.into_data())),
+            #[cfg(feature = "cuda")]
+            Memory::Cuda => crate::nccl_tensor::to_cube(tensor)
+                .map(Payload::from)
+                .map_err(|reason| CommError::Transport {
+                    op: op.to_string(),
+                    group: self.transport.name().to_string(),
+                    rank: self.transport.members()[self.rank],
+                    reason,
+                }),
+        }
+    }
+}
+
+/// The tensor of `B` and kind `K` a transport gave back, on `device` (host data is made a
+/// tensor of `dtype`).
+fn tensor_of<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+    payload: Payload,
+    device: &B::Device,
+    dtype: DType,
+) -> Tensor<B, D, K> {
+    match payload {
+        Payload::Host(data) => Tensor::from_data(data, (device, dtype)),
+        #[cfg(feature = "cuda")]
+        Payload::Cuda(cube) => crate::nccl_tensor::from_cube(*cube),
+    }
 }

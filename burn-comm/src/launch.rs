@@ -4,9 +4,10 @@ use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
-use crate::local::{RankStatus, World};
+use crate::local::Group;
 use crate::mesh::DeviceMesh;
 use crate::sync::panic_message;
+use crate::world::{RankStatus, World};
 use crate::{CommError, Communicator};
 
 /// The timeout of a collective when neither the code nor `BURN_COMM_TIMEOUT_SECS` sets one:
@@ -128,7 +129,11 @@ where
         "launch needs a world of at least one rank"
     );
     let world = World::new(config.world_size, config.timeout);
-    let group = world.new_group("world".to_string(), (0..config.world_size).collect());
+    let group = Group::root(
+        &world,
+        "world".to_string(),
+        (0..config.world_size).collect(),
+    );
     let f = &f;
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..config.world_size)

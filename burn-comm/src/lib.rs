@@ -26,6 +26,8 @@ mod all_to_all_split;
 mod call;
 mod collective_matmul;
 mod communicator;
+#[cfg(any(feature = "cuda", test))]
+mod device_layout;
 mod env;
 mod error;
 mod kernels;
@@ -51,6 +53,7 @@ mod store;
 mod sync;
 mod transport;
 mod uneven;
+mod world;
 
 pub use call::ReduceOp;
 pub use communicator::{Communicator, Work};

@@ -12,7 +12,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, TensorData};
@@ -21,164 +21,19 @@ use crate::call::Call;
 use crate::kernels::{self, Region};
 use crate::shared::SharedBuffer;
 use crate::sync::{lock, panic_message};
-use crate::transport::{Stream, Transport, describe_message, mismatched_message};
+use crate::transport::{Payload, Stream, Transport, describe_message, mismatched_message};
+use crate::world::{RankStatus, Watcher, World};
 use crate::{CommError, ReduceOp};
-
-/// What a rank's function has done so far.
-#[derive(Debug, Clone)]
-pub(crate) enum RankStatus {
-    Running,
-    Returned,
-    Failed(String),
-}
 
 /// A group being formed by a split: (parent group id, call number, colour).
 type SplitKey = (u64, u64, usize);
 
-/// Every rank of one launch: their status, and the groups to wake when it changes.
-pub(crate) struct World {
-    timeout: Duration,
-    status: Mutex<Vec<RankStatus>>,
-    groups: Mutex<Vec<Weak<Group>>>,
+/// The groups split from one root group: their ids, and those being formed.
+#[derive(Default)]
+struct Splits {
+    next_id: AtomicU64,
     /// Groups being built by a `split`, until every member has picked its handle up.
-    splits: Mutex<HashMap<SplitKey, (Arc<Group>, usize)>>,
-    next_group_id: AtomicU64,
-    /// Communication jobs queued or running, per rank.
-    pending: Mutex<Vec<usize>>,
-    drained: Condvar,
-    /// Where NCCL's point-to-point pairs hand their ids over.
-    #[cfg(feature = "cuda")]
-    pair_ids: crate::pair_ids::PairIds,
-}
-
-impl World {
-    /// The world of `size` ranks that are threads of this process.
-    pub fn new(size: usize, timeout: Duration) -> Arc<Self> {
-        Self::build(
-            size,
-            timeout,
-            #[cfg(feature = "cuda")]
-            crate::pair_ids::PairIds::threads(),
-        )
-    }
-
-    /// This process's view of a world whose ranks are processes, meeting in the job's store.
-    #[cfg(feature = "cuda")]
-    pub fn of_processes(size: usize, timeout: Duration, store: &str) -> Arc<Self> {
-        Self::build(
-            size,
-            timeout,
-            crate::pair_ids::PairIds::processes(store, timeout),
-        )
-    }
-
-    fn build(
-        size: usize,
-        timeout: Duration,
-        #[cfg(feature = "cuda")] pair_ids: crate::pair_ids::PairIds,
-    ) -> Arc<Self> {
-        Arc::new(Self {
-            timeout,
-            status: Mutex::new(vec![RankStatus::Running; size]),
-            groups: Mutex::new(Vec::new()),
-            splits: Mutex::new(HashMap::new()),
-            next_group_id: AtomicU64::new(0),
-            pending: Mutex::new(vec![0; size]),
-            drained: Condvar::new(),
-            #[cfg(feature = "cuda")]
-            pair_ids,
-        })
-    }
-
-    #[cfg(feature = "cuda")]
-    pub fn pair_ids(&self) -> &crate::pair_ids::PairIds {
-        &self.pair_ids
-    }
-
-    /// How long a rank waits for its peers in one call (the NCCL watchdog's limit too).
-    #[cfg(feature = "cuda")]
-    pub fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
-    pub fn job_started(&self, rank: usize) {
-        lock(&self.pending)[rank] += 1;
-    }
-
-    pub fn job_finished(&self, rank: usize) {
-        lock(&self.pending)[rank] -= 1;
-        self.drained.notify_all();
-    }
-
-    /// Waits until every communication job of `rank` has ended. Each ends by itself: a call
-    /// completes, or fails within the timeout.
-    pub fn wait_until_drained(&self, rank: usize) {
-        let mut pending = lock(&self.pending);
-        while pending[rank] > 0 {
-            pending = self
-                .drained
-                .wait(pending)
-                .unwrap_or_else(|poison| poison.into_inner());
-        }
-    }
-
-    /// Records what a rank's function did and wakes every rank blocked in a group.
-    pub fn set_status(&self, rank: usize, status: RankStatus) {
-        lock(&self.status)[rank] = status;
-        let groups: Vec<Arc<Group>> = {
-            let mut groups = lock(&self.groups);
-            groups.retain(|g| g.strong_count() > 0);
-            groups.iter().filter_map(Weak::upgrade).collect()
-        };
-        for group in groups {
-            // Taking the lock orders this wake-up after any waiter's last check.
-            let _state = lock(&group.state);
-            group.changed.notify_all();
-        }
-    }
-
-    fn status_of(&self, rank: usize) -> RankStatus {
-        lock(&self.status)[rank].clone()
-    }
-
-    pub fn new_group(self: &Arc<Self>, name: String, members: Vec<usize>) -> Arc<Group> {
-        let size = members.len();
-        let group = Arc::new(Group {
-            id: self.next_group_id.fetch_add(1, Ordering::Relaxed),
-            name,
-            members,
-            world: self.clone(),
-            state: Mutex::new(GroupState {
-                broken: None,
-                told: vec![false; size],
-                slots: [Slot::new(size), Slot::new(size)],
-                mailboxes: HashMap::new(),
-            }),
-            changed: Condvar::new(),
-        });
-        lock(&self.groups).push(Arc::downgrade(&group));
-        group
-    }
-
-    /// The group that `members` form after split number `seq` of `parent`: the first member to
-    /// ask creates it, the others get the same one.
-    fn join_split(
-        self: &Arc<Self>,
-        key: SplitKey,
-        name: String,
-        members: Vec<usize>,
-    ) -> Arc<Group> {
-        let mut splits = lock(&self.splits);
-        let (group, waiting) = splits
-            .entry(key)
-            .or_insert_with(|| (self.new_group(name, members.clone()), members.len()));
-        let group = group.clone();
-        *waiting -= 1;
-        if *waiting == 0 {
-            splits.remove(&key);
-        }
-        group
-    }
+    forming: Mutex<HashMap<SplitKey, (Arc<Group>, usize)>>,
 }
 
 /// A rank's contribution to one collective, as its peers see it.
@@ -279,14 +134,68 @@ pub(crate) struct Group {
     /// Global ranks, in group-rank order.
     members: Vec<usize>,
     world: Arc<World>,
+    /// Shared with every group split from the same root.
+    splits: Arc<Splits>,
     state: Mutex<GroupState>,
     changed: Condvar,
 }
 
+impl Watcher for Group {
+    fn status_changed(&self) {
+        // Taking the lock orders this wake-up after any waiter's last check.
+        let _state = lock(&self.state);
+        self.changed.notify_all();
+    }
+}
+
 impl Group {
-    #[cfg(feature = "cuda")]
-    pub fn world(&self) -> &Arc<World> {
-        &self.world
+    /// The group of every rank of `world`, named `name`, whose splits are its own.
+    pub fn root(world: &Arc<World>, name: String, members: Vec<usize>) -> Arc<Group> {
+        Self::create(world, Arc::default(), name, members)
+    }
+
+    fn create(
+        world: &Arc<World>,
+        splits: Arc<Splits>,
+        name: String,
+        members: Vec<usize>,
+    ) -> Arc<Group> {
+        let size = members.len();
+        let group = Arc::new(Group {
+            id: splits.next_id.fetch_add(1, Ordering::Relaxed),
+            name,
+            members,
+            world: world.clone(),
+            splits,
+            state: Mutex::new(GroupState {
+                broken: None,
+                told: vec![false; size],
+                slots: [Slot::new(size), Slot::new(size)],
+                mailboxes: HashMap::new(),
+            }),
+            changed: Condvar::new(),
+        });
+        let watcher: Arc<dyn Watcher> = group.clone();
+        world.watch(Arc::downgrade(&watcher));
+        group
+    }
+
+    /// The group that `members` form after split number `seq` of this group: the first member
+    /// to ask creates it, the others get the same one.
+    fn join_split(&self, seq: u64, color: usize, name: String, members: Vec<usize>) -> Arc<Group> {
+        let mut forming = lock(&self.splits.forming);
+        let key = (self.id, seq, color);
+        let (group, waiting) = forming.entry(key).or_insert_with(|| {
+            let size = members.len();
+            let group = Self::create(&self.world, self.splits.clone(), name, members);
+            (group, size)
+        });
+        let group = group.clone();
+        *waiting -= 1;
+        if *waiting == 0 {
+            forming.remove(&key);
+        }
+        group
     }
 
     /// The error group rank `me` gets from a broken group. The first time, a peer failure is
@@ -371,7 +280,7 @@ impl Group {
                 group: self.name.clone(),
                 rank: self.members[me],
                 missing: missing.map(|r| self.members[r]).collect(),
-                after: self.world.timeout,
+                after: self.world.timeout(),
             })
     }
 
@@ -387,7 +296,7 @@ impl Group {
         let size = self.members.len();
         let slot_index = (seq % 2) as usize;
         let op = post.call.to_string();
-        let deadline = Instant::now().checked_add(self.world.timeout);
+        let deadline = Instant::now().checked_add(self.world.timeout());
 
         let mut state = lock(&self.state);
         // Join the slot (phase 1).
@@ -505,12 +414,12 @@ impl Group {
             .filter(|(post, _)| post.color == color)
             .map(|(_, &rank)| rank)
             .collect();
-        self.world.join_split((self.id, seq, color), name, members)
+        self.join_split(seq, color, name, members)
     }
 
     /// Takes the next message from group rank `from` to group rank `me`, waiting for it.
     fn take_message(&self, me: usize, from: usize, op: &str) -> Result<TensorData, CommError> {
-        let deadline = Instant::now().checked_add(self.world.timeout);
+        let deadline = Instant::now().checked_add(self.world.timeout());
         let mut state = lock(&self.state);
         loop {
             if let Some(message) = state
@@ -560,22 +469,15 @@ impl Transport for Group {
         &self.members
     }
 
-    fn job_started(&self, rank: usize) {
-        self.world.job_started(rank);
-    }
-
-    fn job_finished(&self, rank: usize) {
-        self.world.job_finished(rank);
-    }
-
     fn all_reduce(
         &self,
         me: usize,
         stream: &mut Stream,
         call: Call,
-        mut data: TensorData,
+        data: Payload,
         reduce: ReduceOp,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<Payload, CommError> {
+        let mut data = data.into_host();
         let dtype = data.dtype;
         let size = self.members.len();
         let (len, elem) = (data.num_elements(), dtype.size());
@@ -592,7 +494,7 @@ impl Transport for Group {
             // posts carry pointers that may be written through.
             unsafe { kernels::reduce(dtype, reduce, &srcs, &dsts, mine.len()) };
         })?;
-        Ok(data)
+        Ok(data.into())
     }
 
     fn all_gather(
@@ -600,9 +502,10 @@ impl Transport for Group {
         me: usize,
         stream: &mut Stream,
         call: Call,
-        data: TensorData,
+        data: Payload,
         dim: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<Payload, CommError> {
+        let data = data.into_host();
         let (dtype, shape) = (data.dtype, data.shape.as_slice().to_vec());
         let mut out_shape = shape.clone();
         out_shape[dim] *= self.members.len();
@@ -622,7 +525,7 @@ impl Transport for Group {
             out
         })?;
         stream.retire(data);
-        Ok(out.view(out_shape, dtype))
+        Ok(out.view(out_shape, dtype).into())
     }
 
     fn reduce_scatter(
@@ -630,10 +533,11 @@ impl Transport for Group {
         me: usize,
         stream: &mut Stream,
         call: Call,
-        data: TensorData,
+        data: Payload,
         reduce: ReduceOp,
         dim: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<Payload, CommError> {
+        let data = data.into_host();
         let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
         let size = self.members.len();
         let mut out_shape = dims.clone();
@@ -656,7 +560,7 @@ impl Transport for Group {
             }
         })?;
         stream.retire(data);
-        Ok(out.view(out_shape, dtype))
+        Ok(out.view(out_shape, dtype).into())
     }
 
     fn broadcast(
@@ -664,9 +568,10 @@ impl Transport for Group {
         me: usize,
         stream: &mut Stream,
         call: Call,
-        data: Option<TensorData>,
+        data: Option<Payload>,
         root: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<Payload, CommError> {
+        let data = data.map(Payload::into_host);
         let (shape, dtype) = (
             call.shape.clone(),
             call.dtype.expect("a broadcast carries a tensor"),
@@ -680,7 +585,7 @@ impl Transport for Group {
                 .clone()
                 .expect("the root shares its tensor")
         })?;
-        Ok(out.view(shape, dtype))
+        Ok(out.view(shape, dtype).into())
     }
 
     fn all_to_all(
@@ -688,10 +593,11 @@ impl Transport for Group {
         me: usize,
         stream: &mut Stream,
         call: Call,
-        data: TensorData,
+        data: Payload,
         split_dim: usize,
         concat_dim: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<Payload, CommError> {
+        let data = data.into_host();
         let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
         let size = self.members.len();
         let mut part = dims.clone();
@@ -725,14 +631,15 @@ impl Transport for Group {
             }
         })?;
         stream.retire(data);
-        Ok(out.view(out_shape, dtype))
+        Ok(out.view(out_shape, dtype).into())
     }
 
     fn join(&self, me: usize, stream: &mut Stream, call: Call) -> Result<(), CommError> {
         self.rendezvous(me, stream.next_seq(), Post::bare(call), |_| ())
     }
 
-    fn send(&self, me: usize, to: usize, data: TensorData) -> Result<(), CommError> {
+    fn send(&self, me: usize, to: usize, data: Payload) -> Result<(), CommError> {
+        let data = data.into_host();
         let mut state = lock(&self.state);
         if state.broken.is_some() {
             return Err(self.failure(&mut state, me, false));
@@ -753,7 +660,7 @@ impl Transport for Group {
         op: &str,
         dtype: DType,
         shape: &[usize],
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<Payload, CommError> {
         let data = self.take_message(me, from, op)?;
         mismatched_message(
             self,
@@ -763,7 +670,7 @@ impl Transport for Group {
             &describe_message(dtype, shape),
             &describe_message(data.dtype, data.shape.as_slice()),
         )?;
-        Ok(data)
+        Ok(data.into())
     }
 
     fn split(
@@ -790,35 +697,7 @@ impl Transport for Group {
         Ok((group, rank))
     }
 
-    #[cfg(feature = "cuda")]
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::AtomicBool;
-
-    #[test]
-    fn a_rank_is_drained_only_when_its_last_job_ends() {
-        let world = World::new(2, Duration::from_secs(5));
-        world.job_started(0);
-        world.job_started(0);
-        let drained = Arc::new(AtomicBool::new(false));
-        let waiter = {
-            let (world, drained) = (world.clone(), drained.clone());
-            std::thread::spawn(move || {
-                world.wait_until_drained(0);
-                drained.store(true, Ordering::SeqCst);
-            })
-        };
-        world.job_finished(0);
-        std::thread::sleep(Duration::from_millis(50));
-        assert!(!drained.load(Ordering::SeqCst), "one job is still pending");
-        world.job_finished(0);
-        waiter.join().unwrap();
-        assert!(drained.load(Ordering::SeqCst));
+    fn world(&self) -> Option<&Arc<World>> {
+        Some(&self.world)
     }
 }

@@ -22,14 +22,14 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use burn::tensor::{DType, TensorData};
+use burn::tensor::DType;
 use mpi::ffi;
 
 use crate::call::Call;
 use crate::kernels;
 use crate::shared::SharedBuffer;
 use crate::sync::lock;
-use crate::transport::{Stream, Transport, describe_message, mismatched_message};
+use crate::transport::{Payload, Stream, Transport, describe_message, mismatched_message};
 use crate::{CommError, ReduceOp};
 
 /// Bytes of a call's header: the call number and the call, as text.
@@ -613,9 +613,10 @@ impl Transport for MpiGroup {
         me: usize,
         stream: &mut Stream,
         call: Call,
-        mut data: TensorData,
+        data: Payload,
         reduce: ReduceOp,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<Payload, CommError> {
+        let mut data = data.into_host();
         let seq = self.open(stream, &call)?;
         let (dtype, size) = (data.dtype, self.size());
         let (len, elem) = (data.num_elements(), dtype.size());
@@ -630,7 +631,7 @@ impl Transport for MpiGroup {
             // SAFETY: `all` holds every rank's tensor; `data` is ours.
             unsafe { kernels::reduce(dtype, reduce, &srcs, &[data.bytes.as_mut_ptr()], len) };
             stream.retire(all);
-            return Ok(data);
+            return Ok(data.into());
         }
         // Reduce-scatter (each rank reduces its slice of every rank's tensor, in rank order),
         // then all-gather the reduced slices.
@@ -686,7 +687,7 @@ impl Transport for MpiGroup {
             )
         })?;
         stream.retire(received);
-        Ok(data)
+        Ok(data.into())
     }
 
     fn all_gather(
@@ -694,9 +695,10 @@ impl Transport for MpiGroup {
         _me: usize,
         stream: &mut Stream,
         call: Call,
-        data: TensorData,
+        data: Payload,
         dim: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<Payload, CommError> {
+        let data = data.into_host();
         let seq = self.open(stream, &call)?;
         let (dtype, shape) = (data.dtype, data.shape.as_slice().to_vec());
         let size = self.size();
@@ -710,7 +712,7 @@ impl Transport for MpiGroup {
         stream.retire(data);
         if shape[..dim].iter().product::<usize>() == 1 {
             // Rank blocks are already the concatenation along `dim`.
-            return Ok(gathered.view(out_shape, dtype));
+            return Ok(gathered.view(out_shape, dtype).into());
         }
         let out = SharedBuffer::uninit(size * bytes);
         for r in 0..size {
@@ -721,7 +723,7 @@ impl Transport for MpiGroup {
             };
         }
         stream.retire(gathered);
-        Ok(out.view(out_shape, dtype))
+        Ok(out.view(out_shape, dtype).into())
     }
 
     fn reduce_scatter(
@@ -729,10 +731,11 @@ impl Transport for MpiGroup {
         _me: usize,
         stream: &mut Stream,
         call: Call,
-        data: TensorData,
+        data: Payload,
         reduce: ReduceOp,
         dim: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<Payload, CommError> {
+        let data = data.into_host();
         let seq = self.open(stream, &call)?;
         let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
         let (size, elem) = (self.size(), dtype.size());
@@ -773,7 +776,7 @@ impl Transport for MpiGroup {
         unsafe { kernels::reduce(dtype, reduce, &srcs, &[out.ptr()], outer * part) };
         stream.retire(data);
         stream.retire(received);
-        Ok(out.view(out_shape, dtype))
+        Ok(out.view(out_shape, dtype).into())
     }
 
     fn broadcast(
@@ -781,9 +784,10 @@ impl Transport for MpiGroup {
         _me: usize,
         stream: &mut Stream,
         call: Call,
-        data: Option<TensorData>,
+        data: Option<Payload>,
         root: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<Payload, CommError> {
+        let data = data.map(Payload::into_host);
         let seq = self.open(stream, &call)?;
         let (shape, dtype) = (
             call.shape.clone(),
@@ -807,7 +811,9 @@ impl Transport for MpiGroup {
         self.exchange(&call, seq, || unsafe {
             ffi::MPI_Bcast(buf.cast(), count, ty, root as c_int, self.data.0)
         })?;
-        Ok(buffer.unwrap_or_else(|fresh| fresh.view(shape, dtype)))
+        Ok(buffer
+            .unwrap_or_else(|fresh| fresh.view(shape, dtype))
+            .into())
     }
 
     fn all_to_all(
@@ -815,10 +821,11 @@ impl Transport for MpiGroup {
         _me: usize,
         stream: &mut Stream,
         call: Call,
-        data: TensorData,
+        data: Payload,
         split_dim: usize,
         concat_dim: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<Payload, CommError> {
+        let data = data.into_host();
         let seq = self.open(stream, &call)?;
         let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
         let (size, elem) = (self.size(), dtype.size());
@@ -855,7 +862,7 @@ impl Transport for MpiGroup {
         }
         stream.retire(send);
         stream.retire(received);
-        Ok(out.view(out_shape, dtype))
+        Ok(out.view(out_shape, dtype).into())
     }
 
     fn join(&self, _me: usize, stream: &mut Stream, call: Call) -> Result<(), CommError> {
@@ -863,7 +870,8 @@ impl Transport for MpiGroup {
         self.open(stream, &call).map(|_| ())
     }
 
-    fn send(&self, _me: usize, to: usize, data: TensorData) -> Result<(), CommError> {
+    fn send(&self, _me: usize, to: usize, data: Payload) -> Result<(), CommError> {
+        let data = data.into_host();
         self.broken()?;
         let bytes = data.bytes.len();
         let op = format!("send(to {to})");
@@ -922,7 +930,7 @@ impl Transport for MpiGroup {
         op: &str,
         dtype: DType,
         shape: &[usize],
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<Payload, CommError> {
         self.broken()?;
         let mut head = Box::new([0u8; HEADER]);
         let mut flight = InFlight::new();
@@ -969,7 +977,7 @@ impl Transport for MpiGroup {
         // The payload was taken even when it is not what was expected, so the next message
         // from `from` is read correctly.
         mismatched_message(self, me, from, op, &wanted, &sent)?;
-        Ok(payload.view(shape.to_vec(), dtype))
+        Ok(payload.view(shape.to_vec(), dtype).into())
     }
 
     fn split(
@@ -1011,11 +1019,6 @@ impl Transport for MpiGroup {
             Arc::new(Self::over(name, members, rank, comm, self.timeout)),
             rank,
         ))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }
 

@@ -12,30 +12,33 @@
 //! later one on the group fail instead of hanging.
 
 use std::ffi::{CStr, c_void};
+use std::fmt;
 use std::mem::MaybeUninit;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use burn::backend::cuda::CudaDevice;
-use burn::tensor::backend::Backend;
-use burn::tensor::{BasicOps, DType, Int, Shape, Tensor, TensorMetadata};
+use burn::tensor::{DType, Int, Shape, Tensor, TensorMetadata};
+use burn_cubecl::cubecl::Runtime;
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::cubecl::future::block_on;
 use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::{permute, reshape};
 use burn_cubecl::tensor::CubeTensor;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::{CUcontext, CUdevice, CUresult, CUstream, cuStreamQuery};
 use cudarc::nccl::sys::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t};
 
-use crate::call::Op;
-use crate::communicator::Inner;
-use crate::local::{Group, World};
+use crate::call::{Call, Op};
+use crate::device_layout::{concat_blocks, result_shape, swap};
 use crate::nccl_p2p::Peers;
 use crate::nccl_tensor::{Cuda, from_cube, to_cube};
 use crate::store::Store;
 use crate::sync::lock;
+use crate::transport::{Memory, Payload, Stream, Transport};
+use crate::world::World;
 use crate::{CommError, Communicator, ProcessEnv, ReduceOp};
 
 impl Communicator {
@@ -56,6 +59,12 @@ impl Communicator {
             group: self.group_name().to_string(),
             rank: self.global_rank(),
             reason,
+        };
+        // Thread ranks share their launch's bookkeeping; MPI processes have none to share.
+        let Some(world) = self.inner.transport.world().cloned() else {
+            return Err(failed(
+                "this group's ranks are MPI processes; a job of processes on GPUs starts NCCL with Communicator::nccl_world, as burn-launch runs it".to_string(),
+            ));
         };
         // NCCL's start-up waits for every rank, so all agree first that they can start it: each
         // posts a readiness flag, rank 0 also its id, and everyone sees everyone's.
@@ -81,19 +90,15 @@ impl Communicator {
             )));
         }
         let id = std::array::from_fn(|i| all[i + 1] as u8);
-        let group = self.inner.local_group();
-        let nccl = Nccl::init(
-            device,
-            id,
-            self.rank(),
-            self.size(),
-            group.world().timeout(),
-        )
-        .map_err(failed)?;
-        let twin = group
-            .world()
-            .new_group(self.group_name().to_string(), self.ranks().to_vec());
-        Ok(Communicator::spawn(twin, self.rank(), Some(nccl)))
+        let nccl =
+            Nccl::init(device, id, self.rank(), self.size(), world.timeout()).map_err(failed)?;
+        let group = NcclGroup {
+            name: self.group_name().to_string(),
+            members: self.ranks().to_vec(),
+            world,
+            nccl,
+        };
+        Ok(Communicator::new(Arc::new(group), self.rank()))
     }
 
     /// The world of a multi-process job on NCCL, one process per rank as `burn-launch` (or
@@ -153,58 +158,195 @@ impl Communicator {
         let timeout = store.timeout();
         let nccl = Nccl::init(device, id, env.rank, env.world_size, timeout).map_err(failed)?;
         // Point-to-point pairs hand their ids over in the store, so it must outlive the job.
-        let world = World::of_processes(env.world_size, timeout, store.addr());
-        let group = world.new_group("world".to_string(), (0..env.world_size).collect());
-        Ok(Communicator::spawn(group, env.rank, Some(nccl)))
+        let group = NcclGroup {
+            name: "world".to_string(),
+            members: (0..env.world_size).collect(),
+            world: World::of_processes(env.world_size, timeout, store.addr()),
+            nccl,
+        };
+        Ok(Communicator::new(Arc::new(group), env.rank))
     }
 }
 
-impl Inner {
-    /// The local group that keeps an NCCL group's bookkeeping (its world's rank status and
-    /// pair ids): NCCL communicators are always made over one.
-    pub(crate) fn local_group(&self) -> &Group {
-        self.transport
-            .as_any()
-            .downcast_ref::<Group>()
-            .expect("an NCCL communicator keeps its bookkeeping on a local group")
-    }
+/// One group on NCCL, as one rank sees it: its collectives, sends and receives run in the
+/// device memory of burn's CUDA tensors.
+pub(crate) struct NcclGroup {
+    name: String,
+    /// Global ranks, in group-rank order.
+    members: Vec<usize>,
+    /// The launch's bookkeeping: thread ranks' jobs, and where send/recv pairs hand ids over.
+    pub(crate) world: Arc<World>,
+    pub(crate) nccl: Nccl,
+}
 
-    /// The error of `op` that failed on NCCL.
-    pub(crate) fn nccl_error(&self, op: &str, failure: Failure) -> CommError {
+impl NcclGroup {
+    /// The error of group rank `me`'s call `op` that failed on NCCL.
+    pub(crate) fn error(&self, me: usize, op: &impl fmt::Display, failure: Failure) -> CommError {
         match failure {
             Failure::Now(reason) => CommError::Transport {
                 op: op.to_string(),
-                group: self.transport.name().to_string(),
-                rank: self.transport.members()[self.rank],
+                group: self.name.clone(),
+                rank: self.members[me],
                 reason,
             },
             Failure::Earlier(cause) => CommError::GroupBroken {
-                group: self.transport.name().to_string(),
+                group: self.name.clone(),
                 cause,
             },
         }
     }
+
+    /// Runs `call` on `data`, as group rank `me`.
+    fn collective(&self, me: usize, call: &Call, data: Payload) -> Result<Payload, CommError> {
+        self.nccl
+            .collective(call.op, self.members.len(), on_device(data))
+            .map(Payload::from)
+            .map_err(|failure| self.error(me, call, failure))
+    }
 }
 
-/// [`Communicator::split`] on NCCL: the ranks learn each other's colours (to know the members
-/// of their new group), then NCCL splits its communicator.
-pub(crate) fn split(
-    inner: &Inner,
-    nccl: &Nccl,
-    name: String,
-    color: usize,
-) -> Result<Communicator, Failure> {
-    let colors = nccl.all_gather_value(color, inner.transport.members().len())?;
-    let members = colors
-        .iter()
-        .zip(inner.transport.members())
-        .filter(|(c, _)| **c == color)
-        .map(|(_, &rank)| rank)
-        .collect();
-    let rank = colors[..inner.rank].iter().filter(|&&c| c == color).count();
-    let part = nccl.split(color, inner.rank)?;
-    let group = inner.local_group().world().new_group(name, members);
-    Ok(Communicator::spawn(group, rank, Some(part)))
+/// The CUDA tensor the communicator gives a transport on [`Memory::Cuda`].
+pub(crate) fn on_device(data: Payload) -> CubeTensor<CudaRuntime> {
+    match data {
+        Payload::Cuda(cube) => *cube,
+        Payload::Host(_) => unreachable!("NCCL is given CUDA tensors"),
+    }
+}
+
+impl Transport for NcclGroup {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    fn memory(&self) -> Memory {
+        Memory::Cuda
+    }
+
+    fn world(&self) -> Option<&Arc<World>> {
+        Some(&self.world)
+    }
+
+    fn all_reduce(
+        &self,
+        me: usize,
+        _: &mut Stream,
+        call: Call,
+        data: Payload,
+        _: ReduceOp,
+    ) -> Result<Payload, CommError> {
+        self.collective(me, &call, data)
+    }
+
+    fn all_gather(
+        &self,
+        me: usize,
+        _: &mut Stream,
+        call: Call,
+        data: Payload,
+        _: usize,
+    ) -> Result<Payload, CommError> {
+        self.collective(me, &call, data)
+    }
+
+    fn reduce_scatter(
+        &self,
+        me: usize,
+        _: &mut Stream,
+        call: Call,
+        data: Payload,
+        _: ReduceOp,
+        _: usize,
+    ) -> Result<Payload, CommError> {
+        self.collective(me, &call, data)
+    }
+
+    fn broadcast(
+        &self,
+        me: usize,
+        _: &mut Stream,
+        call: Call,
+        data: Option<Payload>,
+        _: usize,
+    ) -> Result<Payload, CommError> {
+        let data = data.expect("a device transport is given every rank's tensor");
+        self.collective(me, &call, data)
+    }
+
+    fn all_to_all(
+        &self,
+        me: usize,
+        _: &mut Stream,
+        call: Call,
+        data: Payload,
+        _: usize,
+        _: usize,
+    ) -> Result<Payload, CommError> {
+        self.collective(me, &call, data)
+    }
+
+    /// A barrier. NCCL has no way to post a bare call, so a call whose arguments were refused
+    /// joins nothing: every rank that made the same call refuses it alike.
+    fn join(&self, me: usize, _: &mut Stream, call: Call) -> Result<(), CommError> {
+        match call.op {
+            Op::Barrier => self
+                .nccl
+                .barrier(self.members.len())
+                .map_err(|failure| self.error(me, &call, failure)),
+            _ => Ok(()),
+        }
+    }
+
+    fn send(&self, me: usize, to: usize, data: Payload) -> Result<(), CommError> {
+        crate::nccl_p2p::send(self, me, to, on_device(data))
+            .map_err(|failure| self.error(me, &format!("send(to {to})"), failure))
+    }
+
+    fn recv(
+        &self,
+        me: usize,
+        from: usize,
+        op: &str,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Payload, CommError> {
+        crate::nccl_p2p::recv(self, me, from, op, dtype, shape).map(Payload::from)
+    }
+
+    /// The ranks learn each other's colours (to know the members of their new group), then
+    /// NCCL splits its communicator.
+    fn split(
+        &self,
+        me: usize,
+        _: &mut Stream,
+        call: Call,
+        name: String,
+        color: usize,
+    ) -> Result<(Arc<dyn Transport>, usize), CommError> {
+        let failed = |failure| self.error(me, &call, failure);
+        let colors = self
+            .nccl
+            .all_gather_value(color, self.members.len())
+            .map_err(failed)?;
+        let members = colors
+            .iter()
+            .zip(&self.members)
+            .filter(|(c, _)| **c == color)
+            .map(|(_, &rank)| rank)
+            .collect();
+        let rank = colors[..me].iter().filter(|&&c| c == color).count();
+        let nccl = self.nccl.split(color, me).map_err(failed)?;
+        let group = NcclGroup {
+            name,
+            members,
+            world: self.world.clone(),
+            nccl,
+        };
+        Ok((Arc::new(group), rank))
+    }
 }
 
 /// Why an NCCL call failed.
@@ -462,58 +604,44 @@ impl Nccl {
             .map_err(|e| Failure::Now(format!("cuCtxSetCurrent: {e:?}")))
     }
 
-    /// Runs collective `op` of this communicator's `size` ranks.
-    pub fn collective<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
+    /// Runs collective `op` of this communicator's `size` ranks on `input`.
+    pub fn collective(
         &self,
         op: Op,
         size: usize,
-        tensor: Tensor<B, D, K>,
-    ) -> Result<Tensor<B, D, K>, Failure> {
+        input: CubeTensor<CudaRuntime>,
+    ) -> Result<CubeTensor<CudaRuntime>, Failure> {
         self.usable()?;
-        let dims = tensor.dims();
-        if tensor.shape().num_elements() == 0 {
+        let dims = input.shape().to_vec();
+        if input.shape().num_elements() == 0 {
             // Nothing to move: only the result's shape depends on the call.
-            return Ok(match op {
-                Op::AllGather { dim } => tensor.repeat_dim(dim, size),
-                // burn refuses a zero-length narrow: an empty `dim` is its own part.
-                Op::ReduceScatter { dim, .. } if dims[dim] == 0 => tensor,
-                Op::ReduceScatter { dim, .. } => tensor.narrow(dim, 0, dims[dim] / size),
-                Op::AllToAll {
-                    split_dim,
-                    concat_dim,
-                } => {
-                    let part = match dims[split_dim] {
-                        0 => tensor,
-                        n => tensor.narrow(split_dim, 0, n / size),
-                    };
-                    part.repeat_dim(concat_dim, size)
-                }
-                _ => tensor,
-            });
+            let shape = Shape::from(result_shape(op, &dims, size));
+            return Ok(contiguous(&input.device, shape, input.dtype));
         }
+        let rank = dims.len();
+        // NCCL concatenates and splits flat buffers along their first dim: the dim a call
+        // concatenates or splits is brought to the front, and back again.
+        let swapped = |tensor, dim| permute(tensor, &swap(rank, 0, dim));
         let (comm, stream) = (self.comm, self.stream as sys::cudaStream_t);
         match op {
             Op::AllReduce(reduce) => {
-                let input = to_cube(tensor).map_err(Failure::Now)?;
                 let (dtype, count) = (reducible(input.dtype)?, input.shape().num_elements());
-                let out = self.launch(input, Shape::from(dims), |src, dst| unsafe {
+                self.launch(input, Shape::from(dims), |src, dst| unsafe {
                     sys::ncclAllReduce(src, dst, count, dtype, red_op(reduce), comm, stream)
-                })?;
-                Ok(from_cube(out))
+                })
             }
             Op::AllGather { dim } => {
-                // NCCL concatenates flat buffers: bring `dim` to the front and back again.
-                let input = to_cube(tensor.swap_dims(0, dim)).map_err(Failure::Now)?;
+                let input = swapped(input, dim);
                 let bytes = byte_len(&input);
                 let mut out = input.shape();
                 out[0] *= size;
                 let out = self.launch(input, out, |src, dst| unsafe {
                     sys::ncclAllGather(src, dst, bytes, ncclDataType_t::ncclUint8, comm, stream)
                 })?;
-                Ok(from_cube::<B, D, K>(out).swap_dims(0, dim))
+                Ok(swapped(out, dim))
             }
             Op::ReduceScatter { op: reduce, dim } => {
-                let input = to_cube(tensor.swap_dims(0, dim)).map_err(Failure::Now)?;
+                let input = swapped(input, dim);
                 let dtype = reducible(input.dtype)?;
                 let mut out = input.shape();
                 out[0] /= size;
@@ -521,12 +649,11 @@ impl Nccl {
                 let out = self.launch(input, out, |src, dst| unsafe {
                     sys::ncclReduceScatter(src, dst, count, dtype, red_op(reduce), comm, stream)
                 })?;
-                Ok(from_cube::<B, D, K>(out).swap_dims(0, dim))
+                Ok(swapped(out, dim))
             }
             Op::Broadcast { root } => {
-                let input = to_cube(tensor).map_err(Failure::Now)?;
                 let bytes = byte_len(&input);
-                let out = self.launch(input, Shape::from(dims), |src, dst| unsafe {
+                self.launch(input, Shape::from(dims), |src, dst| unsafe {
                     sys::ncclBroadcast(
                         src,
                         dst,
@@ -536,8 +663,7 @@ impl Nccl {
                         comm,
                         stream,
                     )
-                })?;
-                Ok(from_cube(out))
+                })
             }
             Op::AllToAll {
                 split_dim,
@@ -545,7 +671,7 @@ impl Nccl {
             } => {
                 // Part k of the input (along `split_dim`, brought to the front) goes to rank k;
                 // the part from rank k lands in block k of the output.
-                let input = to_cube(tensor.swap_dims(0, split_dim)).map_err(Failure::Now)?;
+                let input = swapped(input, split_dim);
                 let (chunk, shape) = (byte_len(&input) / size, input.shape());
                 let out = self.launch(input, shape, |src, dst| unsafe {
                     let status = sys::ncclGroupStart();
@@ -572,15 +698,16 @@ impl Nccl {
                     }
                     sys::ncclGroupEnd()
                 })?;
-                let blocks = from_cube::<B, D, K>(out).swap_dims(0, split_dim);
-                let part = dims[split_dim] / size;
+                let blocks = swapped(out, split_dim);
                 if concat_dim == split_dim {
                     return Ok(blocks);
                 }
-                let parts = (0..size)
-                    .map(|k| blocks.clone().narrow(split_dim, k * part, part))
-                    .collect();
-                Ok(Tensor::cat(parts, concat_dim))
+                let layout = concat_blocks(&dims, split_dim, concat_dim, size);
+                let view = reshape(blocks, Shape::from(layout.view));
+                Ok(reshape(
+                    permute(view, &layout.axes),
+                    Shape::from(layout.out),
+                ))
             }
             Op::Barrier | Op::Split => unreachable!("{op} is not a data collective"),
         }
@@ -589,6 +716,7 @@ impl Nccl {
     /// Waits until every rank of the communicator's `size` has called it.
     pub fn barrier(&self, size: usize) -> Result<(), Failure> {
         let token = Tensor::<Cuda<f32>, 1, Int>::zeros([1], &self.device);
+        let token = to_cube(token).map_err(Failure::Now)?;
         self.collective(Op::AllReduce(ReduceOp::Sum), size, token)
             .map(drop)
     }
@@ -596,8 +724,9 @@ impl Nccl {
     /// Every rank's `value`, in rank order.
     pub fn all_gather_value(&self, value: usize, size: usize) -> Result<Vec<usize>, Failure> {
         let mine = Tensor::<Cuda<f32>, 1, Int>::from_data([value as i64], &self.device);
+        let mine = to_cube(mine).map_err(Failure::Now)?;
         let all = self.collective(Op::AllGather { dim: 0 }, size, mine)?;
-        let values = all
+        let values = from_cube::<Cuda<f32>, 1, Int>(all)
             .into_data()
             .convert::<i64>()
             .into_vec::<i64>()
@@ -613,15 +742,7 @@ impl Nccl {
         out_shape: Shape,
         call: impl FnOnce(*const c_void, *mut c_void) -> ncclResult_t,
     ) -> Result<CubeTensor<CudaRuntime>, Failure> {
-        let client = input.client.clone();
-        let bytes = out_shape.num_elements() * input.dtype.size();
-        let output = CubeTensor::new_contiguous(
-            client.clone(),
-            input.device.clone(),
-            out_shape,
-            client.empty(bytes),
-            input.dtype,
-        );
+        let output = contiguous(&input.device, out_shape, input.dtype);
         let [src, dst] = self.bind([input, output])?;
         let (from, to) = (src.ptr as *const c_void, dst.ptr as *mut c_void);
         if let Err(failure) = self.run(|_, _| issued(call(from, to), "the call")) {
@@ -870,6 +991,18 @@ fn reducible(dtype: DType) -> Result<ncclDataType_t, Failure> {
             )));
         }
     })
+}
+
+/// A contiguous tensor of `shape` and `dtype` on `device`, its memory not initialised:
+/// cubecl's own memory, like any tensor's (see [`Nccl::bind`]).
+pub(crate) fn contiguous(
+    device: &CudaDevice,
+    shape: Shape,
+    dtype: DType,
+) -> CubeTensor<CudaRuntime> {
+    let client = CudaRuntime::client(device);
+    let memory = client.empty(shape.num_elements() * dtype.size());
+    CubeTensor::new_contiguous(client, device.clone(), shape, memory, dtype)
 }
 
 pub(crate) fn byte_len(tensor: &CubeTensor<CudaRuntime>) -> usize {

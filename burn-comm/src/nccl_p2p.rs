@@ -23,22 +23,18 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use burn::backend::cuda::CudaDevice;
-use burn::tensor::backend::Backend;
-use burn::tensor::{
-    BasicOps, DType, Int, Tensor, TensorCreationOptions, TensorData, TensorMetadata,
-};
+use burn::tensor::{DType, Int, Shape, Tensor, TensorData, TensorMetadata};
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use cudarc::driver::sys::CUstream;
 use cudarc::nccl::sys::{self, ncclDataType_t};
 
 use crate::CommError;
-use crate::communicator::Inner;
-use crate::local::World;
-use crate::nccl::{Bound, Failure, Nccl, byte_len, issued, unique_id};
+use crate::nccl::{Bound, Failure, Nccl, NcclGroup, byte_len, contiguous, issued, unique_id};
 use crate::nccl_tensor::{Cuda, from_cube, to_cube};
 use crate::pair_ids::PairIds;
 use crate::sync::lock;
+use crate::world::World;
 
 /// Bytes of a message's header: the data's length (8 bytes), the length of the description
 /// (2 bytes) and the description, as a mismatch error prints it, zero-padded.
@@ -108,18 +104,18 @@ struct Pair {
     nccl: Nccl,
 }
 
-/// Queues `tensor` for group rank `dst`; returns once it is complete on the device and queued,
-/// without waiting for the receiver.
-pub(crate) fn send<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
-    inner: &Inner,
-    nccl: &Nccl,
+/// Queues `data` from group rank `me` for group rank `dst`; returns once it is complete on the
+/// device and queued, without waiting for the receiver.
+pub(crate) fn send(
+    group: &NcclGroup,
+    me: usize,
     dst: usize,
-    tensor: Tensor<B, D, K>,
+    data: CubeTensor<CudaRuntime>,
 ) -> Result<(), Failure> {
+    let nccl = &group.nccl;
     nccl.usable()?;
     check_ids()?;
-    let description = description(tensor.dtype(), &tensor.dims());
-    let data = to_cube(tensor).map_err(Failure::Now)?;
+    let description = description(data.dtype, &data.shape());
     let bytes = byte_len(&data);
     let header = header(bytes, &description)?;
     let header = Words::from_data(header, (nccl.device(), DType::I32));
@@ -139,8 +135,8 @@ pub(crate) fn send<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         Entry::Occupied(pair) => pair.into_mut(),
         Entry::Vacant(slot) => slot.insert(Outgoing::start(
             nccl,
-            inner.local_group().world().clone(),
-            pair_key(nccl, inner.rank, dst),
+            group.world.clone(),
+            pair_key(nccl, me, dst),
         )?),
     };
     let stopped = |pair: &Outgoing| {
@@ -159,23 +155,24 @@ pub(crate) fn send<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         .map_err(|_| stopped(pair))
 }
 
-/// Receives the next message from group rank `src` as a tensor of `shape` made with `options`;
-/// a message of another dtype or shape is consumed and refused with a `Mismatch`.
-pub(crate) fn recv<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
-    inner: &Inner,
-    nccl: &Nccl,
+/// Receives, as group rank `me`, the next message from group rank `src` as a tensor of `dtype`
+/// and `shape`; a message of another dtype or shape is consumed and refused with a `Mismatch`
+/// naming the receive `op`.
+pub(crate) fn recv(
+    group: &NcclGroup,
+    me: usize,
     src: usize,
-    shape: [usize; D],
-    options: TensorCreationOptions<B>,
     op: &str,
-) -> Result<Tensor<B, D, K>, CommError> {
-    let failed = |failure| inner.nccl_error(op, failure);
+    dtype: DType,
+    shape: &[usize],
+) -> Result<CubeTensor<CudaRuntime>, CommError> {
+    let nccl = &group.nccl;
+    let failed = |failure| group.error(me, &op, failure);
     nccl.usable().map_err(failed)?;
     // Made and bound before anything is received, so that no error can leave a message half
-    // read; burn picks the dtype, as it stores it, when `options` names none.
-    let out = Tensor::<B, D, K>::empty(shape, options);
-    let (dtype, wanted) = (out.dtype(), description(out.dtype(), &shape));
-    let out = to_cube(out).map_err(|reason| failed(Failure::Now(reason)))?;
+    // read.
+    let wanted = description(dtype, shape);
+    let out = contiguous(nccl.device(), Shape::from(shape.to_vec()), dtype);
     let out = match out.shape().num_elements() {
         0 => Destination::Empty(out),
         _ => Destination::Memory(nccl.bind([out]).map(|[out]| out).map_err(failed)?),
@@ -185,8 +182,8 @@ pub(crate) fn recv<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
     let pair = match incoming.entry(src) {
         Entry::Occupied(pair) => pair.into_mut(),
         Entry::Vacant(slot) => {
-            let key = pair_key(nccl, src, inner.rank);
-            let pair = Pair::join_as_receiver(nccl, inner.local_group().world(), &key)
+            let key = pair_key(nccl, src, me);
+            let pair = Pair::join_as_receiver(nccl, &group.world, &key)
                 .map_err(|reason| failed(Failure::Now(reason)))?;
             slot.insert(pair)
         }
@@ -207,11 +204,12 @@ pub(crate) fn recv<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
     if theirs != wanted || bytes != wanted_bytes {
         pair.drain(bytes).map_err(from_src)?;
         half_read.finished();
+        let members = crate::transport::Transport::members(group);
         return Err(CommError::Mismatch {
-            group: inner.transport.name().to_string(),
-            rank: inner.transport.members()[inner.rank],
-            mine: format!("recv(from {src}) of {dtype:?} {shape:?}"),
-            other_rank: inner.transport.members()[src],
+            group: crate::transport::Transport::name(group).to_string(),
+            rank: members[me],
+            mine: op.to_string(),
+            other_rank: members[src],
             theirs,
         });
     }
@@ -220,7 +218,7 @@ pub(crate) fn recv<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         Destination::Memory(out) => pair.recv(out, bytes).map_err(from_src)?.tensor,
     };
     half_read.finished();
-    Ok(from_cube(out))
+    Ok(out)
 }
 
 impl Outgoing {

@@ -2,8 +2,9 @@
 //! checks, the streams, the stats and the errors, and the transports that move the bytes.
 //!
 //! A transport is one group of ranks as seen by one process: the local transport (ranks are
-//! threads, `local.rs`) and MPI (ranks are processes, `mpi.rs`) implement [`Transport`] on host
-//! memory. NCCL (`nccl.rs`) moves device memory instead and is taken before the host path.
+//! threads, `local.rs`) and MPI (ranks are processes, `mpi.rs`) move tensors' data through host
+//! memory; NCCL (`nccl.rs`) moves CUDA tensors in device memory. The communicator hands each a
+//! [`Payload`] in the memory it names, and makes the tensor of the result.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -11,7 +12,52 @@ use std::sync::Arc;
 use burn::tensor::{DType, TensorData};
 
 use crate::call::Call;
+use crate::world::World;
 use crate::{CommError, ReduceOp};
+
+/// Where a transport takes its data from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Memory {
+    /// A tensor's data on the host, of any burn backend.
+    Host,
+    /// The device memory of a tensor of burn's CUDA backend.
+    #[cfg(feature = "cuda")]
+    Cuda,
+}
+
+/// A tensor as a transport moves it, in the [`Memory`] the transport names.
+pub(crate) enum Payload {
+    Host(TensorData),
+    #[cfg(feature = "cuda")]
+    Cuda(Box<CudaTensor>),
+}
+
+#[cfg(feature = "cuda")]
+type CudaTensor = burn_cubecl::tensor::CubeTensor<burn_cubecl::cubecl::cuda::CudaRuntime>;
+
+impl Payload {
+    /// The data given to a transport on host memory.
+    pub fn into_host(self) -> TensorData {
+        match self {
+            Payload::Host(data) => data,
+            #[cfg(feature = "cuda")]
+            Payload::Cuda(_) => unreachable!("a host transport is given host data"),
+        }
+    }
+}
+
+impl From<TensorData> for Payload {
+    fn from(data: TensorData) -> Self {
+        Payload::Host(data)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<CudaTensor> for Payload {
+    fn from(tensor: CudaTensor) -> Self {
+        Payload::Cuda(Box::new(tensor))
+    }
+}
 
 /// Something a call is done with, freed later, off the caller's critical path.
 pub(crate) type Retired = Box<dyn Any + Send>;
@@ -44,10 +90,11 @@ impl Stream {
     }
 }
 
-/// One group's data paths on host memory. `me` is the calling rank's index in the group; every
-/// call that joins the group is given the `call` every rank must agree on, and a transport
-/// reports ranks that disagree with [`CommError::Mismatch`] naming both calls. A call never
-/// waits longer than the group's timeout for a peer that does not join.
+/// One group's data paths. `me` is the calling rank's index in the group; every call that
+/// joins the group is given the `call` every rank must agree on, and a transport reports ranks
+/// that disagree with [`CommError::Mismatch`] naming both calls (NCCL cannot, and documents
+/// what it does instead). A call never waits longer than the group's timeout for a peer that
+/// does not join. Payloads come in the transport's [`Transport::memory`], and go back in it.
 pub(crate) trait Transport: Send + Sync {
     /// The group's name, as errors print it.
     fn name(&self) -> &str;
@@ -55,12 +102,30 @@ pub(crate) trait Transport: Send + Sync {
     /// Global ranks, in group-rank order.
     fn members(&self) -> &[usize];
 
+    /// Where the data it moves lives.
+    fn memory(&self) -> Memory {
+        Memory::Host
+    }
+
+    /// The launch the ranks are threads of, when they are (NCCL keeps its bookkeeping there).
+    fn world(&self) -> Option<&Arc<World>> {
+        None
+    }
+
     /// A communication job of global rank `rank` was queued (the thread launcher waits for a
     /// returning rank's jobs, so that peers do not see it leave mid-call).
-    fn job_started(&self, _rank: usize) {}
+    fn job_started(&self, rank: usize) {
+        if let Some(world) = self.world() {
+            world.job_started(rank);
+        }
+    }
 
     /// A job counted by [`Transport::job_started`] has ended.
-    fn job_finished(&self, _rank: usize) {}
+    fn job_finished(&self, rank: usize) {
+        if let Some(world) = self.world() {
+            world.job_finished(rank);
+        }
+    }
 
     /// Element-wise reduction in group-rank order; every rank gets the same bits.
     fn all_reduce(
@@ -68,9 +133,9 @@ pub(crate) trait Transport: Send + Sync {
         me: usize,
         stream: &mut Stream,
         call: Call,
-        data: TensorData,
+        data: Payload,
         op: ReduceOp,
-    ) -> Result<TensorData, CommError>;
+    ) -> Result<Payload, CommError>;
 
     /// Every rank's `data` concatenated along `dim` in rank order.
     fn all_gather(
@@ -78,9 +143,9 @@ pub(crate) trait Transport: Send + Sync {
         me: usize,
         stream: &mut Stream,
         call: Call,
-        data: TensorData,
+        data: Payload,
         dim: usize,
-    ) -> Result<TensorData, CommError>;
+    ) -> Result<Payload, CommError>;
 
     /// The reduction's part `me` of `size` equal parts along `dim` (the size divides).
     fn reduce_scatter(
@@ -88,20 +153,21 @@ pub(crate) trait Transport: Send + Sync {
         me: usize,
         stream: &mut Stream,
         call: Call,
-        data: TensorData,
+        data: Payload,
         op: ReduceOp,
         dim: usize,
-    ) -> Result<TensorData, CommError>;
+    ) -> Result<Payload, CommError>;
 
-    /// Group rank `root`'s data, whose shape and dtype are the call's; only the root gives it.
+    /// Group rank `root`'s data, whose shape and dtype are the call's. A transport on the host
+    /// is given the root's data only; one on a device, every rank's tensor (to hold the result).
     fn broadcast(
         &self,
         me: usize,
         stream: &mut Stream,
         call: Call,
-        data: Option<TensorData>,
+        data: Option<Payload>,
         root: usize,
-    ) -> Result<TensorData, CommError>;
+    ) -> Result<Payload, CommError>;
 
     /// Part `r` of `data` along `split_dim` to rank `r`; the parts received concatenated along
     /// `concat_dim` in rank order.
@@ -110,10 +176,10 @@ pub(crate) trait Transport: Send + Sync {
         me: usize,
         stream: &mut Stream,
         call: Call,
-        data: TensorData,
+        data: Payload,
         split_dim: usize,
         concat_dim: usize,
-    ) -> Result<TensorData, CommError>;
+    ) -> Result<Payload, CommError>;
 
     /// Joins a call that moves no data: a barrier, or a call whose arguments were refused (so
     /// that every rank learns of it).
@@ -121,7 +187,7 @@ pub(crate) trait Transport: Send + Sync {
 
     /// Queues `data` for group rank `to`; never waits for the receiver, and messages between
     /// two ranks arrive in the order they were sent.
-    fn send(&self, me: usize, to: usize, data: TensorData) -> Result<(), CommError>;
+    fn send(&self, me: usize, to: usize, data: Payload) -> Result<(), CommError>;
 
     /// The next message from group rank `from`, which must be of `dtype` and `shape` (else
     /// [`mismatched_message`]); `op` names the receive in errors.
@@ -132,7 +198,7 @@ pub(crate) trait Transport: Send + Sync {
         op: &str,
         dtype: DType,
         shape: &[usize],
-    ) -> Result<TensorData, CommError>;
+    ) -> Result<Payload, CommError>;
 
     /// The group of the ranks that pass the same `color`, and `me`'s rank in it.
     fn split(
@@ -143,10 +209,6 @@ pub(crate) trait Transport: Send + Sync {
         name: String,
         color: usize,
     ) -> Result<(Arc<dyn Transport>, usize), CommError>;
-
-    /// For the NCCL transport, which keeps its bookkeeping on a local group.
-    #[cfg(feature = "cuda")]
-    fn as_any(&self) -> &dyn Any;
 }
 
 /// How a point-to-point message is named in a mismatch: its dtype and shape.

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{BasicOps, DType, Element, Tensor, TensorCreationOptions};
+use burn::tensor::{BasicOps, DType, Tensor, TensorCreationOptions};
 
 use crate::call::{Call, Op};
 use crate::kernels;
@@ -545,12 +545,16 @@ impl Communicator {
         options: impl Into<TensorCreationOptions<B>>,
     ) -> Work<Tensor<B, D, K>> {
         let options = options.into();
-        let dtype = options.dtype_or(<K::Elem as Element>::dtype());
+        // An empty tensor made as the received one will be: burn picks its dtype, from the
+        // device's defaults when `options` names none.
+        let like = Tensor::<B, D, K>::empty([0; D], options.clone());
+        let dtype = like.dtype();
         let op = format!("recv(from {src}) of {dtype:?} {shape:?}");
         let checked = self.check_peer(&op, src);
         self.submit(op.clone(), move |inner, _| {
             checked?;
-            let data = inner.transport.recv(inner.rank, src, &op, dtype, &shape)?;
+            let like = inner.payload(&op, like)?;
+            let data = inner.transport.recv(inner.rank, src, &op, like, &shape)?;
             Ok(tensor_of(data, &options.device, dtype))
         })
     }

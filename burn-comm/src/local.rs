@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use burn::tensor::{DType, TensorData};
+use burn::tensor::TensorData;
 
 use crate::call::Call;
 use crate::kernels::{self, Region};
@@ -658,9 +658,10 @@ impl Transport for Group {
         me: usize,
         from: usize,
         op: &str,
-        dtype: DType,
+        like: Payload,
         shape: &[usize],
     ) -> Result<Payload, CommError> {
+        let dtype = like.dtype();
         let data = self.take_message(me, from, op)?;
         mismatched_message(
             self,

@@ -22,7 +22,6 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use burn::tensor::DType;
 use mpi::ffi;
 
 use crate::call::Call;
@@ -928,9 +927,10 @@ impl Transport for MpiGroup {
         me: usize,
         from: usize,
         op: &str,
-        dtype: DType,
+        like: Payload,
         shape: &[usize],
     ) -> Result<Payload, CommError> {
+        let dtype = like.dtype();
         self.broken()?;
         let mut head = Box::new([0u8; HEADER]);
         let mut flight = InFlight::new();

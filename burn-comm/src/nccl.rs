@@ -25,7 +25,7 @@ use burn_cubecl::cubecl::Runtime;
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::cubecl::future::block_on;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::{permute, reshape};
+use burn_cubecl::ops::permute;
 use burn_cubecl::tensor::CubeTensor;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::{CUcontext, CUdevice, CUresult, CUstream, cuStreamQuery};
@@ -199,14 +199,14 @@ impl NcclGroup {
     /// Runs `call` on `data`, as group rank `me`.
     fn collective(&self, me: usize, call: &Call, data: Payload) -> Result<Payload, CommError> {
         self.nccl
-            .collective(call.op, self.members.len(), on_device(data))
+            .collective(call.op, self.members.len(), cuda_tensor(data))
             .map(Payload::from)
             .map_err(|failure| self.error(me, call, failure))
     }
 }
 
 /// The CUDA tensor the communicator gives a transport on [`Memory::Cuda`].
-pub(crate) fn on_device(data: Payload) -> CubeTensor<CudaRuntime> {
+pub(crate) fn cuda_tensor(data: Payload) -> CubeTensor<CudaRuntime> {
     match data {
         Payload::Cuda(cube) => *cube,
         Payload::Host(_) => unreachable!("NCCL is given CUDA tensors"),
@@ -301,7 +301,7 @@ impl Transport for NcclGroup {
     }
 
     fn send(&self, me: usize, to: usize, data: Payload) -> Result<(), CommError> {
-        crate::nccl_p2p::send(self, me, to, on_device(data))
+        crate::nccl_p2p::send(self, me, to, cuda_tensor(data))
             .map_err(|failure| self.error(me, &format!("send(to {to})"), failure))
     }
 
@@ -310,10 +310,10 @@ impl Transport for NcclGroup {
         me: usize,
         from: usize,
         op: &str,
-        dtype: DType,
+        like: Payload,
         shape: &[usize],
     ) -> Result<Payload, CommError> {
-        crate::nccl_p2p::recv(self, me, from, op, dtype, shape).map(Payload::from)
+        crate::nccl_p2p::recv(self, me, from, op, cuda_tensor(like), shape).map(Payload::from)
     }
 
     /// The ranks learn each other's colours (to know the members of their new group), then
@@ -616,7 +616,7 @@ impl Nccl {
         if input.shape().num_elements() == 0 {
             // Nothing to move: only the result's shape depends on the call.
             let shape = Shape::from(result_shape(op, &dims, size));
-            return Ok(contiguous(&input.device, shape, input.dtype));
+            return Ok(empty_contiguous(&input.device, shape, input.dtype));
         }
         let rank = dims.len();
         // NCCL concatenates and splits flat buffers along their first dim: the dim a call
@@ -698,16 +698,14 @@ impl Nccl {
                     }
                     sys::ncclGroupEnd()
                 })?;
-                let blocks = swapped(out, split_dim);
                 if concat_dim == split_dim {
-                    return Ok(blocks);
+                    return Ok(swapped(out, split_dim));
                 }
+                // Laid out by reading contiguous buffers in new shapes, never by reshaping a
+                // strided view (burn-cubecl's stride rule can split a dim wrongly there).
                 let layout = concat_blocks(&dims, split_dim, concat_dim, size);
-                let view = reshape(blocks, Shape::from(layout.view));
-                Ok(reshape(
-                    permute(view, &layout.axes),
-                    Shape::from(layout.out),
-                ))
+                let parts = permute(read_as(out, layout.view), &layout.axes);
+                Ok(read_as(into_contiguous(parts), layout.out))
             }
             Op::Barrier | Op::Split => unreachable!("{op} is not a data collective"),
         }
@@ -742,7 +740,7 @@ impl Nccl {
         out_shape: Shape,
         call: impl FnOnce(*const c_void, *mut c_void) -> ncclResult_t,
     ) -> Result<CubeTensor<CudaRuntime>, Failure> {
-        let output = contiguous(&input.device, out_shape, input.dtype);
+        let output = empty_contiguous(&input.device, out_shape, input.dtype);
         let [src, dst] = self.bind([input, output])?;
         let (from, to) = (src.ptr as *const c_void, dst.ptr as *mut c_void);
         if let Err(failure) = self.run(|_, _| issued(call(from, to), "the call")) {
@@ -995,7 +993,7 @@ fn reducible(dtype: DType) -> Result<ncclDataType_t, Failure> {
 
 /// A contiguous tensor of `shape` and `dtype` on `device`, its memory not initialised:
 /// cubecl's own memory, like any tensor's (see [`Nccl::bind`]).
-pub(crate) fn contiguous(
+pub(crate) fn empty_contiguous(
     device: &CudaDevice,
     shape: Shape,
     dtype: DType,
@@ -1003,6 +1001,19 @@ pub(crate) fn contiguous(
     let client = CudaRuntime::client(device);
     let memory = client.empty(shape.num_elements() * dtype.size());
     CubeTensor::new_contiguous(client, device.clone(), shape, memory, dtype)
+}
+
+/// The contiguous `tensor` read in `shape`, of as many elements: no data moves.
+fn read_as(tensor: CubeTensor<CudaRuntime>, shape: Vec<usize>) -> CubeTensor<CudaRuntime> {
+    debug_assert!(tensor.is_contiguous());
+    let CubeTensor {
+        client,
+        handle,
+        device,
+        dtype,
+        ..
+    } = tensor;
+    CubeTensor::new_contiguous(client, device, Shape::from(shape), handle, dtype)
 }
 
 pub(crate) fn byte_len(tensor: &CubeTensor<CudaRuntime>) -> usize {

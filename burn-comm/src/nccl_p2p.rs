@@ -30,7 +30,7 @@ use cudarc::driver::sys::CUstream;
 use cudarc::nccl::sys::{self, ncclDataType_t};
 
 use crate::CommError;
-use crate::nccl::{Bound, Failure, Nccl, NcclGroup, byte_len, contiguous, issued, unique_id};
+use crate::nccl::{Bound, Failure, Nccl, NcclGroup, byte_len, empty_contiguous, issued, unique_id};
 use crate::nccl_tensor::{Cuda, from_cube, to_cube};
 use crate::pair_ids::PairIds;
 use crate::sync::lock;
@@ -155,24 +155,25 @@ pub(crate) fn send(
         .map_err(|_| stopped(pair))
 }
 
-/// Receives, as group rank `me`, the next message from group rank `src` as a tensor of `dtype`
-/// and `shape`; a message of another dtype or shape is consumed and refused with a `Mismatch`
+/// Receives, as group rank `me`, the next message from group rank `src` as a tensor of `shape`
+/// and of `like`'s dtype and device; a message of another dtype or shape is consumed and refused with a `Mismatch`
 /// naming the receive `op`.
 pub(crate) fn recv(
     group: &NcclGroup,
     me: usize,
     src: usize,
     op: &str,
-    dtype: DType,
+    like: CubeTensor<CudaRuntime>,
     shape: &[usize],
 ) -> Result<CubeTensor<CudaRuntime>, CommError> {
     let nccl = &group.nccl;
     let failed = |failure| group.error(me, &op, failure);
     nccl.usable().map_err(failed)?;
     // Made and bound before anything is received, so that no error can leave a message half
-    // read.
-    let wanted = description(dtype, shape);
-    let out = contiguous(nccl.device(), Shape::from(shape.to_vec()), dtype);
+    // read: on the device the receive asked for, which `bind` refuses when this communicator
+    // does not drive it.
+    let wanted = description(like.dtype, shape);
+    let out = empty_contiguous(&like.device, Shape::from(shape.to_vec()), like.dtype);
     let out = match out.shape().num_elements() {
         0 => Destination::Empty(out),
         _ => Destination::Memory(nccl.bind([out]).map(|[out]| out).map_err(failed)?),

@@ -36,6 +36,14 @@ pub(crate) enum Payload {
 type CudaTensor = burn_cubecl::tensor::CubeTensor<burn_cubecl::cubecl::cuda::CudaRuntime>;
 
 impl Payload {
+    pub fn dtype(&self) -> DType {
+        match self {
+            Payload::Host(data) => data.dtype,
+            #[cfg(feature = "cuda")]
+            Payload::Cuda(tensor) => tensor.dtype,
+        }
+    }
+
     /// The data given to a transport on host memory.
     pub fn into_host(self) -> TensorData {
         match self {
@@ -107,7 +115,8 @@ pub(crate) trait Transport: Send + Sync {
         Memory::Host
     }
 
-    /// The launch the ranks are threads of, when they are (NCCL keeps its bookkeeping there).
+    /// What the ranks of the launch share, for transports that keep it in this process: thread
+    /// ranks, and NCCL (its pair ids). MPI keeps nothing of the kind.
     fn world(&self) -> Option<&Arc<World>> {
         None
     }
@@ -189,14 +198,16 @@ pub(crate) trait Transport: Send + Sync {
     /// two ranks arrive in the order they were sent.
     fn send(&self, me: usize, to: usize, data: Payload) -> Result<(), CommError>;
 
-    /// The next message from group rank `from`, which must be of `dtype` and `shape` (else
-    /// [`mismatched_message`]); `op` names the receive in errors.
+    /// The next message from group rank `from`, which must be of `shape` and of the dtype of
+    /// `like` (else [`mismatched_message`]); `op` names the receive in errors. `like` is an empty
+    /// tensor of the kind to receive, in the transport's memory: a device transport receives
+    /// onto its device.
     fn recv(
         &self,
         me: usize,
         from: usize,
         op: &str,
-        dtype: DType,
+        like: Payload,
         shape: &[usize],
     ) -> Result<Payload, CommError>;
 

@@ -1,5 +1,6 @@
-//! Every rank of one launch, as any transport sees it: what each rank's function has done, the
-//! communication jobs each has in flight, and how long a rank waits for its peers.
+//! Every rank of one launch, as this process sees it: what each rank's function has done, the
+//! communication jobs each has in flight, and how long a rank waits for its peers. Thread ranks
+//! and NCCL keep it; MPI, whose ranks are processes, needs none.
 
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;

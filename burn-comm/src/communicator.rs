@@ -13,7 +13,7 @@ use crate::call::{Call, Op};
 use crate::kernels;
 use crate::stats::CommStats;
 use crate::sync::{lock, panic_message};
-use crate::transport::{Memory, Payload, Retired, Stream, Transport};
+use crate::transport::{FREE_INLINE_BYTES, Footprint, Memory, Payload, Retired, Stream, Transport};
 use crate::{CommError, ReduceOp};
 
 /// What the worker thread is asked to do.
@@ -100,12 +100,11 @@ impl Communicator {
                         Job::Run(call) => {
                             let mut stream = lock(&worker_stream);
                             call(&mut stream);
-                            std::mem::take(&mut stream.retired)
+                            stream.take_retired().0
                         }
                         Job::Free(retired) => retired,
                     };
-                    // A backend's drop may panic too; the stream must outlive it.
-                    let _ = catch_unwind(AssertUnwindSafe(move || drop(retired)));
+                    free(retired);
                 }
             })
             .expect("the OS refused to start a communication thread");
@@ -206,10 +205,12 @@ impl Communicator {
             if self.inner.queued.load(Ordering::SeqCst) == 0 {
                 transport.job_started(rank);
                 let _ = done.send(run(&self.inner, &mut stream));
-                let retired = std::mem::take(&mut stream.retired);
+                let (retired, bytes) = stream.take_retired();
                 drop(stream);
                 transport.job_finished(rank);
-                if !retired.is_empty() {
+                if bytes <= FREE_INLINE_BYTES {
+                    free(retired);
+                } else {
                     // Freeing a large buffer unmaps it: the worker does it, off this thread.
                     let _ = jobs().send(Job::Free(retired));
                 }
@@ -595,6 +596,17 @@ impl Communicator {
             ));
         }
         Ok(())
+    }
+}
+
+/// Frees what calls are done with. A backend's drop may panic too; the stream must outlive it.
+fn free(retired: Vec<Retired>) {
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(retired)));
+}
+
+impl<B: Backend, const D: usize, K: BasicOps<B>> Footprint for Tensor<B, D, K> {
+    fn footprint(&self) -> usize {
+        self.shape().num_elements() * self.dtype().size()
     }
 }
 

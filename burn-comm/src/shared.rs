@@ -146,11 +146,21 @@ impl SharedBuffer {
         self.ptr
     }
 
+    pub fn len(&self) -> usize {
+        self.memory.len()
+    }
+
     /// One rank's view of the result, once every byte of it has been written.
     pub fn view(&self, shape: Vec<usize>, dtype: DType) -> TensorData {
         let shared = bytes::Bytes::from_owner(View(self.memory.clone()));
         let bytes = Bytes::from_shared(shared, AllocationProperty::Native);
         TensorData::from_bytes(bytes, shape, dtype)
+    }
+}
+
+impl crate::transport::Footprint for SharedBuffer {
+    fn footprint(&self) -> usize {
+        self.len()
     }
 }
 

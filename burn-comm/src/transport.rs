@@ -70,12 +70,31 @@ impl From<CudaTensor> for Payload {
 /// Something a call is done with, freed later, off the caller's critical path.
 pub(crate) type Retired = Box<dyn Any + Send>;
 
+/// Retired buffers of up to this many bytes in all, a blocking call frees itself. Below glibc's
+/// default mmap threshold a free gives memory back to the heap (or a result buffer to its pool)
+/// without unmapping it; waking the worker to free them cost about 5 µs a call at 2 MPI
+/// processes on 2 cores (BENCHMARKS.md, the MPI transport's small messages).
+pub(crate) const FREE_INLINE_BYTES: usize = 128 * 1024;
+
+/// The bytes a retired buffer holds.
+pub(crate) trait Footprint {
+    fn footprint(&self) -> usize;
+}
+
+impl Footprint for TensorData {
+    fn footprint(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
 /// A stream's state, held by whoever runs its next call (the worker, or a blocking caller while
 /// the stream is idle): calls are numbered in the order they run.
 pub(crate) struct Stream {
     pub(crate) seq: u64,
     /// Buffers a call is done with, freed after its caller has the result.
-    pub(crate) retired: Vec<Retired>,
+    retired: Vec<Retired>,
+    /// Their bytes.
+    retired_bytes: usize,
 }
 
 impl Stream {
@@ -83,7 +102,14 @@ impl Stream {
         Self {
             seq: 0,
             retired: Vec::new(),
+            retired_bytes: 0,
         }
+    }
+
+    /// The buffers retired since last asked, and their bytes.
+    pub fn take_retired(&mut self) -> (Vec<Retired>, usize) {
+        let bytes = std::mem::take(&mut self.retired_bytes);
+        (std::mem::take(&mut self.retired), bytes)
     }
 
     /// The number of the call about to run.
@@ -93,7 +119,8 @@ impl Stream {
     }
 
     /// Frees `data` later, off the caller's critical path (freeing a large buffer unmaps it).
-    pub fn retire(&mut self, data: impl Send + 'static) {
+    pub fn retire(&mut self, data: impl Footprint + Send + 'static) {
+        self.retired_bytes += data.footprint();
         self.retired.push(Box::new(data));
     }
 }

@@ -266,6 +266,12 @@ impl Backoff {
     }
 }
 
+/// Whether the parts of a tensor of `dims` along `dim` are whole consecutive blocks of its
+/// row-major buffer: nothing but ones comes before `dim`.
+fn parts_are_blocks(dims: &[usize], dim: usize) -> bool {
+    dims[..dim].iter().all(|&d| d == 1)
+}
+
 /// Now plus `timeout`, or a year from now for a timeout too long to represent.
 fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
@@ -378,17 +384,13 @@ impl MpiGroup {
     }
 
     fn timeout_error(&self, op: String, missing: Vec<usize>) -> CommError {
-        self.break_with(self.timeout_error_unrecorded(op, missing))
-    }
-
-    fn timeout_error_unrecorded(&self, op: String, missing: Vec<usize>) -> CommError {
-        CommError::Timeout {
+        self.break_with(CommError::Timeout {
             op,
             group: self.name.clone(),
             rank: self.members[self.me],
             missing: missing.into_iter().map(|r| self.members[r]).collect(),
             after: self.timeout,
-        }
+        })
     }
 
     /// Opens call `seq`: sends `call`'s header to every peer and checks theirs. On return every
@@ -463,12 +465,29 @@ impl MpiGroup {
     /// still write to this rank's buffers, so the watchdog ends the job instead.
     fn exchange(&self, op: &Call, seq: u64, run: impl FnOnce() -> c_int) -> Result<(), CommError> {
         freeze_if_asked(self.members[self.me]);
-        let peers = (0..self.size()).filter(|&r| r != self.me).collect();
-        let error =
-            self.timeout_error_unrecorded(format!("{op} (call {seq}, data exchange)"), peers);
-        let message = format!("rank {} ends the job: {error}", self.members[self.me]);
+        // Written only if the watchdog needs it: formatting it costs a small call's time.
+        let (call, group, members, me, after) = (
+            op.clone(),
+            self.name.clone(),
+            self.members.clone(),
+            self.me,
+            self.timeout,
+        );
+        let message = move || {
+            let error = CommError::Timeout {
+                op: format!("{call} (call {seq}, data exchange)"),
+                group,
+                rank: members[me],
+                missing: (0..members.len())
+                    .filter(|&r| r != me)
+                    .map(|r| members[r])
+                    .collect(),
+                after,
+            };
+            format!("rank {} ends the job: {error}", members[me])
+        };
         check(
-            watchdog::watch(self.deadline(), message, run),
+            watchdog::watch(self.deadline(), Box::new(message), run),
             "an MPI collective",
         );
         Ok(())
@@ -833,34 +852,51 @@ impl Transport for MpiGroup {
         let mut out_shape = part.clone();
         out_shape[concat_dim] *= size;
         let block = part.iter().product::<usize>() * elem;
-        // Part r of the input, made contiguous, is block r of `send`.
-        let send = SharedBuffer::uninit(size * block);
-        for r in 0..size {
-            let input = (data.bytes.as_ptr(), dims.as_slice());
-            // SAFETY: part r lies inside `data`; block r of `send` holds it.
-            unsafe {
-                kernels::copy_from_part(
-                    input,
-                    (split_dim, r),
-                    send.ptr().add(r * block),
-                    &part,
-                    elem,
-                )
-            };
+        // Part r of the input is block r of what is sent: the input itself when its parts are
+        // whole blocks of it (nothing before `split_dim` but ones), else a packed copy.
+        let packed = (!parts_are_blocks(&dims, split_dim)).then(|| {
+            let send = SharedBuffer::uninit(size * block);
+            for r in 0..size {
+                let input = (data.bytes.as_ptr(), dims.as_slice());
+                // SAFETY: part r lies inside `data`; block r of `send` holds it.
+                unsafe {
+                    kernels::copy_from_part(
+                        input,
+                        (split_dim, r),
+                        send.ptr().add(r * block),
+                        &part,
+                        elem,
+                    )
+                };
+            }
+            send
+        });
+        let sent = match &packed {
+            Some(send) => send.ptr().cast_const(),
+            None => data.bytes.as_ptr(),
+        };
+        // Likewise the parts received land in the output itself when they are whole blocks of
+        // it, else in a buffer they are unpacked from.
+        let out = SharedBuffer::uninit(size * block);
+        let unpacked = !parts_are_blocks(&out_shape, concat_dim);
+        let received = match unpacked {
+            true => SharedBuffer::uninit(size * block),
+            false => out.clone(),
+        };
+        self.all_to_all_elems(&call, seq, (sent, block / elem), received.ptr(), elem)?;
+        if unpacked {
+            for r in 0..size {
+                let from = received.ptr().wrapping_add(r * block).cast_const();
+                let dst = (out.ptr(), out_shape.as_slice());
+                // SAFETY: block r of `received` is rank r's part; part r lies inside `out`.
+                unsafe { kernels::copy_to_part(from, &part, dst, (concat_dim, r), elem) };
+            }
+            stream.retire(received);
         }
         stream.retire(data);
-        let received = SharedBuffer::uninit(size * block);
-        let sent = (send.ptr().cast_const(), block / elem);
-        self.all_to_all_elems(&call, seq, sent, received.ptr(), elem)?;
-        let out = SharedBuffer::uninit(size * block);
-        for r in 0..size {
-            let from = received.ptr().wrapping_add(r * block).cast_const();
-            let dst = (out.ptr(), out_shape.as_slice());
-            // SAFETY: block r of `received` is rank r's part; part r lies inside `out`.
-            unsafe { kernels::copy_to_part(from, &part, dst, (concat_dim, r), elem) };
+        if let Some(send) = packed {
+            stream.retire(send);
         }
-        stream.retire(send);
-        stream.retire(received);
         Ok(out.view(out_shape, dtype).into())
     }
 
@@ -912,6 +948,11 @@ impl Transport for MpiGroup {
         });
         flight.buffers.push(head);
         flight.buffers.push(Box::new(data));
+        // A small message is usually sent at once (MPI's eager protocol): then no thread need
+        // be woken to complete it.
+        if flight.test() {
+            return Ok(());
+        }
         self.sender()
             .send(flight)
             .map_err(|_| CommError::Transport {
@@ -1049,10 +1090,13 @@ mod watchdog {
 
     use crate::sync::lock;
 
+    /// What to print if a call outlives its deadline, written only then.
+    pub type Message = Box<dyn FnOnce() -> String + Send>;
+
     struct Watched {
         next_id: u64,
         /// Calls in progress: id, deadline, what to print if it passes.
-        calls: Vec<(u64, Instant, String)>,
+        calls: Vec<(u64, Instant, Message)>,
     }
 
     static WATCHED: Mutex<Watched> = Mutex::new(Watched {
@@ -1062,7 +1106,7 @@ mod watchdog {
     static PATROL: Once = Once::new();
 
     /// Runs `run`; if it has not returned by `deadline`, prints `message` and ends the job.
-    pub fn watch<R>(deadline: Instant, message: String, run: impl FnOnce() -> R) -> R {
+    pub fn watch<R>(deadline: Instant, message: Message, run: impl FnOnce() -> R) -> R {
         PATROL.call_once(|| {
             std::thread::Builder::new()
                 .name("mpi-watchdog".into())
@@ -1085,13 +1129,13 @@ mod watchdog {
         loop {
             std::thread::sleep(Duration::from_millis(200));
             let now = Instant::now();
-            let overdue = lock(&WATCHED)
-                .calls
-                .iter()
-                .find(|call| call.1 <= now)
-                .map(|call| call.2.clone());
+            let overdue = {
+                let mut watched = lock(&WATCHED);
+                let late = watched.calls.iter().position(|call| call.1 <= now);
+                late.map(|at| watched.calls.swap_remove(at).2)
+            };
             if let Some(message) = overdue {
-                super::abort(&message);
+                super::abort(&message());
             }
         }
     }

@@ -289,6 +289,16 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
         let second: Tensor<B, 2> = c.recv(prev, [3, 2], &Default::default())?;
         Ok(Tensor::cat(vec![first, second], 0).into_data())
     })?;
+    // A large message (its data sent apart from its header) and a small one (inside it) keep
+    // their order.
+    same_as_threads(ctx, "large and small sends", |c, r| {
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        c.send(input(11, r, [90, 100], DType::F32), next)?;
+        c.send(input(12, r, [3, 2], DType::F32), next)?;
+        let large: Tensor<B, 2> = c.recv(prev, [90, 100], &Default::default())?;
+        let small: Tensor<B, 2> = c.recv(prev, [3, 2], &Default::default())?;
+        Ok(Tensor::cat(vec![large.flatten::<1>(0, 1), small.flatten(0, 1)], 0).into_data())
+    })?;
     // A message of another shape than expected is a mismatch naming both, not garbage.
     let (next, prev) = ((ctx.rank() + 1) % n, (ctx.rank() + n - 1) % n);
     ctx.world().send(input(10, 0, [2, 2], DType::F32), next)?;

@@ -208,7 +208,7 @@ impl Communicator {
                 let (retired, bytes) = stream.take_retired();
                 drop(stream);
                 transport.job_finished(rank);
-                if bytes <= FREE_INLINE_BYTES {
+                if bytes < FREE_INLINE_BYTES {
                     free(retired);
                 } else {
                     // Freeing a large buffer unmaps it: the worker does it, off this thread.

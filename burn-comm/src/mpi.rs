@@ -28,7 +28,9 @@ use crate::call::Call;
 use crate::kernels;
 use crate::shared::SharedBuffer;
 use crate::sync::lock;
-use crate::transport::{Payload, Stream, Transport, describe_message, mismatched_message};
+use crate::transport::{
+    FREE_INLINE_BYTES, Payload, Stream, Transport, describe_message, mismatched_message,
+};
 use crate::{CommError, ReduceOp};
 
 /// Bytes of a call's header: the call number and the call, as text.
@@ -45,7 +47,8 @@ const SMALL_ALL_REDUCE: usize = 32 * 1024;
 struct Comm(ffi::MPI_Comm);
 
 // SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE; a group's calls are ordered by its
-// stream, and its sends are completed by one thread.
+// stream, and each of its sends is completed by one thread (the sender's, or the group's send
+// thread).
 unsafe impl Send for Comm {}
 unsafe impl Sync for Comm {}
 
@@ -309,7 +312,8 @@ pub(crate) struct MpiGroup {
     timeout: Duration,
     /// The first failure; every later call fails with it.
     broken: Mutex<Option<CommError>>,
-    /// The thread that completes this group's sends, started by the first one.
+    /// The thread that completes this group's sends MPI did not finish at once, started by the
+    /// first such.
     sender: Mutex<Option<Sender>>,
 }
 
@@ -560,8 +564,8 @@ impl MpiGroup {
     }
 }
 
-/// Completes a group's sends in the background, in the order they were queued (MPI needs the
-/// sender to make progress on large messages). Gives up on a send after `timeout`, or at the
+/// Completes in the background a group's sends that MPI did not finish at once, in the order
+/// they were queued (MPI needs the sender to make progress on large messages). Gives up on a send after `timeout`, or at the
 /// `drain` deadline the group's drop sets.
 fn complete_sends(inbox: mpsc::Receiver<InFlight>, timeout: Duration, drain: &OnceLock<Instant>) {
     for flight in inbox {
@@ -949,8 +953,9 @@ impl Transport for MpiGroup {
         flight.buffers.push(head);
         flight.buffers.push(Box::new(data));
         // A small message is usually sent at once (MPI's eager protocol): then no thread need
-        // be woken to complete it.
-        if flight.test() {
+        // be woken to complete it. Its buffers are freed here, so a large one (which could be
+        // finished at once, its receiver waiting) still goes to the thread, as retired ones do.
+        if bytes < FREE_INLINE_BYTES && flight.test() {
             return Ok(());
         }
         self.sender()

@@ -67,13 +67,14 @@ impl From<CudaTensor> for Payload {
     }
 }
 
-/// Something a call is done with, freed later, off the caller's critical path.
+/// Something a call is done with, freed after its caller has the result.
 pub(crate) type Retired = Box<dyn Any + Send>;
 
-/// Retired buffers of up to this many bytes in all, a blocking call frees itself. Below glibc's
-/// default mmap threshold a free gives memory back to the heap (or a result buffer to its pool)
-/// without unmapping it; waking the worker to free them cost about 5 µs a call at 2 MPI
-/// processes on 2 cores (BENCHMARKS.md, the MPI transport's small messages).
+/// Retired buffers of fewer bytes than this in all, a blocking call frees itself. Below glibc's
+/// default mmap threshold (128 KiB with its 16 bytes of overhead) a free gives memory back to
+/// the heap (or a result buffer to its pool) without unmapping it; waking the worker to free
+/// them cost about 5 µs a call at 2 MPI processes on 2 cores (BENCHMARKS.md, the MPI
+/// transport's small messages).
 pub(crate) const FREE_INLINE_BYTES: usize = 128 * 1024;
 
 /// The bytes a retired buffer holds.
@@ -118,7 +119,8 @@ impl Stream {
         self.seq - 1
     }
 
-    /// Frees `data` later, off the caller's critical path (freeing a large buffer unmaps it).
+    /// Frees `data` once the call's caller has its result: off the caller's thread when the
+    /// call's retired buffers are large (freeing a large buffer unmaps it).
     pub fn retire(&mut self, data: impl Footprint + Send + 'static) {
         self.retired_bytes += data.footprint();
         self.retired.push(Box::new(data));

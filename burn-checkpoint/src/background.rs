@@ -47,18 +47,24 @@ pub struct BackgroundSaver {
 
 impl BackgroundSaver {
     /// A saver for the ranks of `comm` (this process alone without one). A collective: every
-    /// rank of `comm` makes its saver at the same point of its calls, as for a split. Refused
-    /// on a NCCL group: a save's agreement goes through host memory, and collectives on
-    /// another NCCL group from a second thread may deadlock against the training's.
+    /// rank of `comm` makes its saver at the same point of its calls, as for a split. A save's
+    /// agreement goes through host memory, so on a group on NCCL it goes through the host
+    /// group it was made from ([`Communicator::host`]): collectives on another NCCL group from
+    /// a second thread could deadlock against the training's. A group on NCCL without one is
+    /// refused.
     pub fn new(comm: Option<&Communicator>) -> Result<Self, CheckpointError> {
-        if comm.is_some_and(Communicator::is_nccl) {
-            return Err(CheckpointError::Mismatch(
-                "a checkpoint is saved in the background over a host group; this one is NCCL's: \
-                 make the saver from a group of the local or MPI transport"
-                    .into(),
-            ));
-        }
-        let comm = comm.map(|c| c.split("checkpoint", 0)).transpose()?;
+        let host = match comm {
+            Some(comm) => Some(comm.host().ok_or_else(|| {
+                CheckpointError::Mismatch(
+                    "a checkpoint is saved in the background over a host group, and this group \
+                     on NCCL was not made from one (Communicator::nccl_world's, or split from \
+                     one): make the saver from a group of the local or MPI transport"
+                        .into(),
+                )
+            })?),
+            None => None,
+        };
+        let comm = host.map(|c| c.split("checkpoint", 0)).transpose()?;
         Ok(Self {
             comm,
             keep: None,

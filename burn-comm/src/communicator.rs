@@ -163,6 +163,18 @@ impl Communicator {
         self.inner.transport.memory() != Memory::Host
     }
 
+    /// The same ranks on a host transport (threads or MPI), for what a host backend's tensors
+    /// must do beside a group on NCCL (a checkpoint's agreement, say): this group itself when
+    /// it is on one; for a group on NCCL, the group [`Communicator::nccl`] made it from. None
+    /// for a group of [`Communicator::nccl_world`] or split from a group on NCCL.
+    pub fn host(&self) -> Option<Communicator> {
+        match self.inner.transport.memory() {
+            Memory::Host => Some(self.clone()),
+            #[cfg(feature = "cuda")]
+            Memory::Cuda => self.inner.transport.host_twin(),
+        }
+    }
+
     /// The handle blocking calls use: their call may run on the caller's thread.
     fn blocking(&self) -> Self {
         Self {

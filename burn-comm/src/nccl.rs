@@ -97,6 +97,7 @@ impl Communicator {
             members: self.ranks().to_vec(),
             world,
             nccl,
+            host: Some(self.clone()),
         };
         Ok(Communicator::new(Arc::new(group), self.rank()))
     }
@@ -163,6 +164,7 @@ impl Communicator {
             members: (0..env.world_size).collect(),
             world: World::of_processes(env.world_size, timeout, store.addr()),
             nccl,
+            host: None,
         };
         Ok(Communicator::new(Arc::new(group), env.rank))
     }
@@ -177,6 +179,9 @@ pub(crate) struct NcclGroup {
     /// The launch's bookkeeping: thread ranks' jobs, and where send/recv pairs hand ids over.
     pub(crate) world: Arc<World>,
     pub(crate) nccl: Nccl,
+    /// The group on a host transport it was made from, if it was (see
+    /// [`Communicator::host`]).
+    host: Option<Communicator>,
 }
 
 impl NcclGroup {
@@ -228,6 +233,10 @@ impl Transport for NcclGroup {
 
     fn world(&self) -> Option<&Arc<World>> {
         Some(&self.world)
+    }
+
+    fn host_twin(&self) -> Option<Communicator> {
+        self.host.clone()
     }
 
     fn all_reduce(
@@ -344,6 +353,7 @@ impl Transport for NcclGroup {
             members,
             world: self.world.clone(),
             nccl,
+            host: None,
         };
         Ok((Arc::new(group), rank))
     }

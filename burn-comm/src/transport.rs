@@ -150,6 +150,14 @@ pub(crate) trait Transport: Send + Sync {
         None
     }
 
+    /// For a transport on device memory, the same ranks on a host transport, when the group was
+    /// made from one (what must go through host memory, such as a checkpoint's agreement, goes
+    /// there).
+    #[cfg(feature = "cuda")]
+    fn host_twin(&self) -> Option<crate::Communicator> {
+        None
+    }
+
     /// A communication job of global rank `rank` was queued (the thread launcher waits for a
     /// returning rank's jobs, so that peers do not see it leave mid-call).
     fn job_started(&self, rank: usize) {

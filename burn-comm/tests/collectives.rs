@@ -769,3 +769,23 @@ fn stats_count_calls_and_payload_bytes_per_kind_of_collective() {
         assert_eq!(reset, burn_comm::CommStats::default());
     }
 }
+
+#[test]
+fn a_host_group_is_its_own_host_twin() {
+    let results = run(2, |ctx| {
+        let host = ctx
+            .world()
+            .host()
+            .expect("a group of threads is on the host");
+        assert!(!host.is_nccl());
+        assert_eq!(
+            (host.group_name(), host.ranks(), host.rank()),
+            (ctx.world().group_name(), ctx.world().ranks(), ctx.rank())
+        );
+        // The same group: a collective on either is one call of the group.
+        let x = Tensor::<B, 1>::from_floats([ctx.rank() as f32], &Default::default());
+        let sum = host.all_reduce(x, ReduceOp::Sum)?;
+        Ok(sum.into_scalar())
+    });
+    assert!(results.into_iter().all(|sum| sum == 1.0));
+}

@@ -34,6 +34,9 @@ fn on_nccl<T: Send>(
     let results = launch_with(LaunchConfig::new(world).with_timeout(timeout), |ctx| {
         let nccl = ctx.world().nccl(&device())?;
         assert!(nccl.is_nccl() && !ctx.world().is_nccl());
+        // Its host twin is the group it was made from; a split of it has none.
+        let host = nccl.host().expect("made from a host group");
+        assert!(!host.is_nccl() && host.ranks() == ctx.world().ranks());
         f(&ctx, &nccl)
     });
     let required = std::env::var("BURN_COMM_REQUIRE_GPU").is_ok_and(|v| v == "1");
@@ -283,6 +286,10 @@ fn a_mesh_splits_on_nccl() {
         let tp = mesh.group("tp")?;
         let dp = mesh.group("dp")?;
         assert!(tp.is_nccl() && dp.is_nccl());
+        assert!(
+            tp.host().is_none(),
+            "a split of a group on NCCL has no host twin"
+        );
         assert_eq!((tp.size(), dp.size()), (2, 1));
         let x = whole::<1>(ctx.rank() as u64, [5]);
         same(

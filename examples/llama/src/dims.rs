@@ -6,7 +6,6 @@ use burn_tensor_parallel::{ContextParallel, TensorParallel};
 
 use burn_zero::ZeroStage;
 
-use crate::engine::CHECKPOINTED_LAYOUTS;
 use crate::experts::{MoeRecord, PartExperts};
 use crate::model::Llama;
 use crate::parallel_plan::{Slices, check_split};
@@ -121,9 +120,6 @@ impl ParallelDims {
             config.seq_len / self.cp.max(1),
         )
         .map_err(TrainError::Config)?;
-        if config.checkpoint.is_some() && config.nccl {
-            return Err(TrainError::Config(CHECKPOINTED_LAYOUTS.into()));
-        }
         if config.strategy == Strategy::ParameterServer && self.tp > 1 {
             return Err(TrainError::Config(
                 "the parameter-server baseline replicates whole models; use --strategy ddp with --tp".into(),

@@ -77,7 +77,7 @@ fn not_checkpointed() -> TrainError {
 }
 
 /// The layouts that checkpoint, as a refusal says it.
-pub(crate) const CHECKPOINTED_LAYOUTS: &str = "checkpoints are taken on one device, under DDP, ZeRO 1-3, pipelines (with any --tp and --sp) and the parameter server, on the local and MPI transports so far, not under --nccl; drop --checkpoint-dir or --nccl";
+const CHECKPOINTED_LAYOUTS: &str = "checkpoints are taken on one device, under DDP, ZeRO 1-3, pipelines (with any --tp and --sp) and the parameter server; drop --checkpoint-dir";
 
 /// What an optimizer step reports.
 #[derive(Debug, Clone, Copy, Default)]

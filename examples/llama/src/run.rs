@@ -247,11 +247,14 @@ impl<'a> Saver<'a> {
         self.finish()?;
         // A rank that cannot hand in its pieces still joins the save, so every rank fails alike.
         let mut state = engine.checkpoint_pieces();
-        if self
-            .config
-            .checkpoint
-            .as_ref()
-            .is_some_and(|c| c.stage_on_host)
+        // Under NCCL too: the writer thread must not read device memory beside the training's
+        // collectives.
+        if self.config.nccl
+            || self
+                .config
+                .checkpoint
+                .as_ref()
+                .is_some_and(|c| c.stage_on_host)
         {
             state = state.and_then(|mut held| {
                 for piece in &mut held.pieces {

@@ -626,7 +626,8 @@ fn bad_input_gets_a_sentence() {
                 "/tmp/llama-ckpt-cli",
                 "--resume",
             ],
-            "not under --nccl",
+            // Checkpoints are taken under NCCL; NCCL wants GPUs.
+            "--nccl moves CUDA tensors between GPUs; use it with --device cuda",
         ),
         (
             &["train", "--batch-size", "0"],

@@ -276,6 +276,16 @@ pub(crate) fn run_bytes(
     if fully_sharded {
         model_state += gathered_units(&config.model, dims.tp, precision.param);
     }
+    // ZeRO-1 and 2 all-gather the updated weights while the old ones are still in the replica
+    // (burn-zero's `ShardedDataParallel::step`): at the step's end a rank holds them twice.
+    let sharded = matches!(
+        config.zero,
+        ZeroStage::OptimizerState | ZeroStage::Gradients
+    );
+    if sharded && dims.dp * dims.cp > 1 {
+        let (dense, experts) = plan.per_rank();
+        model_state += (dense + experts) * precision.param as u64;
+    }
     let chunks = dims.pp * config.virtual_stages;
     let activations = |layers| {
         activation_bytes(

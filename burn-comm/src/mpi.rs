@@ -565,8 +565,8 @@ impl MpiGroup {
 }
 
 /// Completes in the background a group's sends that MPI did not finish at once, in the order
-/// they were queued (MPI needs the sender to make progress on large messages). Gives up on a send after `timeout`, or at the
-/// `drain` deadline the group's drop sets.
+/// they were queued (MPI needs the sender to make progress on large messages). Gives up on a
+/// send after `timeout`, or at the `drain` deadline the group's drop sets.
 fn complete_sends(inbox: mpsc::Receiver<InFlight>, timeout: Duration, drain: &OnceLock<Instant>) {
     for flight in inbox {
         let finalized = FINALIZED.read().unwrap_or_else(|e| e.into_inner());

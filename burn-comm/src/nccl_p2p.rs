@@ -156,8 +156,8 @@ pub(crate) fn send(
 }
 
 /// Receives, as group rank `me`, the next message from group rank `src` as a tensor of `shape`
-/// and of `like`'s dtype and device; a message of another dtype or shape is consumed and refused with a `Mismatch`
-/// naming the receive `op`.
+/// and of `like`'s dtype and device; a message of another dtype or shape is consumed and
+/// refused with a `Mismatch` naming the receive `op`.
 pub(crate) fn recv(
     group: &NcclGroup,
     me: usize,

@@ -2,6 +2,7 @@
 //! name the call in errors.
 
 use std::fmt;
+use std::hash::{Hash, Hasher};
 
 use burn::tensor::DType;
 
@@ -31,7 +32,7 @@ impl fmt::Display for ReduceOp {
 }
 
 /// The operation of a collective call, with the arguments every rank must agree on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Op {
     AllReduce(ReduceOp),
     AllGather { dim: usize },
@@ -62,8 +63,32 @@ impl fmt::Display for Op {
     }
 }
 
+/// A point-to-point call, as errors name it.
+#[derive(Debug, Clone)]
+pub(crate) enum PointToPoint {
+    Send {
+        to: usize,
+    },
+    Recv {
+        from: usize,
+        dtype: DType,
+        shape: Vec<usize>,
+    },
+}
+
+impl fmt::Display for PointToPoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PointToPoint::Send { to } => write!(f, "send(to {to})"),
+            PointToPoint::Recv { from, dtype, shape } => {
+                write!(f, "recv(from {from}) of {dtype:?} {shape:?}")
+            }
+        }
+    }
+}
+
 /// One rank's call: the operation and the tensor it brings.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Call {
     pub op: Op,
     pub dtype: Option<DType>,
@@ -77,6 +102,14 @@ impl Call {
             dtype: Some(dtype),
             shape: shape.to_vec(),
         }
+    }
+
+    /// A digest of the call, alike in every process of one build: ranks of another process
+    /// compare digests, which is much faster than writing out and comparing the calls' text.
+    pub fn digest(&self) -> u64 {
+        let mut hasher = Fnv1a::new();
+        self.hash(&mut hasher);
+        hasher.finish()
     }
 
     /// A call that carries no tensor (barrier, split).
@@ -95,5 +128,60 @@ impl fmt::Display for Call {
             Some(dtype) => write!(f, "{} on {:?} {:?}", self.op, dtype, self.shape),
             None => write!(f, "{}", self.op),
         }
+    }
+}
+
+/// The FNV-1a hash: unlike std's default hasher, it hashes alike in every process.
+pub(crate) struct Fnv1a(u64);
+
+impl Fnv1a {
+    pub fn new() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Hasher for Fnv1a {
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calls_that_differ_in_anything_have_other_digests() {
+        let call = Call::new(Op::AllGather { dim: 0 }, DType::F32, &[2, 3]);
+        assert_eq!(call.digest(), call.clone().digest());
+        let others = [
+            Call::new(Op::AllGather { dim: 1 }, DType::F32, &[2, 3]),
+            Call::new(Op::AllGather { dim: 0 }, DType::F16, &[2, 3]),
+            Call::new(Op::AllGather { dim: 0 }, DType::F32, &[3, 2]),
+            Call::new(Op::AllGather { dim: 0 }, DType::F32, &[2, 3, 1]),
+            Call::new(Op::Broadcast { root: 0 }, DType::F32, &[2, 3]),
+            Call::bare(Op::Barrier),
+        ];
+        for other in others {
+            assert_ne!(call.digest(), other.digest(), "{call} and {other}");
+        }
+    }
+
+    #[test]
+    fn fnv1a_matches_its_published_test_vectors() {
+        let hash = |bytes: &[u8]| {
+            let mut hasher = Fnv1a::new();
+            hasher.write(bytes);
+            hasher.finish()
+        };
+        assert_eq!(hash(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(hash(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(hash(b"foobar"), 0x8594_4171_f739_67e8);
     }
 }

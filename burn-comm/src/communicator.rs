@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use burn::tensor::backend::Backend;
 use burn::tensor::{BasicOps, DType, Tensor, TensorCreationOptions};
 
-use crate::call::{Call, Op};
+use crate::call::{Call, Op, PointToPoint};
 use crate::kernels;
 use crate::stats::CommStats;
 use crate::sync::{lock, panic_message};
@@ -65,24 +65,58 @@ impl fmt::Debug for Communicator {
 /// A communication in flight; [`Work::wait`] gives its result.
 #[must_use = "a collective's result is only known after `wait`"]
 pub struct Work<T> {
-    result: mpsc::Receiver<Result<T, CommError>>,
-    op: String,
-    group: String,
-    rank: usize,
+    state: WorkState<T>,
+}
+
+enum WorkState<T> {
+    /// Ran on the caller's thread (a blocking call on an idle stream).
+    Done(Result<T, CommError>),
+    /// Queued for the stream's worker thread, which sends the result.
+    Queued {
+        result: mpsc::Receiver<Result<T, CommError>>,
+        op: String,
+        group: String,
+        rank: usize,
+    },
 }
 
 impl<T> Work<T> {
     /// Blocks until the communication has finished.
     pub fn wait(self) -> Result<T, CommError> {
-        self.result.recv().unwrap_or_else(|_| {
-            Err(CommError::PeerFailed {
-                rank: self.rank,
-                group: self.group,
-                op: self.op,
-                reason: "lost its communication thread".to_string(),
-            })
-        })
+        match self.state {
+            WorkState::Done(result) => result,
+            WorkState::Queued {
+                result,
+                op,
+                group,
+                rank,
+            } => result.recv().unwrap_or_else(|_| {
+                Err(CommError::PeerFailed {
+                    rank,
+                    group,
+                    op,
+                    reason: "lost its communication thread".to_string(),
+                })
+            }),
+        }
     }
+}
+
+/// Runs `job` on `stream`; a panic in it becomes the error that names this rank and call.
+fn guarded<T>(
+    inner: &Inner,
+    stream: &mut Stream,
+    (op, rank): (&dyn fmt::Display, usize),
+    job: impl FnOnce(&Inner, &mut Stream) -> Result<T, CommError>,
+) -> Result<T, CommError> {
+    catch_unwind(AssertUnwindSafe(|| job(inner, stream))).unwrap_or_else(|panic| {
+        Err(CommError::PeerFailed {
+            rank,
+            group: inner.transport.name().to_string(),
+            op: op.to_string(),
+            reason: format!("panicked: {}", panic_message(panic.as_ref())),
+        })
+    })
 }
 
 impl Communicator {
@@ -185,38 +219,21 @@ impl Communicator {
 
     /// Runs `job` after every call issued before it: on the caller's thread when this is a
     /// blocking call and the stream is idle (two thread wake-ups fewer), else on the worker.
+    /// `op` names the call in errors; it is written out only when needed, since formatting
+    /// costs a small call's time.
     fn submit<T: Send + 'static>(
         &self,
-        op: String,
+        op: impl fmt::Display + Send + 'static,
         job: impl FnOnce(&Inner, &mut Stream) -> Result<T, CommError> + Send + 'static,
     ) -> Work<T> {
-        let (done, result) = mpsc::sync_channel(1);
         let rank = self.global_rank();
-        let work = Work {
-            result,
-            op: op.clone(),
-            group: self.group_name().to_string(),
-            rank,
-        };
-        let group = work.group.clone();
-        let run = move |inner: &Inner, stream: &mut Stream| {
-            let outcome = catch_unwind(AssertUnwindSafe(|| job(inner, stream)));
-            outcome.unwrap_or_else(|panic| {
-                Err(CommError::PeerFailed {
-                    rank,
-                    group,
-                    op,
-                    reason: format!("panicked: {}", panic_message(panic.as_ref())),
-                })
-            })
-        };
         let transport = &self.inner.transport;
         let jobs = || lock(&self.inner.jobs);
         if self.inline {
             let mut stream = lock(&self.inner.stream);
             if self.inner.queued.load(Ordering::SeqCst) == 0 {
                 transport.job_started(rank);
-                let _ = done.send(run(&self.inner, &mut stream));
+                let result = guarded(&self.inner, &mut stream, (&op, rank), job);
                 let (retired, bytes) = stream.take_retired();
                 drop(stream);
                 transport.job_finished(rank);
@@ -226,12 +243,23 @@ impl Communicator {
                     // Freeing a large buffer unmaps it: the worker does it, off this thread.
                     let _ = jobs().send(Job::Free(retired));
                 }
-                return work;
+                return Work {
+                    state: WorkState::Done(result),
+                };
             }
         }
+        let (done, result) = mpsc::sync_channel(1);
+        let work = Work {
+            state: WorkState::Queued {
+                result,
+                op: op.to_string(),
+                group: self.group_name().to_string(),
+                rank,
+            },
+        };
         let inner = self.inner.clone();
         let call = Box::new(move |stream: &mut Stream| {
-            let result = run(&inner, stream);
+            let result = guarded(&inner, stream, (&op, rank), job);
             inner.queued.fetch_sub(1, Ordering::SeqCst);
             inner.transport.job_finished(rank);
             // Let go of the group before the caller learns the result: a process that then
@@ -269,7 +297,7 @@ impl Communicator {
             let bytes = call.shape.iter().product::<usize>() * call.dtype.map_or(0, |d| d.size());
             lock(&self.inner.stats).record(call.op, bytes as u64);
         }
-        self.submit(call.to_string(), move |inner, stream| {
+        self.submit(call.clone(), move |inner, stream| {
             if let Err(error) = checked {
                 return refuse(inner, stream, call, error);
             }
@@ -498,7 +526,7 @@ impl Communicator {
     /// [`Communicator::barrier`] without waiting.
     pub fn barrier_async(&self) -> Work<()> {
         let call = Call::bare(Op::Barrier);
-        self.submit(call.to_string(), move |inner, stream| {
+        self.submit(call.clone(), move |inner, stream| {
             inner.transport.join(inner.rank, stream, call)
         })
     }
@@ -524,7 +552,7 @@ impl Communicator {
         tensor: Tensor<B, D, K>,
         dst: usize,
     ) -> Work<()> {
-        let op = format!("send(to {dst})");
+        let op = PointToPoint::Send { to: dst };
         let checked = self
             .check_plain(&op, tensor.dtype())
             .and_then(|_| self.check_peer(&op, dst));
@@ -562,7 +590,11 @@ impl Communicator {
         // device's defaults when `options` names none.
         let like = Tensor::<B, D, K>::empty([0; D], options.clone());
         let dtype = like.dtype();
-        let op = format!("recv(from {src}) of {dtype:?} {shape:?}");
+        let op = PointToPoint::Recv {
+            from: src,
+            dtype,
+            shape: shape.to_vec(),
+        };
         let checked = self.check_peer(&op, src);
         self.submit(op.clone(), move |inner, _| {
             checked?;
@@ -577,7 +609,7 @@ impl Communicator {
     pub fn split(&self, name: &str, color: usize) -> Result<Communicator, CommError> {
         let call = Call::bare(Op::Split);
         let name = name.to_string();
-        self.submit(call.to_string(), move |inner, stream| {
+        self.submit(call.clone(), move |inner, stream| {
             let (transport, rank) = inner
                 .transport
                 .split(inner.rank, stream, call, name, color)?;
@@ -596,7 +628,7 @@ impl Communicator {
         Ok(())
     }
 
-    fn check_peer(&self, op: &str, peer: usize) -> Result<(), CommError> {
+    fn check_peer(&self, op: &PointToPoint, peer: usize) -> Result<(), CommError> {
         if peer >= self.size() || peer == self.rank() {
             return Err(self.invalid(
                 op,

@@ -5,8 +5,9 @@
 //! algorithm MPI picks, and works on every dtype the kernels know (bf16 and f16 included).
 //!
 //! MPI neither times out nor checks that ranks make the same call, so every collective starts
-//! with a header exchange: each rank sends every peer a short header naming its call, point to
-//! point, and waits for theirs. A peer whose header does not come within the group's timeout is
+//! with a header exchange: each rank sends every peer a short header naming its call (its number
+//! and a digest; the calls' text follows only when headers differ), point to point, and waits
+//! for theirs. A peer whose header does not come within the group's timeout is
 //! named in a [`CommError::Timeout`]; a peer that called something else gets a
 //! [`CommError::Mismatch`] naming both calls. Only then do the ranks start the collective itself,
 //! with MPI's blocking call under a watchdog that ends the job if it outlives the timeout.
@@ -16,6 +17,7 @@
 
 use std::any::Any;
 use std::ffi::c_int;
+use std::fmt;
 use std::mem::ManuallyDrop;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -33,8 +35,14 @@ use crate::transport::{
 };
 use crate::{CommError, ReduceOp};
 
-/// Bytes of a call's header: the call number and the call, as text.
-const HEADER: usize = 256;
+/// Bytes of a call's header: the call number and the call's digest.
+const HEADER: usize = 16;
+/// Bytes of a call's or a message's description: a number and text (cut short if longer).
+const TEXT: usize = 256;
+/// Tags on the control communicator: call headers, then, only when they differ, the calls'
+/// descriptions.
+const TAG_CALL: c_int = 0;
+const TAG_CALL_TEXT: c_int = 1;
 /// Tags on the point-to-point communicator: a message's header, then its payload.
 const TAG_HEADER: c_int = 1;
 const TAG_PAYLOAD: c_int = 2;
@@ -402,24 +410,55 @@ impl MpiGroup {
     fn open(&self, stream: &mut Stream, call: &Call) -> Result<u64, CommError> {
         self.broken()?;
         let seq = stream.next_seq();
-        let text = call.to_string();
-        let size = self.size();
+        let mut mine = [0u8; HEADER];
+        mine[..8].copy_from_slice(&seq.to_le_bytes());
+        mine[8..].copy_from_slice(&call.digest().to_le_bytes());
+        let named = || format!("{call} (call {seq})");
+        if self.swap(mine, TAG_CALL, named)?.iter().all(|h| *h == mine) {
+            return Ok(seq);
+        }
+        // Another call, or the same one digested otherwise (another build): the text tells.
+        let texts = self.swap(header(seq, &call.to_string()), TAG_CALL_TEXT, named)?;
+        let named = |rank: usize| parse_header(&texts[rank]);
+        let first = named(0);
+        if let Some(other) = (1..self.size()).find(|&r| named(r) != first) {
+            let describe = |(seq, text): (u64, String)| format!("{text} (call {seq})");
+            return Err(self.break_with(CommError::Mismatch {
+                group: self.name.clone(),
+                rank: self.members[0],
+                mine: describe(first),
+                other_rank: self.members[other],
+                theirs: describe(named(other)),
+            }));
+        }
+        Ok(seq)
+    }
+
+    /// Sends `mine` to every peer on the control communicator, tagged `tag`, and returns every
+    /// rank's in group-rank order. A peer that sends nothing within the timeout is named in a
+    /// timeout of `op`.
+    fn swap<const N: usize>(
+        &self,
+        mine: [u8; N],
+        tag: c_int,
+        op: impl FnOnce() -> String,
+    ) -> Result<Vec<[u8; N]>, CommError> {
         // Boxed: on a timeout they are leaked with the requests that use them.
-        let mine = Box::new(header(seq, &text));
-        let mut inbox = vec![[0u8; HEADER]; size];
-        let inbox_base = inbox.as_mut_ptr();
+        let mine = Box::new(mine);
+        let mut all = vec![*mine; self.size()];
+        let base = all.as_mut_ptr();
         let mut flight = InFlight::new();
-        for peer in (0..size).filter(|&p| p != self.me) {
-            // SAFETY: inside `inbox`, which is not touched again until the requests complete.
-            let buf = unsafe { inbox_base.add(peer) }.cast::<u8>();
-            // SAFETY: `inbox` and `mine` outlive the requests.
+        for peer in (0..self.size()).filter(|&p| p != self.me) {
+            // SAFETY: inside `all`, which is not touched again until the requests complete.
+            let buf = unsafe { base.add(peer) }.cast::<u8>();
+            // SAFETY: `all` and `mine` outlive the requests.
             flight.push(peer, |r| unsafe {
                 ffi::MPI_Irecv(
                     buf.cast(),
-                    HEADER as c_int,
+                    N as c_int,
                     byte(),
                     peer as c_int,
-                    0,
+                    tag,
                     self.control.0,
                     r,
                 )
@@ -427,10 +466,10 @@ impl MpiGroup {
             flight.push(peer, |r| unsafe {
                 ffi::MPI_Isend(
                     mine.as_ptr().cast(),
-                    HEADER as c_int,
+                    N as c_int,
                     byte(),
                     peer as c_int,
-                    0,
+                    tag,
                     self.control.0,
                     r,
                 )
@@ -439,28 +478,10 @@ impl MpiGroup {
         let deadline = self.deadline();
         if let Err(missing) = flight.wait(|| deadline) {
             std::mem::forget(mine);
-            std::mem::forget(inbox);
-            return Err(self.timeout_error(format!("{text} (call {seq})"), missing));
+            std::mem::forget(all);
+            return Err(self.timeout_error(op(), missing));
         }
-        let inbox_of = |peer: usize| &inbox[peer];
-        // This rank's own call as its peers read it (a long text is cut short in the header).
-        let named = |rank: usize| match rank == self.me {
-            true => parse_header(&mine),
-            false => parse_header(inbox_of(rank)),
-        };
-        let first = named(0);
-        if let Some(other) = (1..size).find(|&r| named(r) != first) {
-            let theirs = named(other);
-            let describe = |(seq, text): (u64, String)| format!("{text} (call {seq})");
-            return Err(self.break_with(CommError::Mismatch {
-                group: self.name.clone(),
-                rank: self.members[0],
-                mine: describe(first),
-                other_rank: self.members[other],
-                theirs: describe(theirs),
-            }));
-        }
-        Ok(seq)
+        Ok(all)
     }
 
     /// Runs the data phase of call `seq`, blocking (MPI's own collectives, faster than its
@@ -598,18 +619,18 @@ impl Drop for MpiGroup {
     }
 }
 
-fn header(seq: u64, text: &str) -> [u8; HEADER] {
-    let mut out = [0u8; HEADER];
+fn header(seq: u64, text: &str) -> [u8; TEXT] {
+    let mut out = [0u8; TEXT];
     out[..8].copy_from_slice(&seq.to_le_bytes());
-    let text = &text.as_bytes()[..text.len().min(HEADER - 10)];
+    let text = &text.as_bytes()[..text.len().min(TEXT - 10)];
     out[8..10].copy_from_slice(&(text.len() as u16).to_le_bytes());
     out[10..10 + text.len()].copy_from_slice(text);
     out
 }
 
-fn parse_header(bytes: &[u8; HEADER]) -> (u64, String) {
+fn parse_header(bytes: &[u8; TEXT]) -> (u64, String) {
     let seq = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
-    let len = (u16::from_le_bytes([bytes[8], bytes[9]]) as usize).min(HEADER - 10);
+    let len = (u16::from_le_bytes([bytes[8], bytes[9]]) as usize).min(TEXT - 10);
     (
         seq,
         String::from_utf8_lossy(&bytes[10..10 + len]).into_owned(),
@@ -617,7 +638,7 @@ fn parse_header(bytes: &[u8; HEADER]) -> (u64, String) {
 }
 
 /// A message's header on the point-to-point communicator: its payload's length and what it is.
-fn message_header(bytes: usize, what: &str) -> [u8; HEADER] {
+fn message_header(bytes: usize, what: &str) -> [u8; TEXT] {
     header(bytes as u64, what)
 }
 
@@ -913,9 +934,9 @@ impl Transport for MpiGroup {
         let data = data.into_host();
         self.broken()?;
         let bytes = data.bytes.len();
-        let op = format!("send(to {to})");
+        let op = || format!("send(to {to})");
         let count = c_int::try_from(bytes).map_err(|_| CommError::InvalidArgument {
-            op: op.clone(),
+            op: op(),
             group: self.name.clone(),
             reason: format!(
                 "a message of {bytes} bytes is beyond what MPI can count in one call (2^31 - 1 bytes); split the tensor"
@@ -931,7 +952,7 @@ impl Transport for MpiGroup {
         flight.push(to, |r| unsafe {
             ffi::MPI_Isend(
                 head.as_ptr().cast(),
-                HEADER as c_int,
+                TEXT as c_int,
                 byte(),
                 to as c_int,
                 TAG_HEADER,
@@ -961,7 +982,7 @@ impl Transport for MpiGroup {
         self.sender()
             .send(flight)
             .map_err(|_| CommError::Transport {
-                op,
+                op: op(),
                 group: self.name.clone(),
                 rank: self.members[self.me],
                 reason: "the thread that completes sends is gone".to_string(),
@@ -972,20 +993,20 @@ impl Transport for MpiGroup {
         &self,
         me: usize,
         from: usize,
-        op: &str,
+        op: &dyn fmt::Display,
         like: Payload,
         shape: &[usize],
     ) -> Result<Payload, CommError> {
         let dtype = like.dtype();
         self.broken()?;
-        let mut head = Box::new([0u8; HEADER]);
+        let mut head = Box::new([0u8; TEXT]);
         let mut flight = InFlight::new();
         let buf = head.as_mut_ptr();
         // SAFETY: `head` outlives the request (leaked with it on a timeout).
         flight.push(from, |r| unsafe {
             ffi::MPI_Irecv(
                 buf.cast(),
-                HEADER as c_int,
+                TEXT as c_int,
                 byte(),
                 from as c_int,
                 TAG_HEADER,

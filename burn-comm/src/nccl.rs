@@ -318,7 +318,7 @@ impl Transport for NcclGroup {
         &self,
         me: usize,
         from: usize,
-        op: &str,
+        op: &dyn fmt::Display,
         like: Payload,
         shape: &[usize],
     ) -> Result<Payload, CommError> {
@@ -422,11 +422,12 @@ pub(crate) fn unique_id() -> Result<[u8; 128], String> {
     Ok(id.internal.map(|c| c as u8))
 }
 
-/// A 64-bit hash of `bytes` that every process computes alike (FNV-1a).
+/// A 64-bit hash of `bytes` that every process computes alike.
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    use std::hash::Hasher;
+    let mut hasher = crate::call::Fnv1a::new();
+    hasher.write(bytes);
+    hasher.finish()
 }
 
 /// Whether NCCL can start on `device`: the libraries load and the driver knows the device.

@@ -162,7 +162,7 @@ pub(crate) fn recv(
     group: &NcclGroup,
     me: usize,
     src: usize,
-    op: &str,
+    op: &dyn std::fmt::Display,
     like: CubeTensor<CudaRuntime>,
     shape: &[usize],
 ) -> Result<CubeTensor<CudaRuntime>, CommError> {

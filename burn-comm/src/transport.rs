@@ -7,6 +7,7 @@
 //! [`Payload`] in the memory it names, and makes the tensor of the result.
 
 use std::any::Any;
+use std::fmt;
 use std::sync::Arc;
 
 use burn::tensor::{DType, TensorData};
@@ -243,7 +244,7 @@ pub(crate) trait Transport: Send + Sync {
         &self,
         me: usize,
         from: usize,
-        op: &str,
+        op: &dyn fmt::Display,
         like: Payload,
         shape: &[usize],
     ) -> Result<Payload, CommError>;
@@ -270,7 +271,7 @@ pub(crate) fn mismatched_message(
     transport: &dyn Transport,
     me: usize,
     from: usize,
-    op: &str,
+    op: &dyn fmt::Display,
     expected: &str,
     sent: &str,
 ) -> Result<(), CommError> {

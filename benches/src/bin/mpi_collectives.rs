@@ -39,6 +39,10 @@ struct Args {
     /// Each size is this factor times the previous one.
     #[arg(long, default_value_t = 4)]
     step: usize,
+    /// Iterations of each size (default: enough for about 2 GB moved, within [5, 200]); a
+    /// large count gives a profiler enough samples.
+    #[arg(long)]
+    iterations: Option<usize>,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/mpi_collectives.json")]
     json: String,
@@ -174,7 +178,7 @@ fn measure(world: &Communicator, args: &Args) {
     for &op in &args.ops {
         for bytes in sizes(args.min_bytes, args.max_bytes, args.step) {
             let elems = elements(bytes, n);
-            let iters = iterations(elems * 4);
+            let iters = args.iterations.unwrap_or_else(|| iterations(elems * 4));
             let ours = time_rank(world, op, elems, iters).expect("burn-comm's collective");
             let raw = time_raw(op, n, elems, iters);
             let ours = slowest_median(&gather(world, &ours));
@@ -225,7 +229,7 @@ fn rank() -> usize {
 
 /// One rank's times of `iters` raw MPI calls of `op` on plain buffers, each from a barrier.
 fn time_raw(op: Op, n: usize, elems: usize, iters: usize) -> Vec<Duration> {
-    let input = vec![1.0f32; op.input_elems(elems, n)];
+    let mut input = vec![1.0f32; op.input_elems(elems, n)];
     let out_len = match op {
         Op::AllReduce | Op::Broadcast | Op::AllToAll | Op::SendRecv => elems,
         Op::AllGather => elems,
@@ -241,6 +245,14 @@ fn time_raw(op: Op, n: usize, elems: usize, iters: usize) -> Vec<Duration> {
         let sum = ffi::RSMPI_SUM;
         let mut times = Vec::with_capacity(iters);
         for i in 0..iters + 2 {
+            // Written afresh before every call, as burn-comm's input is (a new tensor) and as
+            // any tensor a model just computed is: MPI reads data another core has just
+            // written much slower than data it read before (at 64 KiB, 2.3x for MPI_Bcast
+            // here).
+            input.fill(1.0);
+            if op == Op::Broadcast && rank() == 0 {
+                output.fill(1.0);
+            }
             ffi::MPI_Barrier(comm);
             let start = Instant::now();
             let send = input.as_ptr().cast();

@@ -2,7 +2,6 @@
 //! name the call in errors.
 
 use std::fmt;
-use std::hash::{Hash, Hasher};
 
 use burn::tensor::DType;
 
@@ -106,10 +105,9 @@ impl Call {
 
     /// A digest of the call, alike in every process of one build: ranks of another process
     /// compare digests, which is much faster than writing out and comparing the calls' text.
+    #[cfg(any(feature = "mpi", test))]
     pub fn digest(&self) -> u64 {
-        let mut hasher = Fnv1a::new();
-        self.hash(&mut hasher);
-        hasher.finish()
+        digest_of(self)
     }
 
     /// A call that carries no tensor (barrier, split).
@@ -131,16 +129,28 @@ impl fmt::Display for Call {
     }
 }
 
+/// A digest of `value` (see [`Call::digest`]).
+#[cfg(any(feature = "mpi", test))]
+pub(crate) fn digest_of(value: &impl std::hash::Hash) -> u64 {
+    use std::hash::Hasher;
+    let mut hasher = Fnv1a::new();
+    value.hash(&mut hasher);
+    hasher.finish()
+}
+
 /// The FNV-1a hash: unlike std's default hasher, it hashes alike in every process.
+#[cfg(any(feature = "mpi", feature = "cuda", test))]
 pub(crate) struct Fnv1a(u64);
 
+#[cfg(any(feature = "mpi", feature = "cuda", test))]
 impl Fnv1a {
     pub fn new() -> Self {
         Self(0xcbf2_9ce4_8422_2325)
     }
 }
 
-impl Hasher for Fnv1a {
+#[cfg(any(feature = "mpi", feature = "cuda", test))]
+impl std::hash::Hasher for Fnv1a {
     fn write(&mut self, bytes: &[u8]) {
         for &byte in bytes {
             self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3);
@@ -155,9 +165,10 @@ impl Hasher for Fnv1a {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::hash::Hasher;
 
     #[test]
-    fn calls_that_differ_in_anything_have_other_digests() {
+    fn calls_that_differ_have_other_digests() {
         let call = Call::new(Op::AllGather { dim: 0 }, DType::F32, &[2, 3]);
         assert_eq!(call.digest(), call.clone().digest());
         let others = [
@@ -167,6 +178,7 @@ mod tests {
             Call::new(Op::AllGather { dim: 0 }, DType::F32, &[2, 3, 1]),
             Call::new(Op::Broadcast { root: 0 }, DType::F32, &[2, 3]),
             Call::bare(Op::Barrier),
+            Call::new(Op::Barrier, DType::F32, &[]),
         ];
         for other in others {
             assert_ne!(call.digest(), other.digest(), "{call} and {other}");

@@ -62,7 +62,7 @@ impl fmt::Debug for Communicator {
     }
 }
 
-/// A communication in flight; [`Work::wait`] gives its result.
+/// A communication in flight, or already done; [`Work::wait`] gives its result.
 #[must_use = "a collective's result is only known after `wait`"]
 pub struct Work<T> {
     state: WorkState<T>,
@@ -219,8 +219,9 @@ impl Communicator {
 
     /// Runs `job` after every call issued before it: on the caller's thread when this is a
     /// blocking call and the stream is idle (two thread wake-ups fewer), else on the worker.
-    /// `op` names the call in errors; it is written out only when needed, since formatting
-    /// costs a small call's time.
+    /// `op` names the call in errors. A call run here writes it out only for an error, since
+    /// formatting costs a small call's time; a queued one writes it out at once (its `Work`
+    /// names it if the worker is lost).
     fn submit<T: Send + 'static>(
         &self,
         op: impl fmt::Display + Send + 'static,

@@ -22,7 +22,7 @@ use crate::call::Call;
 use crate::kernels::{self, Region};
 use crate::shared::SharedBuffer;
 use crate::sync::{lock, panic_message};
-use crate::transport::{Payload, Stream, Transport, describe_message, mismatched_message};
+use crate::transport::{Payload, Stream, Transport, describe_message, message_mismatch};
 use crate::world::{RankStatus, Watcher, World};
 use crate::{CommError, ReduceOp};
 
@@ -677,15 +677,8 @@ impl Transport for Group {
         if (dtype, shape) == (data.dtype, data.shape.as_slice()) {
             return Ok(data.into());
         }
-        mismatched_message(
-            self,
-            me,
-            from,
-            op,
-            &describe_message(dtype, shape),
-            &describe_message(data.dtype, data.shape.as_slice()),
-        )?;
-        Ok(data.into())
+        let sent = describe_message(data.dtype, data.shape.as_slice());
+        Err(message_mismatch(self, me, from, op, &sent))
     }
 
     fn split(

@@ -5,10 +5,10 @@
 //! algorithm MPI picks, and works on every dtype the kernels know (bf16 and f16 included).
 //!
 //! MPI neither times out nor checks that ranks make the same call, so every collective starts
-//! with a header exchange: each rank sends every peer a short header naming its call (its number
-//! and a digest; the calls' text follows only when headers differ), point to point, and waits
-//! for theirs. A peer whose header does not come within the group's timeout is
-//! named in a [`CommError::Timeout`]; a peer that called something else gets a
+//! with a header exchange: each rank sends every peer a short header naming its call (its
+//! number and a digest; the calls' text follows only when headers differ), point to point, and
+//! waits for theirs. A peer whose header does not come within the group's timeout is named in a
+//! [`CommError::Timeout`]; a peer that called something else gets a
 //! [`CommError::Mismatch`] naming both calls. Only then do the ranks start the collective itself,
 //! with MPI's blocking call under a watchdog that ends the job if it outlives the timeout.
 //!
@@ -26,12 +26,13 @@ use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
-use crate::call::Call;
+use crate::call::{Call, PointToPoint};
 use crate::kernels;
 use crate::shared::SharedBuffer;
 use crate::sync::lock;
 use crate::transport::{
-    FREE_INLINE_BYTES, Payload, Stream, Transport, describe_message, mismatched_message,
+    FREE_INLINE_BYTES, Payload, Stream, Transport, describe_message, message_digest,
+    message_mismatch,
 };
 use crate::{CommError, ReduceOp};
 
@@ -40,7 +41,7 @@ const HEADER: usize = 16;
 /// Bytes of a call's or a message's description: a number and text (cut short if longer).
 const TEXT: usize = 256;
 /// Tags on the control communicator: call headers, then, only when they differ, the calls'
-/// descriptions.
+/// descriptions (the point-to-point tags below are on another communicator).
 const TAG_CALL: c_int = 0;
 const TAG_CALL_TEXT: c_int = 1;
 /// Tags on the point-to-point communicator: a message's header, then its payload.
@@ -410,37 +411,49 @@ impl MpiGroup {
     fn open(&self, stream: &mut Stream, call: &Call) -> Result<u64, CommError> {
         self.broken()?;
         let seq = stream.next_seq();
+        let digest = call.digest();
         let mut mine = [0u8; HEADER];
         mine[..8].copy_from_slice(&seq.to_le_bytes());
-        mine[8..].copy_from_slice(&call.digest().to_le_bytes());
-        let named = || format!("{call} (call {seq})");
-        if self.swap(mine, TAG_CALL, named)?.iter().all(|h| *h == mine) {
+        mine[8..].copy_from_slice(&digest.to_le_bytes());
+        let deadline = self.deadline();
+        let op_name = |phase: &str| format!("{call} (call {seq}{phase})");
+        let headers = self.swap(mine, TAG_CALL, deadline, || op_name(""))?;
+        if headers.iter().all(|h| *h == mine) {
             return Ok(seq);
         }
-        // Another call, or the same one digested otherwise (another build): the text tells.
-        let texts = self.swap(header(seq, &call.to_string()), TAG_CALL_TEXT, named)?;
-        let named = |rank: usize| parse_header(&texts[rank]);
-        let first = named(0);
-        if let Some(other) = (1..self.size()).find(|&r| named(r) != first) {
-            let describe = |(seq, text): (u64, String)| format!("{text} (call {seq})");
-            return Err(self.break_with(CommError::Mismatch {
-                group: self.name.clone(),
-                rank: self.members[0],
-                mine: describe(first),
-                other_rank: self.members[other],
-                theirs: describe(named(other)),
-            }));
-        }
-        Ok(seq)
+        // Another call, or the same one digested otherwise (another build): the calls' text
+        // tells, within what is left of the timeout.
+        let text = Described::encode(seq, digest, &call.to_string());
+        let texts = self.swap(text, TAG_CALL_TEXT, deadline, || {
+            op_name(", comparing calls")
+        })?;
+        let text_of = |rank: usize| Described::decode(&texts[rank]);
+        let first = text_of(0);
+        let other = match (1..self.size()).find(|&r| text_of(r) != first) {
+            Some(other) => other,
+            // A text cut short cannot show that two calls are the same.
+            None if first.cut => (1..self.size())
+                .find(|&r| headers[r] != headers[0])
+                .expect("headers differ"),
+            None => return Ok(seq),
+        };
+        Err(self.break_with(CommError::Mismatch {
+            group: self.name.clone(),
+            rank: self.members[0],
+            mine: first.to_string(),
+            other_rank: self.members[other],
+            theirs: text_of(other).to_string(),
+        }))
     }
 
     /// Sends `mine` to every peer on the control communicator, tagged `tag`, and returns every
-    /// rank's in group-rank order. A peer that sends nothing within the timeout is named in a
+    /// rank's in group-rank order. A peer that sends nothing by `deadline` is named in a
     /// timeout of `op`.
     fn swap<const N: usize>(
         &self,
         mine: [u8; N],
         tag: c_int,
+        deadline: Instant,
         op: impl FnOnce() -> String,
     ) -> Result<Vec<[u8; N]>, CommError> {
         // Boxed: on a timeout they are leaked with the requests that use them.
@@ -475,7 +488,6 @@ impl MpiGroup {
                 )
             });
         }
-        let deadline = self.deadline();
         if let Err(missing) = flight.wait(|| deadline) {
             std::mem::forget(mine);
             std::mem::forget(all);
@@ -619,27 +631,51 @@ impl Drop for MpiGroup {
     }
 }
 
-fn header(seq: u64, text: &str) -> [u8; TEXT] {
-    let mut out = [0u8; TEXT];
-    out[..8].copy_from_slice(&seq.to_le_bytes());
-    let text = &text.as_bytes()[..text.len().min(TEXT - 10)];
-    out[8..10].copy_from_slice(&(text.len() as u16).to_le_bytes());
-    out[10..10 + text.len()].copy_from_slice(text);
-    out
+/// A number, a digest and a text, sent as `TEXT` bytes: a call's number, digest and text when
+/// headers differ, or a message's length, digest and description before its payload.
+#[derive(PartialEq)]
+struct Described {
+    number: u64,
+    digest: u64,
+    text: String,
+    /// Whether the text was longer than the block holds (then only its start was sent).
+    cut: bool,
 }
 
-fn parse_header(bytes: &[u8; TEXT]) -> (u64, String) {
-    let seq = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
-    let len = (u16::from_le_bytes([bytes[8], bytes[9]]) as usize).min(TEXT - 10);
-    (
-        seq,
-        String::from_utf8_lossy(&bytes[10..10 + len]).into_owned(),
-    )
+impl Described {
+    /// Where the text starts, after the number, the digest and the text's length.
+    const TEXT_AT: usize = 18;
+
+    fn encode(number: u64, digest: u64, text: &str) -> [u8; TEXT] {
+        let mut out = [0u8; TEXT];
+        out[..8].copy_from_slice(&number.to_le_bytes());
+        out[8..16].copy_from_slice(&digest.to_le_bytes());
+        let len = u16::try_from(text.len()).unwrap_or(u16::MAX);
+        out[16..18].copy_from_slice(&len.to_le_bytes());
+        let text = &text.as_bytes()[..text.len().min(TEXT - Self::TEXT_AT)];
+        out[Self::TEXT_AT..Self::TEXT_AT + text.len()].copy_from_slice(text);
+        out
+    }
+
+    fn decode(bytes: &[u8; TEXT]) -> Self {
+        let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        let len = u16::from_le_bytes([bytes[16], bytes[17]]) as usize;
+        let kept = len.min(TEXT - Self::TEXT_AT);
+        Self {
+            number: word(0),
+            digest: word(8),
+            text: String::from_utf8_lossy(&bytes[Self::TEXT_AT..Self::TEXT_AT + kept]).into_owned(),
+            cut: kept < len,
+        }
+    }
 }
 
-/// A message's header on the point-to-point communicator: its payload's length and what it is.
-fn message_header(bytes: usize, what: &str) -> [u8; TEXT] {
-    header(bytes as u64, what)
+/// As a call is named in errors.
+impl fmt::Display for Described {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let more = if self.cut { "..." } else { "" };
+        write!(f, "{}{more} (call {})", self.text, self.number)
+    }
 }
 
 impl Transport for MpiGroup {
@@ -934,7 +970,7 @@ impl Transport for MpiGroup {
         let data = data.into_host();
         self.broken()?;
         let bytes = data.bytes.len();
-        let op = || format!("send(to {to})");
+        let op = || PointToPoint::Send { to }.to_string();
         let count = c_int::try_from(bytes).map_err(|_| CommError::InvalidArgument {
             op: op(),
             group: self.name.clone(),
@@ -943,9 +979,11 @@ impl Transport for MpiGroup {
             ),
         })?;
         // Boxed: MPI reads it after this function returns.
-        let head = Box::new(message_header(
-            bytes,
-            &describe_message(data.dtype, data.shape.as_slice()),
+        let (dtype, shape) = (data.dtype, data.shape.as_slice());
+        let head = Box::new(Described::encode(
+            bytes as u64,
+            message_digest(dtype, shape),
+            &describe_message(dtype, shape),
         ));
         let mut flight = InFlight::new();
         // SAFETY: `head` and `data` move into `flight`, which lives until the sends complete.
@@ -1019,10 +1057,8 @@ impl Transport for MpiGroup {
             std::mem::forget(head);
             return Err(self.timeout_error(op.to_string(), missing));
         }
-        let (bytes, sent) = parse_header(&head);
-        let bytes = bytes as usize;
-        // Compared as the sender's header carries it (a long text is cut short).
-        let wanted = parse_header(&message_header(bytes, &describe_message(dtype, shape))).1;
+        let sent = Described::decode(&head);
+        let bytes = sent.number as usize;
         let payload = SharedBuffer::uninit(bytes);
         let mut flight = InFlight::new();
         // SAFETY: `payload` holds the `bytes` bytes the sender announced and outlives the call.
@@ -1042,8 +1078,16 @@ impl Transport for MpiGroup {
             return Err(self.timeout_error(op.to_string(), missing));
         }
         // The payload was taken even when it is not what was expected, so the next message
-        // from `from` is read correctly.
-        mismatched_message(self, me, from, op, &wanted, &sent)?;
+        // from `from` is read correctly. Digests decide; texts only between builds that digest
+        // otherwise.
+        let fits = bytes == shape.iter().product::<usize>() * dtype.size();
+        let same = sent.digest == message_digest(dtype, shape)
+            || (!sent.cut && sent.text == describe_message(dtype, shape));
+        if !(fits && same) {
+            let more = if sent.cut { "..." } else { "" };
+            let theirs = format!("{}{more}", sent.text);
+            return Err(message_mismatch(self, me, from, op, &theirs));
+        }
         Ok(payload.view(shape.to_vec(), dtype).into())
     }
 
@@ -1173,4 +1217,30 @@ pub(crate) fn abort(message: &str) -> ! {
     // SAFETY: callable from any thread once MPI is initialised; it does not return.
     unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
     std::process::exit(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_description_comes_back_as_sent_and_says_when_it_was_cut() {
+        let short = Described::decode(&Described::encode(7, 42, "all_gather(dim 0) on F32 [4]"));
+        assert_eq!((short.number, short.digest), (7, 42));
+        assert_eq!(short.text, "all_gather(dim 0) on F32 [4]");
+        assert!(!short.cut);
+        assert_eq!(short.to_string(), "all_gather(dim 0) on F32 [4] (call 7)");
+
+        let fits = "x".repeat(TEXT - Described::TEXT_AT);
+        assert!(!Described::decode(&Described::encode(1, 0, &fits)).cut);
+        let long = format!("{fits}y");
+        let cut = Described::decode(&Described::encode(1, 0, &long));
+        assert!(cut.cut);
+        assert_eq!(cut.text, fits);
+        assert_eq!(cut.to_string(), format!("{fits}... (call 1)"));
+        // Two texts that differ only past the cut read the same, so a cut text alone cannot
+        // show that two calls are the same (`open` refuses them).
+        let other = Described::decode(&Described::encode(1, 0, &format!("{fits}z")));
+        assert!(cut == other);
+    }
 }

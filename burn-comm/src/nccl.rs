@@ -31,7 +31,7 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys::{CUcontext, CUdevice, CUresult, CUstream, cuStreamQuery};
 use cudarc::nccl::sys::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t};
 
-use crate::call::{Call, Op};
+use crate::call::{Call, Op, PointToPoint};
 use crate::device_layout::{concat_blocks, result_shape, swap};
 use crate::nccl_p2p::Peers;
 use crate::nccl_tensor::{Cuda, from_cube, to_cube};
@@ -311,7 +311,7 @@ impl Transport for NcclGroup {
 
     fn send(&self, me: usize, to: usize, data: Payload) -> Result<(), CommError> {
         crate::nccl_p2p::send(self, me, to, cuda_tensor(data))
-            .map_err(|failure| self.error(me, &format!("send(to {to})"), failure))
+            .map_err(|failure| self.error(me, &PointToPoint::Send { to }, failure))
     }
 
     fn recv(

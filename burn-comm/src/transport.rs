@@ -260,30 +260,33 @@ pub(crate) trait Transport: Send + Sync {
     ) -> Result<(Arc<dyn Transport>, usize), CommError>;
 }
 
+/// A digest of a point-to-point message's dtype and shape, alike in every process of one
+/// build, which receivers compare before anything is written out.
+#[cfg(feature = "mpi")]
+pub(crate) fn message_digest(dtype: DType, shape: &[usize]) -> u64 {
+    crate::call::digest_of(&(dtype, shape))
+}
+
 /// How a point-to-point message is named in a mismatch: its dtype and shape.
 pub(crate) fn describe_message(dtype: DType, shape: &[usize]) -> String {
     format!("{dtype:?} {shape:?}")
 }
 
 /// The error of group rank `me`'s receive `op` when rank `from` sent a message described as
-/// `sent` (see [`describe_message`]) instead of the `expected` one, if it did.
-pub(crate) fn mismatched_message(
+/// `sent` (see [`describe_message`]) instead of the one `op` expects.
+pub(crate) fn message_mismatch(
     transport: &dyn Transport,
     me: usize,
     from: usize,
     op: &dyn fmt::Display,
-    expected: &str,
     sent: &str,
-) -> Result<(), CommError> {
-    if expected == sent {
-        return Ok(());
-    }
+) -> CommError {
     let members = transport.members();
-    Err(CommError::Mismatch {
+    CommError::Mismatch {
         group: transport.name().to_string(),
         rank: members[me],
         mine: op.to_string(),
         other_rank: members[from],
         theirs: format!("send of {sent}"),
-    })
+    }
 }

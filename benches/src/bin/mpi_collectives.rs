@@ -41,8 +41,8 @@ struct Args {
     step: usize,
     /// Iterations of each size (default: enough for about 2 GB moved, within [5, 200]); a
     /// large count gives a profiler enough samples.
-    #[arg(long)]
-    iterations: Option<usize>,
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    iterations: Option<u64>,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/mpi_collectives.json")]
     json: String,
@@ -178,7 +178,9 @@ fn measure(world: &Communicator, args: &Args) {
     for &op in &args.ops {
         for bytes in sizes(args.min_bytes, args.max_bytes, args.step) {
             let elems = elements(bytes, n);
-            let iters = args.iterations.unwrap_or_else(|| iterations(elems * 4));
+            let iters = args
+                .iterations
+                .map_or_else(|| iterations(elems * 4), |n| n as usize);
             let ours = time_rank(world, op, elems, iters).expect("burn-comm's collective");
             let raw = time_raw(op, n, elems, iters);
             let ours = slowest_median(&gather(world, &ours));
@@ -249,9 +251,11 @@ fn time_raw(op: Op, n: usize, elems: usize, iters: usize) -> Vec<Duration> {
             // any tensor a model just computed is: MPI reads data another core has just
             // written much slower than data it read before (at 64 KiB, 2.3x for MPI_Bcast
             // here).
-            input.fill(1.0);
-            if op == Op::Broadcast && rank() == 0 {
-                output.fill(1.0);
+            match op {
+                // The root broadcasts `output`.
+                Op::Broadcast if rank() == 0 => output.fill(1.0),
+                Op::Broadcast => {}
+                _ => input.fill(1.0),
             }
             ffi::MPI_Barrier(comm);
             let start = Instant::now();

@@ -44,6 +44,9 @@ const TEXT: usize = 256;
 /// descriptions (the point-to-point tags below are on another communicator).
 const TAG_CALL: c_int = 0;
 const TAG_CALL_TEXT: c_int = 1;
+/// The tag of an all-reduce's second half, point to point on the collectives' communicator
+/// (where it cannot match a collective's messages).
+const TAG_ALL_REDUCE: c_int = 3;
 /// Tags on the point-to-point communicator: a message's header, then its payload.
 const TAG_HEADER: c_int = 1;
 const TAG_PAYLOAD: c_int = 2;
@@ -207,6 +210,20 @@ impl InFlight {
             all &= flag != 0;
         }
         all
+    }
+
+    /// Blocks until every request is complete (MPI_Waitall), for a phase that must not
+    /// return while MPI may use its buffers; returns MPI's code.
+    fn wait_all(mut self) -> c_int {
+        let count = c_int::try_from(self.requests.len()).expect("a request per peer");
+        // SAFETY: live requests (or null ones, which MPI skips).
+        unsafe {
+            ffi::MPI_Waitall(
+                count,
+                self.requests.as_mut_ptr(),
+                ffi::RSMPI_STATUSES_IGNORE,
+            )
+        }
     }
 
     /// The peers of the requests not complete.
@@ -713,29 +730,45 @@ impl Transport for MpiGroup {
             return Ok(data.into());
         }
         // Reduce-scatter (each rank reduces its slice of every rank's tensor, in rank order),
-        // then all-gather the reduced slices.
+        // then all-gather the reduced slices. The rank's own slice never moves: it is reduced
+        // in place in `data` and sent from there, which spares two copies of it.
         let slices: Vec<_> = (0..size)
             .map(|r| kernels::partition(len, size, r, kernels::SLICE_ALIGN))
             .collect();
         let mine = slices[me].clone();
         let part = mine.len() * elem;
-        let received = SharedBuffer::uninit(size * part);
-        let reduced = SharedBuffer::uninit(part);
+        // The peers' copies of this rank's slice, in rank order without this rank.
+        let received = SharedBuffer::uninit((size - 1) * part);
+        let slot = |r: usize| r - usize::from(r > me);
         // In counts of `per` bytes, chosen from the largest buffer any rank uses (every rank
         // computes the same slices).
         let largest = slices.iter().map(|s| s.len()).max().unwrap_or(0);
         let (per, ty) = units((len + size * largest) * elem, elem);
         let scale = elem / per;
-        let (send_counts, send_displs) =
-            counts(slices.iter().map(|s| (s.start * scale, s.len() * scale)))
-                .map_err(|_| self.too_large(&call, len))?;
-        let (recv_counts, recv_displs) =
-            counts((0..size).map(|r| (r * mine.len() * scale, mine.len() * scale)))
-                .map_err(|_| self.too_large(&call, len))?;
+        // Nothing to or from this rank itself.
+        let peer_only = |r: usize, count: usize| if r == me { 0 } else { count };
+        let (send_counts, send_displs) = counts((0..size).map(|r| {
+            (
+                slices[r].start * scale,
+                peer_only(r, slices[r].len() * scale),
+            )
+        }))
+        .map_err(|_| self.too_large(&call, len))?;
+        let (recv_counts, recv_displs) = counts((0..size).map(|r| {
+            (
+                slot(r) * mine.len() * scale,
+                peer_only(r, mine.len() * scale),
+            )
+        }))
+        .map_err(|_| self.too_large(&call, len))?;
+        let own_count =
+            c_int::try_from(mine.len() * scale).map_err(|_| self.too_large(&call, len))?;
+        // Every pointer into `data` comes from this one.
+        let base = data.bytes.as_mut_ptr();
         // SAFETY: the buffers outlive the call; counts and displacements stay inside them.
         self.exchange(&call, seq, || unsafe {
             ffi::MPI_Alltoallv(
-                data.bytes.as_ptr().cast(),
+                base.cast_const().cast(),
                 send_counts.as_ptr(),
                 send_displs.as_ptr(),
                 ty,
@@ -746,26 +779,52 @@ impl Transport for MpiGroup {
                 self.data.0,
             )
         })?;
+        let own = base.wrapping_add(mine.start * elem);
         let srcs: Vec<*const u8> = (0..size)
-            .map(|r| received.ptr().wrapping_add(r * part).cast_const())
+            .map(|r| match r == me {
+                true => own.cast_const(),
+                false => received.ptr().wrapping_add(slot(r) * part).cast_const(),
+            })
             .collect();
-        // SAFETY: `received` holds every rank's slice; `reduced` is ours.
-        unsafe { kernels::reduce(dtype, reduce, &srcs, &[reduced.ptr()], mine.len()) };
-        let part_count = send_counts[me];
-        // SAFETY: as above; `reduced` and `data` do not overlap.
-        self.exchange(&call, seq, || unsafe {
-            ffi::MPI_Allgatherv(
-                reduced.ptr().cast_const().cast(),
-                part_count,
-                ty,
-                data.bytes.as_mut_ptr().cast(),
-                send_counts.as_ptr(),
-                send_displs.as_ptr(),
-                ty,
-                self.data.0,
-            )
-        })?;
+        // SAFETY: `received` holds the peers' copies of this slice and `own` this rank's; the
+        // kernel reads each block before it writes it, so `own` may be both.
+        unsafe { kernels::reduce(dtype, reduce, &srcs, &[own], mine.len()) };
         stream.retire(received);
+        // Every peer's reduced slice, straight into its place in `data`. Point to point, since
+        // MPI's all-gather would need this rank's slice outside `data` (no MPI_IN_PLACE here).
+        let mut flight = InFlight::new();
+        for peer in (0..size).filter(|&r| r != me) {
+            // Checked above, as what this rank sent the peer: nothing may fail once the first
+            // request is posted.
+            let their_count = send_counts[peer];
+            let at = base.wrapping_add(slices[peer].start * elem);
+            // SAFETY: the slices of `data` are disjoint: MPI reads this rank's and writes the
+            // peers', each inside `data`, which outlives the requests (`exchange` ends the job
+            // rather than return while they may run).
+            flight.push(peer, |r| unsafe {
+                ffi::MPI_Irecv(
+                    at.cast(),
+                    their_count,
+                    ty,
+                    peer as c_int,
+                    TAG_ALL_REDUCE,
+                    self.data.0,
+                    r,
+                )
+            });
+            flight.push(peer, |r| unsafe {
+                ffi::MPI_Isend(
+                    own.cast_const().cast(),
+                    own_count,
+                    ty,
+                    peer as c_int,
+                    TAG_ALL_REDUCE,
+                    self.data.0,
+                    r,
+                )
+            });
+        }
+        self.exchange(&call, seq, || flight.wait_all())?;
         Ok(data.into())
     }
 

@@ -235,10 +235,10 @@ impl Communicator {
             if self.inner.queued.load(Ordering::SeqCst) == 0 {
                 transport.job_started(rank);
                 let result = guarded(&self.inner, &mut stream, (&op, rank), job);
-                let (retired, bytes) = stream.take_retired();
+                let (retired, largest) = stream.take_retired();
                 drop(stream);
                 transport.job_finished(rank);
-                if bytes < FREE_INLINE_BYTES {
+                if largest < FREE_INLINE_BYTES {
                     free(retired);
                 } else {
                     // Freeing a large buffer unmaps it: the worker does it, off this thread.

@@ -71,11 +71,11 @@ impl From<CudaTensor> for Payload {
 /// Something a call is done with, freed after its caller has the result.
 pub(crate) type Retired = Box<dyn Any + Send>;
 
-/// Retired buffers of fewer bytes than this in all, a blocking call frees itself. Below glibc's
+/// Retired buffers each of fewer bytes than this, a blocking call frees itself. Below glibc's
 /// default mmap threshold (128 KiB with its 16 bytes of overhead) a free gives memory back to
 /// the heap (or a result buffer to its pool) without unmapping it; waking the worker to free
-/// them cost about 5 µs a call at 2 MPI processes on 2 cores (BENCHMARKS.md, the MPI
-/// transport's small messages).
+/// them cost about 5 µs a call at 2 MPI processes on 2 cores, and far more with processes
+/// sharing cores (BENCHMARKS.md, the MPI transport's small messages).
 pub(crate) const FREE_INLINE_BYTES: usize = 128 * 1024;
 
 /// The bytes a retired buffer holds.
@@ -95,8 +95,8 @@ pub(crate) struct Stream {
     pub(crate) seq: u64,
     /// Buffers a call is done with, freed after its caller has the result.
     retired: Vec<Retired>,
-    /// Their bytes.
-    retired_bytes: usize,
+    /// The bytes of the largest of them.
+    largest_retired: usize,
 }
 
 impl Stream {
@@ -104,13 +104,13 @@ impl Stream {
         Self {
             seq: 0,
             retired: Vec::new(),
-            retired_bytes: 0,
+            largest_retired: 0,
         }
     }
 
-    /// The buffers retired since last asked, and their bytes.
+    /// The buffers retired since last asked, and the bytes of the largest.
     pub fn take_retired(&mut self) -> (Vec<Retired>, usize) {
-        let bytes = std::mem::take(&mut self.retired_bytes);
+        let bytes = std::mem::take(&mut self.largest_retired);
         (std::mem::take(&mut self.retired), bytes)
     }
 
@@ -123,7 +123,7 @@ impl Stream {
     /// Frees `data` once the call's caller has its result: off the caller's thread when the
     /// call's retired buffers are large (freeing a large buffer unmaps it).
     pub fn retire(&mut self, data: impl Footprint + Send + 'static) {
-        self.retired_bytes += data.footprint();
+        self.largest_retired = self.largest_retired.max(data.footprint());
         self.retired.push(Box::new(data));
     }
 }

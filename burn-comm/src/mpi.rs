@@ -119,8 +119,12 @@ impl Drop for Session {
 
 /// MPI's return codes are errors only with MPI_ERRORS_RETURN; the default handler aborts the
 /// job first, printing MPI's own message. This catches what gets through.
+/// It ends the job rather than panic: MPI may still use buffers of requests posted before, which
+/// unwinding would free.
 fn check(code: c_int, what: &str) {
-    assert!(code == 0, "{what} failed with MPI error code {code}");
+    if code != 0 {
+        abort(&format!("{what} failed with MPI error code {code}"));
+    }
 }
 
 /// How a collective moving `total` bytes of `elem`-byte elements counts: in bytes while they fit
@@ -444,22 +448,16 @@ impl MpiGroup {
         let texts = self.swap(text, TAG_CALL_TEXT, deadline, || {
             op_name(", comparing calls")
         })?;
-        let text_of = |rank: usize| Described::decode(&texts[rank]);
-        let first = text_of(0);
-        let other = match (1..self.size()).find(|&r| text_of(r) != first) {
-            Some(other) => other,
-            // A text cut short cannot show that two calls are the same.
-            None if first.cut => (1..self.size())
-                .find(|&r| headers[r] != headers[0])
-                .expect("headers differ"),
-            None => return Ok(seq),
+        let texts: Vec<Described> = texts.iter().map(Described::decode).collect();
+        let Some(other) = other_call(&headers, &texts) else {
+            return Ok(seq);
         };
         Err(self.break_with(CommError::Mismatch {
             group: self.name.clone(),
             rank: self.members[0],
-            mine: first.to_string(),
+            mine: texts[0].to_string(),
             other_rank: self.members[other],
-            theirs: text_of(other).to_string(),
+            theirs: texts[other].to_string(),
         }))
     }
 
@@ -514,7 +512,8 @@ impl MpiGroup {
     }
 
     /// Runs the data phase of call `seq`, blocking (MPI's own collectives, faster than its
-    /// non-blocking ones for small messages). Every rank joined the call (their headers came),
+    /// non-blocking ones for small messages, or a wait for point-to-point requests, as in the
+    /// large all-reduce's second half). Every rank joined the call (their headers came),
     /// so it can only outlive the timeout if a peer died or froze inside it; MPI may then
     /// still write to this rank's buffers, so the watchdog ends the job instead.
     fn exchange(&self, op: &Call, seq: u64, run: impl FnOnce() -> c_int) -> Result<(), CommError> {
@@ -648,9 +647,24 @@ impl Drop for MpiGroup {
     }
 }
 
+/// The rank (not 0) whose call differs from rank 0's, given every rank's header and, since
+/// those differ, every rank's call as text; None when the texts show the calls are the same
+/// (another build digests them otherwise). A text cut short shows nothing: then the first rank
+/// whose header differs from rank 0's is named.
+fn other_call(headers: &[[u8; HEADER]], texts: &[Described]) -> Option<usize> {
+    let call = |d: &Described| (d.number, d.text.clone(), d.cut);
+    let first = call(&texts[0]);
+    if let Some(other) = (1..texts.len()).find(|&r| call(&texts[r]) != first) {
+        return Some(other);
+    }
+    match first.2 {
+        true => (1..headers.len()).find(|&r| headers[r] != headers[0]),
+        false => None,
+    }
+}
+
 /// A number, a digest and a text, sent as `TEXT` bytes: a call's number, digest and text when
 /// headers differ, or a message's length, digest and description before its payload.
-#[derive(PartialEq)]
 struct Described {
     number: u64,
     digest: u64,
@@ -1117,14 +1131,27 @@ impl Transport for MpiGroup {
             return Err(self.timeout_error(op.to_string(), missing));
         }
         let sent = Described::decode(&head);
-        let bytes = sent.number as usize;
+        // A send refuses what MPI cannot count, so a larger length is not one of ours: the
+        // messages from `from` can no longer be told apart.
+        let Ok(count) = c_int::try_from(sent.number) else {
+            return Err(self.break_with(CommError::Transport {
+                op: op.to_string(),
+                group: self.name.clone(),
+                rank: self.members[me],
+                reason: format!(
+                    "group rank {from} announced a message of {} bytes, more than a send allows",
+                    sent.number
+                ),
+            }));
+        };
+        let bytes = count as usize;
         let payload = SharedBuffer::uninit(bytes);
         let mut flight = InFlight::new();
         // SAFETY: `payload` holds the `bytes` bytes the sender announced and outlives the call.
         flight.push(from, |r| unsafe {
             ffi::MPI_Irecv(
                 payload.ptr().cast(),
-                bytes as c_int,
+                count,
                 byte(),
                 from as c_int,
                 TAG_PAYLOAD,
@@ -1297,9 +1324,40 @@ mod tests {
         assert!(cut.cut);
         assert_eq!(cut.text, fits);
         assert_eq!(cut.to_string(), format!("{fits}... (call 1)"));
-        // Two texts that differ only past the cut read the same, so a cut text alone cannot
-        // show that two calls are the same (`open` refuses them).
-        let other = Described::decode(&Described::encode(1, 0, &format!("{fits}z")));
-        assert!(cut == other);
+    }
+
+    #[test]
+    fn equal_texts_let_a_call_go_on_unless_cut_short() {
+        let header = |number: u64, digest: u64| {
+            let mut header = [0u8; HEADER];
+            header[..8].copy_from_slice(&number.to_le_bytes());
+            header[8..].copy_from_slice(&digest.to_le_bytes());
+            header
+        };
+        let text = |number: u64, digest: u64, text: &str| {
+            Described::decode(&Described::encode(number, digest, text))
+        };
+        // The same call digested otherwise (another build) goes on.
+        let headers = [header(7, 1), header(7, 2)];
+        let same = [text(7, 1, "barrier"), text(7, 2, "barrier")];
+        assert_eq!(other_call(&headers, &same), None);
+        // Another call, or the same one under another number, is named.
+        let headers = [header(7, 1), header(7, 1), header(7, 2)];
+        let split = [
+            text(7, 1, "barrier"),
+            text(7, 1, "barrier"),
+            text(7, 2, "split"),
+        ];
+        assert_eq!(other_call(&headers, &split), Some(2));
+        let later = [text(7, 1, "barrier"), text(8, 1, "barrier")];
+        assert_eq!(other_call(&[header(7, 1), header(8, 1)], &later), Some(1));
+        // Texts that differ only past the cut read the same: the headers name the other.
+        let long = |end: &str| format!("{}{end}", "x".repeat(TEXT));
+        let cut = [
+            text(7, 1, &long("a")),
+            text(7, 1, &long("a")),
+            text(7, 2, &long("b")),
+        ];
+        assert_eq!(other_call(&headers, &cut), Some(2));
     }
 }

@@ -72,11 +72,12 @@ impl From<CudaTensor> for Payload {
 pub(crate) type Retired = Box<dyn Any + Send>;
 
 /// Retired buffers each of fewer bytes than this, a blocking call frees itself. Below glibc's
-/// default mmap threshold (128 KiB with its 16 bytes of overhead) a free gives memory back to
-/// the heap (or a result buffer to its pool) without unmapping it; waking the worker to free
+/// default mmap threshold (it maps requests from 128 KiB less 23 bytes; the margin also covers
+/// a buffer's capacity beyond its length) a free gives memory back to the heap (or a result
+/// buffer to its pool) without unmapping it; waking the worker to free
 /// them cost about 5 µs a call at 2 MPI processes on 2 cores, and far more with processes
 /// sharing cores (BENCHMARKS.md, the MPI transport's small messages).
-pub(crate) const FREE_INLINE_BYTES: usize = 128 * 1024;
+pub(crate) const FREE_INLINE_BYTES: usize = 128 * 1024 - 64;
 
 /// The bytes a retired buffer holds.
 pub(crate) trait Footprint {

@@ -218,7 +218,7 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
     };
     // Below and above the size where an all-reduce switches from one round to two.
     for (seed, shape) in [(1, [3, 5]), (2, [7, 3001])] {
-        for dtype in [DType::F32, DType::BF16, DType::F64] {
+        for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
                 let what = format!("all_reduce({op}) of {dtype:?} {shape:?}");
                 same_as_threads(ctx, &what, |c, r| {
@@ -232,6 +232,14 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
     };
     same_as_threads(ctx, "all_reduce of ints", |c, r| {
         Ok(c.all_reduce(ints(r), ReduceOp::Sum)?.into_data())
+    })?;
+    // Above the one-round size, in the slices' uneven split.
+    let many_ints = |r: usize| {
+        let values: Vec<i32> = (0..12_007).map(|i| i * 7 - 3 * r as i32).collect();
+        Tensor::<B, 1, Int>::from_data(TensorData::new(values, [12_007]), &Default::default())
+    };
+    same_as_threads(ctx, "all_reduce(max) of 48 KB of ints", |c, r| {
+        Ok(c.all_reduce(many_ints(r), ReduceOp::Max)?.into_data())
     })?;
     // Every rank holds the same bits of an all-reduce.
     let reduced = ctx
@@ -313,7 +321,7 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
     ctx.world().barrier()?;
     // The async forms overlap: several in flight, then waited for.
     same_as_threads(ctx, "async collectives", |c, r| {
-        let a = c.all_reduce_async(input(11, r, [2, 50], DType::F32), ReduceOp::Sum);
+        let a = c.all_reduce_async(input(11, r, [7, 3001], DType::F32), ReduceOp::Sum);
         let b = c.all_gather_async(input(12, r, [2, 5], DType::F32), 1);
         let s = c.reduce_scatter_async(input(15, r, [2, 6 * n], DType::F32), ReduceOp::Avg, 1);
         let d = c.broadcast_async(input(16, r, [2, 4], DType::F32), n - 1);

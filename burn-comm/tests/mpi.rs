@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_comm::{CommError, Communicator, Launcher, Process, RankContext, ReduceOp, launch};
 use common::{B, random};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 fn main() {
     match Launcher::from_env() {
@@ -241,6 +243,28 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
     same_as_threads(ctx, "all_reduce(max) of 48 KB of ints", |c, r| {
         Ok(c.all_reduce(many_ints(r), ReduceOp::Max)?.into_data())
     })?;
+    // Values of many magnitudes, whose sums round, so that the reduction's order shows in the
+    // bits (the inputs above lie on one fixed-point grid and sum exactly in any order).
+    let precise = |r: usize| {
+        let mut rng = StdRng::seed_from_u64(40 + r as u64);
+        let values: Vec<f64> = (0..12_007)
+            .map(|_| rng.random_range(-1.0..1.0) * 2f64.powi(rng.random_range(-30..30)))
+            .collect();
+        Tensor::<B, 1>::from_data(
+            TensorData::new(values, [12_007]),
+            (&Default::default(), DType::F64),
+        )
+    };
+    for len in [1_000, 12_007] {
+        same_as_threads(
+            ctx,
+            &format!("all_reduce of {len} f64 of many magnitudes"),
+            |c, r| {
+                Ok(c.all_reduce(precise(r).slice(0..len), ReduceOp::Sum)?
+                    .into_data())
+            },
+        )?;
+    }
     // Every rank holds the same bits of an all-reduce.
     let reduced = ctx
         .world()
@@ -321,7 +345,8 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
     ctx.world().barrier()?;
     // The async forms overlap: several in flight, then waited for.
     same_as_threads(ctx, "async collectives", |c, r| {
-        let a = c.all_reduce_async(input(11, r, [7, 3001], DType::F32), ReduceOp::Sum);
+        // Above the one-round size (36 KB).
+        let a = c.all_reduce_async(input(11, r, [2, 4501], DType::F32), ReduceOp::Sum);
         let b = c.all_gather_async(input(12, r, [2, 5], DType::F32), 1);
         let s = c.reduce_scatter_async(input(15, r, [2, 6 * n], DType::F32), ReduceOp::Avg, 1);
         let d = c.broadcast_async(input(16, r, [2, 4], DType::F32), n - 1);

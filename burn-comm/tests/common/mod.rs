@@ -34,6 +34,23 @@ pub fn random<const D: usize>(seed: u64, shape: [usize; D], dtype: DType) -> Ten
     Tensor::from_data(data, (&Default::default(), dtype))
 }
 
+/// Like [`random`], but each value scaled by 2^k for a random k in -12..=12: sums of such
+/// values round, so a reduction's order shows in their bits (values in [-1, 1) lie on one
+/// fixed-point grid and mostly sum exactly in any order).
+pub fn random_magnitudes<const D: usize>(
+    seed: u64,
+    shape: [usize; D],
+    dtype: DType,
+) -> Tensor<B, D> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let n = shape.iter().product();
+    let values: Vec<f32> = (0..n)
+        .map(|_| rng.random_range(-1.0..1.0) * 2f32.powi(rng.random_range(-12..=12)))
+        .collect();
+    let data = TensorData::new(values, shape).convert_dtype(dtype);
+    Tensor::from_data(data, (&Default::default(), dtype))
+}
+
 /// A random shape with dimensions in 1..=max, where `dim` is a multiple of `multiple`.
 pub fn random_shape<const D: usize>(
     rng: &mut StdRng,

@@ -71,13 +71,15 @@ impl From<CudaTensor> for Payload {
 /// Something a call is done with, freed after its caller has the result.
 pub(crate) type Retired = Box<dyn Any + Send>;
 
-/// Retired buffers each of fewer bytes than this, a blocking call frees itself. Below glibc's
-/// default mmap threshold (it maps requests from 128 KiB less 23 bytes; the margin also covers
-/// a buffer's capacity beyond its length) a free gives memory back to the heap (or a result
-/// buffer to its pool) without unmapping it; waking the worker to free
-/// them cost about 5 µs a call at 2 MPI processes on 2 cores, and far more with processes
-/// sharing cores (BENCHMARKS.md, the MPI transport's small messages).
-pub(crate) const FREE_INLINE_BYTES: usize = 128 * 1024 - 64;
+/// Retired buffers each of fewer bytes than this, a blocking call frees itself. glibc maps a
+/// large request of its own, but its mmap threshold rises to the size of each mapped block
+/// freed, up to 32 MiB: past the first of each size, a free below that gives memory back to
+/// its heap without unmapping it (the margin covers a buffer's capacity beyond its length), and
+/// a result buffer goes to its pool. Waking the worker instead cost about 5 µs a call at 2 MPI
+/// processes on 2 cores, and far more with processes sharing cores; from 256 KiB to 1 MiB an
+/// all-gather took 10 to 30 % longer (BENCHMARKS.md, the MPI transport). Larger buffers are
+/// always unmapped, which the worker does off the caller's thread.
+pub(crate) const FREE_INLINE_BYTES: usize = (32 << 20) - 64;
 
 /// The bytes a retired buffer holds.
 pub(crate) trait Footprint {

@@ -13,7 +13,7 @@ use crate::call::{Call, Op, PointToPoint};
 use crate::kernels;
 use crate::stats::CommStats;
 use crate::sync::{lock, panic_message};
-use crate::transport::{FREE_INLINE_BYTES, Footprint, Memory, Payload, Retired, Stream, Transport};
+use crate::transport::{Footprint, Memory, Payload, Retired, Stream, Transport, frees_inline};
 use crate::{CommError, ReduceOp};
 
 /// What the worker thread is asked to do.
@@ -238,10 +238,10 @@ impl Communicator {
                 let (retired, largest) = stream.take_retired();
                 drop(stream);
                 transport.job_finished(rank);
-                if largest < FREE_INLINE_BYTES {
+                if frees_inline(largest) {
                     free(retired);
                 } else {
-                    // Freeing a large buffer unmaps it: the worker does it, off this thread.
+                    // Freeing it may unmap memory: the worker does it, off this thread.
                     let _ = jobs().send(Job::Free(retired));
                 }
                 return Work {

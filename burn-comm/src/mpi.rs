@@ -31,8 +31,7 @@ use crate::kernels;
 use crate::shared::SharedBuffer;
 use crate::sync::lock;
 use crate::transport::{
-    FREE_INLINE_BYTES, Payload, Stream, Transport, describe_message, message_digest,
-    message_mismatch,
+    Payload, Stream, Transport, describe_message, frees_inline, message_digest, message_mismatch,
 };
 use crate::{CommError, ReduceOp};
 
@@ -1084,10 +1083,10 @@ impl Transport for MpiGroup {
         });
         flight.buffers.push(head);
         flight.buffers.push(Box::new(data));
-        // A small message is usually sent at once (MPI's eager protocol): then no thread need
-        // be woken to complete it. Its buffers are freed here, so a large one (which could be
-        // finished at once, its receiver waiting) still goes to the thread, as retired ones do.
-        if bytes < FREE_INLINE_BYTES && flight.test() {
+        // A message MPI sends at once (a small one, by its eager protocol) needs no thread woken
+        // to complete it. Its buffers are then freed here, unless that may unmap memory, which
+        // the thread does instead, as for retired buffers.
+        if frees_inline(bytes) && flight.test() {
             return Ok(());
         }
         self.sender()

@@ -8,7 +8,8 @@
 
 use std::any::Any;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use burn::tensor::{DType, TensorData};
 
@@ -71,15 +72,48 @@ impl From<CudaTensor> for Payload {
 /// Something a call is done with, freed after its caller has the result.
 pub(crate) type Retired = Box<dyn Any + Send>;
 
-/// Retired buffers each of fewer bytes than this, a blocking call frees itself. glibc maps a
-/// large request of its own, but its mmap threshold rises to the size of each mapped block
-/// freed, up to 32 MiB: past the first of each size, a free below that gives memory back to
-/// its heap without unmapping it (the margin covers a buffer's capacity beyond its length), and
-/// a result buffer goes to its pool. Waking the worker instead cost about 5 µs a call at 2 MPI
-/// processes on 2 cores, and far more with processes sharing cores; from 256 KiB to 1 MiB an
-/// all-gather took 10 to 30 % longer (BENCHMARKS.md, the MPI transport). Larger buffers are
-/// always unmapped, which the worker does off the caller's thread.
-pub(crate) const FREE_INLINE_BYTES: usize = (32 << 20) - 64;
+/// Whether a blocking call frees the buffers it retired itself, the largest of `largest` bytes;
+/// else the stream's worker frees them, off the caller's thread. Waking the worker cost about
+/// 5 µs a call at 2 MPI processes on 2 cores, far more with processes sharing cores, and a
+/// third of a 1 MiB all-to-all (BENCHMARKS.md, the MPI transport); unmapping memory can cost
+/// more than that, so the worker does it. Below glibc's default mmap threshold (requests from
+/// 128 KiB less 23 bytes are mapped) a free unmaps nothing. Above it, glibc raises the
+/// threshold to the size of each mapped block freed, up to 32 MiB, so once a buffer this large
+/// has been freed, the next ones come from its heap: the first of each size still goes to the
+/// worker. Where the threshold cannot rise (another C library, or one set by the user), the
+/// default is the limit.
+pub(crate) fn frees_inline(largest: usize) -> bool {
+    /// The largest buffer below the largest threshold freed, or handed to be freed, so far.
+    static FREED: AtomicUsize = AtomicUsize::new(0);
+    let freed = match largest < BELOW_LARGEST_THRESHOLD {
+        true => FREED.fetch_max(largest, Ordering::Relaxed),
+        false => FREED.load(Ordering::Relaxed),
+    };
+    heap_frees(largest, freed, threshold_rises())
+}
+
+/// glibc's default mmap threshold and the largest it rises to, less a margin for malloc's own
+/// header and rounding.
+const BELOW_DEFAULT_THRESHOLD: usize = 128 * 1024 - 64;
+const BELOW_LARGEST_THRESHOLD: usize = 32 * 1024 * 1024 - 64;
+
+/// Whether freeing a buffer of `largest` bytes gives memory back to malloc's heap without
+/// unmapping it, once buffers up to `freed` bytes were freed (see [`frees_inline`]).
+fn heap_frees(largest: usize, freed: usize, threshold_rises: bool) -> bool {
+    largest < BELOW_DEFAULT_THRESHOLD
+        || (threshold_rises && largest < BELOW_LARGEST_THRESHOLD && largest <= freed)
+}
+
+/// Whether malloc's mmap threshold rises as mapped blocks are freed: glibc's does, unless it was
+/// set (`MALLOC_MMAP_THRESHOLD_`, or the `glibc.malloc.mmap_threshold` tunable).
+fn threshold_rises() -> bool {
+    static RISES: OnceLock<bool> = OnceLock::new();
+    *RISES.get_or_init(|| {
+        let set = std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some()
+            || std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("mmap_threshold"));
+        cfg!(all(target_os = "linux", target_env = "gnu")) && !set
+    })
+}
 
 /// The bytes a retired buffer holds.
 pub(crate) trait Footprint {
@@ -291,5 +325,25 @@ pub(crate) fn message_mismatch(
         mine: op.to_string(),
         other_rank: members[from],
         theirs: format!("send of {sent}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_buffers_malloc_keeps_in_its_heap_are_freed_inline() {
+        let (kib, mib) = (1024, 1024 * 1024);
+        // Below glibc's default threshold, always.
+        assert!(heap_frees(100 * kib, 0, false));
+        // Above it, only once one as large was freed, and only where the threshold rises.
+        assert!(!heap_frees(mib, 0, true));
+        assert!(!heap_frees(mib, mib - 1, true));
+        assert!(heap_frees(mib, mib, true));
+        assert!(heap_frees(mib, 16 * mib, true));
+        assert!(!heap_frees(mib, 16 * mib, false));
+        // From 32 MiB, never: glibc always maps those.
+        assert!(!heap_frees(32 * mib, 64 * mib, true));
     }
 }

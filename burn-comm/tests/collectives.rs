@@ -12,7 +12,8 @@ use rand::{Rng, SeedableRng};
 
 /// The reduction of `inputs` in rank order, as one device computes it (half precision in f32,
 /// rounded once to nearest, as the transport does; on the host, since burn-flex's cast from f32
-/// to bf16 rounds a value just above a tie down).
+/// to bf16 goes through f64 and `half`'s f64 conversion drops the low bits that tell a value
+/// just above a tie from the tie: 2312.0005 becomes 2304, half-rs issue 151).
 fn reduce_reference<const D: usize>(inputs: &[Tensor<B, D>], op: ReduceOp) -> Tensor<B, D> {
     let dtype = inputs[0].dtype();
     let wide = |t: &Tensor<B, D>| match dtype {

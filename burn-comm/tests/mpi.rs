@@ -14,9 +14,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_comm::{CommError, Communicator, Launcher, Process, RankContext, ReduceOp, launch};
-use common::{B, random};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use common::{B, random_magnitudes};
 
 fn main() {
     match Launcher::from_env() {
@@ -215,8 +213,9 @@ fn same_as_threads(
 
 fn collectives(ctx: &RankContext) -> Result<(), CommError> {
     let n = ctx.world_size();
+    // Values whose sums round: the reduction's order shows in the bits.
     let input = |seed: u64, rank: usize, shape: [usize; 2], dtype: DType| {
-        random(seed * 100 + rank as u64, shape, dtype)
+        random_magnitudes(seed * 100 + rank as u64, shape, dtype)
     };
     // Below and above the size where an all-reduce switches from one round to two.
     for (seed, shape) in [(1, [3, 5]), (2, [7, 3001])] {
@@ -243,28 +242,6 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
     same_as_threads(ctx, "all_reduce(max) of 48 KB of ints", |c, r| {
         Ok(c.all_reduce(many_ints(r), ReduceOp::Max)?.into_data())
     })?;
-    // Values of many magnitudes, whose sums round, so that the reduction's order shows in the
-    // bits (the inputs above lie on one fixed-point grid and sum exactly in any order).
-    let precise = |r: usize| {
-        let mut rng = StdRng::seed_from_u64(40 + r as u64);
-        let values: Vec<f64> = (0..12_007)
-            .map(|_| rng.random_range(-1.0..1.0) * 2f64.powi(rng.random_range(-30..30)))
-            .collect();
-        Tensor::<B, 1>::from_data(
-            TensorData::new(values, [12_007]),
-            (&Default::default(), DType::F64),
-        )
-    };
-    for len in [1_000, 12_007] {
-        same_as_threads(
-            ctx,
-            &format!("all_reduce of {len} f64 of many magnitudes"),
-            |c, r| {
-                Ok(c.all_reduce(precise(r).slice(0..len), ReduceOp::Sum)?
-                    .into_data())
-            },
-        )?;
-    }
     // Every rank holds the same bits of an all-reduce.
     let reduced = ctx
         .world()

@@ -36,7 +36,7 @@ pub fn random<const D: usize>(seed: u64, shape: [usize; D], dtype: DType) -> Ten
 
 /// Like [`random`], but each value scaled by 2^k for a random k in -12..=12: sums of such
 /// values round, so a reduction's order shows in their bits (values in [-1, 1) lie on one
-/// fixed-point grid and mostly sum exactly in any order).
+/// fixed-point grid and mostly sum exactly in any order). Sums of 15 ranks stay within f16.
 pub fn random_magnitudes<const D: usize>(
     seed: u64,
     shape: [usize; D],
@@ -44,8 +44,9 @@ pub fn random_magnitudes<const D: usize>(
 ) -> Tensor<B, D> {
     let mut rng = StdRng::seed_from_u64(seed);
     let n = shape.iter().product();
-    let values: Vec<f32> = (0..n)
-        .map(|_| rng.random_range(-1.0..1.0) * 2f32.powi(rng.random_range(-12..=12)))
+    // Drawn in f64, so that f64 values have every bit of their mantissa too.
+    let values: Vec<f64> = (0..n)
+        .map(|_| rng.random_range(-1.0..1.0) * 2f64.powi(rng.random_range(-12..=12)))
         .collect();
     let data = TensorData::new(values, shape).convert_dtype(dtype);
     Tensor::from_data(data, (&Default::default(), dtype))

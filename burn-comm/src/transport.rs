@@ -274,7 +274,7 @@ pub(crate) trait Transport: Send + Sync {
     fn send(&self, me: usize, to: usize, data: Payload) -> Result<(), CommError>;
 
     /// The next message from group rank `from`, which must be of `shape` and of the dtype of
-    /// `like` (else [`mismatched_message`]); `op` names the receive in errors. `like` is an empty
+    /// `like` (else [`message_mismatch`]); `op` names the receive in errors. `like` is an empty
     /// tensor of the kind to receive, in the transport's memory: a device transport receives
     /// onto its device.
     fn recv(

@@ -196,6 +196,38 @@ impl InFlight {
         self.peers.push(peer);
     }
 
+    /// Posts a send of `count` units of `ty` at `buf` to `peer`, tagged `tag` on `comm`.
+    ///
+    /// # Safety
+    /// `buf` must hold them and outlive the request (or be leaked with it).
+    unsafe fn isend(
+        &mut self,
+        peer: usize,
+        (buf, count, ty): (*const u8, c_int, ffi::MPI_Datatype),
+        (tag, comm): (c_int, Comm),
+    ) {
+        // SAFETY: as the caller guarantees.
+        self.push(peer, |r| unsafe {
+            ffi::MPI_Isend(buf.cast(), count, ty, peer as c_int, tag, comm.0, r)
+        });
+    }
+
+    /// Posts a receive of `count` units of `ty` into `buf` from `peer`, tagged `tag` on `comm`.
+    ///
+    /// # Safety
+    /// `buf` must hold them and outlive the request (or be leaked with it).
+    unsafe fn irecv(
+        &mut self,
+        peer: usize,
+        (buf, count, ty): (*mut u8, c_int, ffi::MPI_Datatype),
+        (tag, comm): (c_int, Comm),
+    ) {
+        // SAFETY: as the caller guarantees.
+        self.push(peer, |r| unsafe {
+            ffi::MPI_Irecv(buf.cast(), count, ty, peer as c_int, tag, comm.0, r)
+        });
+    }
+
     /// Tests every request once; whether all are complete.
     fn test(&mut self) -> bool {
         let null = unsafe { ffi::RSMPI_REQUEST_NULL };
@@ -479,28 +511,14 @@ impl MpiGroup {
             // SAFETY: inside `all`, which is not touched again until the requests complete.
             let buf = unsafe { base.add(peer) }.cast::<u8>();
             // SAFETY: `all` and `mine` outlive the requests.
-            flight.push(peer, |r| unsafe {
-                ffi::MPI_Irecv(
-                    buf.cast(),
-                    N as c_int,
-                    byte(),
-                    peer as c_int,
-                    tag,
-                    self.control.0,
-                    r,
+            unsafe { flight.irecv(peer, (buf, N as c_int, byte()), (tag, self.control)) };
+            unsafe {
+                flight.isend(
+                    peer,
+                    (mine.as_ptr(), N as c_int, byte()),
+                    (tag, self.control),
                 )
-            });
-            flight.push(peer, |r| unsafe {
-                ffi::MPI_Isend(
-                    mine.as_ptr().cast(),
-                    N as c_int,
-                    byte(),
-                    peer as c_int,
-                    tag,
-                    self.control.0,
-                    r,
-                )
-            });
+            };
         }
         if let Err(missing) = flight.wait(|| deadline) {
             std::mem::forget(mine);
@@ -814,28 +832,14 @@ impl Transport for MpiGroup {
             // SAFETY: the slices of `data` are disjoint: MPI reads this rank's and writes the
             // peers', each inside `data`, which outlives the requests (`exchange` ends the job
             // rather than return while they may run).
-            flight.push(peer, |r| unsafe {
-                ffi::MPI_Irecv(
-                    at.cast(),
-                    their_count,
-                    ty,
-                    peer as c_int,
-                    TAG_ALL_REDUCE,
-                    self.data.0,
-                    r,
+            unsafe { flight.irecv(peer, (at, their_count, ty), (TAG_ALL_REDUCE, self.data)) };
+            unsafe {
+                flight.isend(
+                    peer,
+                    (own.cast_const(), own_count, ty),
+                    (TAG_ALL_REDUCE, self.data),
                 )
-            });
-            flight.push(peer, |r| unsafe {
-                ffi::MPI_Isend(
-                    own.cast_const().cast(),
-                    own_count,
-                    ty,
-                    peer as c_int,
-                    TAG_ALL_REDUCE,
-                    self.data.0,
-                    r,
-                )
-            });
+            };
         }
         self.exchange(&call, seq, || flight.wait_all())?;
         Ok(data.into())
@@ -1059,28 +1063,20 @@ impl Transport for MpiGroup {
         ));
         let mut flight = InFlight::new();
         // SAFETY: `head` and `data` move into `flight`, which lives until the sends complete.
-        flight.push(to, |r| unsafe {
-            ffi::MPI_Isend(
-                head.as_ptr().cast(),
-                TEXT as c_int,
-                byte(),
-                to as c_int,
-                TAG_HEADER,
-                self.p2p.0,
-                r,
+        unsafe {
+            flight.isend(
+                to,
+                (head.as_ptr(), TEXT as c_int, byte()),
+                (TAG_HEADER, self.p2p),
             )
-        });
-        flight.push(to, |r| unsafe {
-            ffi::MPI_Isend(
-                data.bytes.as_ptr().cast(),
-                count,
-                byte(),
-                to as c_int,
-                TAG_PAYLOAD,
-                self.p2p.0,
-                r,
+        };
+        unsafe {
+            flight.isend(
+                to,
+                (data.bytes.as_ptr(), count, byte()),
+                (TAG_PAYLOAD, self.p2p),
             )
-        });
+        };
         flight.buffers.push(head);
         flight.buffers.push(Box::new(data));
         // A message MPI sends at once (a small one, by its eager protocol) needs no thread woken
@@ -1113,17 +1109,7 @@ impl Transport for MpiGroup {
         let mut flight = InFlight::new();
         let buf = head.as_mut_ptr();
         // SAFETY: `head` outlives the request (leaked with it on a timeout).
-        flight.push(from, |r| unsafe {
-            ffi::MPI_Irecv(
-                buf.cast(),
-                TEXT as c_int,
-                byte(),
-                from as c_int,
-                TAG_HEADER,
-                self.p2p.0,
-                r,
-            )
-        });
+        unsafe { flight.irecv(from, (buf, TEXT as c_int, byte()), (TAG_HEADER, self.p2p)) };
         let deadline = self.deadline();
         if let Err(missing) = flight.wait(|| deadline) {
             std::mem::forget(head);
@@ -1147,17 +1133,13 @@ impl Transport for MpiGroup {
         let payload = SharedBuffer::uninit(bytes);
         let mut flight = InFlight::new();
         // SAFETY: `payload` holds the `bytes` bytes the sender announced and outlives the call.
-        flight.push(from, |r| unsafe {
-            ffi::MPI_Irecv(
-                payload.ptr().cast(),
-                count,
-                byte(),
-                from as c_int,
-                TAG_PAYLOAD,
-                self.p2p.0,
-                r,
+        unsafe {
+            flight.irecv(
+                from,
+                (payload.ptr(), count, byte()),
+                (TAG_PAYLOAD, self.p2p),
             )
-        });
+        };
         if let Err(missing) = flight.wait(|| deadline) {
             std::mem::forget(payload);
             return Err(self.timeout_error(op.to_string(), missing));

@@ -10,7 +10,10 @@
 //! waits for theirs. A peer whose header does not come within the group's timeout is named in a
 //! [`CommError::Timeout`]; a peer that called something else gets a
 //! [`CommError::Mismatch`] naming both calls. Only then do the ranks start the collective itself,
-//! with MPI's blocking call under a watchdog that ends the job if it outlives the timeout.
+//! with MPI's blocking call under a watchdog that ends the job if it outlives the timeout. A
+//! small call's data (up to [`CARRIED`] bytes to each peer) goes in the headers' round instead,
+//! and is used only once the headers show every rank made the same call: one round instead of
+//! two.
 //!
 //! Each group has three communicators, so that the headers, the collectives and the user's
 //! point-to-point messages never match each other's messages.
@@ -49,8 +52,16 @@ const TAG_ALL_REDUCE: c_int = 3;
 /// Tags on the point-to-point communicator: a message's header, then its payload.
 const TAG_HEADER: c_int = 1;
 const TAG_PAYLOAD: c_int = 2;
+/// Up to this many bytes of a call's data go to each peer in the same round as its header, in
+/// a message of their own: a small collective then takes one round instead of two. About what
+/// Open MPI sends at once, without waiting for its receiver: its shared-memory transport's
+/// eager limit (4 KiB with MPI's own header, the smallest of its transports'). A message at the
+/// top of the range may wait for its receiver, whose receive is already posted.
+const CARRIED: usize = 4096;
+/// The tag of that data on the control communicator.
+const TAG_CARRIED: c_int = 2;
 /// Up to this many bytes, an all-reduce gathers every rank's whole tensor and reduces it on
-/// every rank: one round instead of two.
+/// every rank: one data round instead of two.
 const SMALL_ALL_REDUCE: usize = 32 * 1024;
 
 /// An MPI communicator handle. With `MPI_THREAD_MULTIPLE`, any thread may use it.
@@ -357,6 +368,103 @@ fn counts(parts: impl Iterator<Item = (usize, usize)>) -> Result<(Vec<c_int>, Ve
     Ok((counts, displs))
 }
 
+/// What a call sends each peer in its opening round, besides its header.
+#[derive(Clone, Copy)]
+enum Carry<'a> {
+    /// Nothing: the data follows in a phase of its own.
+    Nothing,
+    /// The same bytes to every peer.
+    Same(&'a [u8]),
+    /// Block `p` (the `block` bytes at `p * block`) to peer `p`.
+    Blocks(&'a [u8], usize),
+}
+
+impl Carry<'_> {
+    /// Bytes carried to each peer.
+    fn per_peer(&self) -> usize {
+        match *self {
+            Carry::Nothing => 0,
+            Carry::Same(bytes) => bytes.len(),
+            Carry::Blocks(_, block) => block,
+        }
+    }
+}
+
+/// Which peers send this rank data in a call's opening round.
+#[derive(Clone, Copy)]
+enum Carriers {
+    None,
+    All,
+    /// A broadcast's root.
+    Rank(usize),
+}
+
+impl Carriers {
+    fn include(self, peer: usize) -> bool {
+        match self {
+            Carriers::None => false,
+            Carriers::All => true,
+            Carriers::Rank(rank) => rank == peer,
+        }
+    }
+}
+
+/// A call every rank has joined: its number, and what each peer carried, in its slot of
+/// [`CARRIED`] bytes.
+struct Opened {
+    seq: u64,
+    slots: Option<SharedBuffer>,
+}
+
+impl Opened {
+    /// Every rank's block in group-rank order: this rank's `own`, and what each peer carried.
+    /// The calls are the same, so each carried as many bytes as this rank's call expects.
+    fn blocks(&self, me: usize, own: *const u8) -> Vec<*const u8> {
+        let slots = self.slots.as_ref().expect("a call whose peers carry data");
+        (0..slots.len() / CARRIED)
+            .map(|r| match r == me {
+                true => own,
+                false => slots.ptr().wrapping_add(r * CARRIED).cast_const(),
+            })
+            .collect()
+    }
+}
+
+/// The data of a call's opening round, possibly still in flight once the headers came. Dropped
+/// without [`complete`](Self::complete) (the calls differ, or an error came first), it gives
+/// the data up: a peer may never send what was expected, so what MPI may still use is leaked.
+struct CarriedInFlight {
+    flight: Option<InFlight>,
+    /// A copy of what is sent: the caller's tensor may go while MPI still reads this.
+    outgoing: Option<SharedBuffer>,
+    slots: Option<SharedBuffer>,
+}
+
+impl CarriedInFlight {
+    /// Waits for every peer's data (the headers matched: each sends what was expected); on a
+    /// timeout, the peers that sent nothing.
+    fn complete(mut self, deadline: Instant) -> Result<Option<SharedBuffer>, Vec<usize>> {
+        let flight = self.flight.take().expect("completed once");
+        match flight.wait(|| deadline) {
+            Ok(()) => Ok(self.slots.take()),
+            Err(missing) => {
+                std::mem::forget((self.outgoing.take(), self.slots.take()));
+                Err(missing)
+            }
+        }
+    }
+}
+
+impl Drop for CarriedInFlight {
+    fn drop(&mut self) {
+        if let Some(mut flight) = self.flight.take()
+            && !flight.test()
+        {
+            std::mem::forget((self.outgoing.take(), self.slots.take()));
+        }
+    }
+}
+
 /// One group of processes, as this process sees it.
 pub(crate) struct MpiGroup {
     name: String,
@@ -461,6 +569,20 @@ impl MpiGroup {
     /// Opens call `seq`: sends `call`'s header to every peer and checks theirs. On return every
     /// rank of the group is in the same call.
     fn open(&self, stream: &mut Stream, call: &Call) -> Result<u64, CommError> {
+        self.open_carrying(stream, call, Carry::Nothing, Carriers::None)
+            .map(|opened| opened.seq)
+    }
+
+    /// Opens a call as [`open`](Self::open) does, sending each peer `carry` in the same round
+    /// and receiving what `carriers` send. Once it returns, every peer made this same call, so
+    /// what each carried is what this rank's call expects of it.
+    fn open_carrying(
+        &self,
+        stream: &mut Stream,
+        call: &Call,
+        carry: Carry,
+        carriers: Carriers,
+    ) -> Result<Opened, CommError> {
         self.broken()?;
         let seq = stream.next_seq();
         let digest = call.digest();
@@ -469,19 +591,26 @@ impl MpiGroup {
         mine[8..].copy_from_slice(&digest.to_le_bytes());
         let deadline = self.deadline();
         let op_name = |phase: &str| format!("{call} (call {seq}{phase})");
-        let headers = self.swap(mine, TAG_CALL, deadline, || op_name(""))?;
+        let (headers, data) = self.swap_opening(mine, carry, carriers, deadline, || op_name(""))?;
+        let complete = |data: CarriedInFlight| {
+            let slots = data
+                .complete(deadline)
+                .map_err(|missing| self.timeout_error(op_name(""), missing))?;
+            Ok(Opened { seq, slots })
+        };
         if headers.iter().all(|h| *h == mine) {
-            return Ok(seq);
+            return complete(data);
         }
         // Another call, or the same one digested otherwise (another build): the calls' text
         // tells, within what is left of the timeout.
         let text = Described::encode(seq, digest, &call.to_string());
         let texts = self.swap(text, TAG_CALL_TEXT, deadline, || {
             op_name(", comparing calls")
-        })?;
-        let texts: Vec<Described> = texts.iter().map(Described::decode).collect();
+        });
+        // On an error or a mismatch, `data` is given up as it drops.
+        let texts: Vec<Described> = texts?.iter().map(Described::decode).collect();
         let Some(other) = other_call(&headers, &texts) else {
-            return Ok(seq);
+            return complete(data);
         };
         Err(self.break_with(CommError::Mismatch {
             group: self.name.clone(),
@@ -490,6 +619,78 @@ impl MpiGroup {
             other_rank: self.members[other],
             theirs: texts[other].to_string(),
         }))
+    }
+
+    /// Sends every peer `header` and what `carry` gives it, and receives every peer's header
+    /// and, into its slot of [`CARRIED`] bytes, what `carriers` send, on the control
+    /// communicator. Returns every rank's header in group-rank order once they all came (a
+    /// peer whose header does not come by `deadline` is named in a timeout of `op`), with the
+    /// data, which may still be in flight.
+    fn swap_opening(
+        &self,
+        header: [u8; HEADER],
+        carry: Carry,
+        carriers: Carriers,
+        deadline: Instant,
+        op: impl FnOnce() -> String,
+    ) -> Result<(Vec<[u8; HEADER]>, CarriedInFlight), CommError> {
+        let size = self.size();
+        assert!(
+            carry.per_peer() <= CARRIED,
+            "{} bytes carried to a peer, beyond {CARRIED}",
+            carry.per_peer()
+        );
+        let outgoing = match carry {
+            Carry::Nothing => None,
+            Carry::Same(bytes) | Carry::Blocks(bytes, _) => {
+                let copy = SharedBuffer::uninit(bytes.len());
+                // SAFETY: `copy` holds `bytes.len()` bytes and is not shared yet.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), copy.ptr(), bytes.len()) };
+                Some(copy)
+            }
+        };
+        let any_carrier = (0..size).any(|p| p != self.me && carriers.include(p));
+        let slots = any_carrier.then(|| SharedBuffer::uninit(size * CARRIED));
+        // Boxed: on a timeout they are leaked with the requests that use them.
+        let mine = Box::new(header);
+        let mut all = vec![header; size];
+        let heads = all.as_mut_ptr();
+        let (mut flight, mut data) = (InFlight::new(), InFlight::new());
+        for peer in (0..size).filter(|&p| p != self.me) {
+            let on = |tag| (tag, self.control);
+            // SAFETY: every buffer lies inside what it is taken from (`all`, `mine`, `slots`,
+            // `outgoing`), none of which is touched or freed until its requests complete (they
+            // are leaked with them otherwise).
+            unsafe {
+                let into = heads.add(peer).cast::<u8>();
+                flight.irecv(peer, (into, HEADER as c_int, byte()), on(TAG_CALL));
+                flight.isend(peer, (mine.as_ptr(), HEADER as c_int, byte()), on(TAG_CALL));
+                if let Some(slots) = slots.as_ref().filter(|_| carriers.include(peer)) {
+                    let into = slots.ptr().add(peer * CARRIED);
+                    data.irecv(peer, (into, CARRIED as c_int, byte()), on(TAG_CARRIED));
+                }
+                if let Some(out) = &outgoing {
+                    let block = carry.per_peer();
+                    let at = match carry {
+                        Carry::Blocks(..) => peer * block,
+                        _ => 0,
+                    };
+                    let from = out.ptr().add(at).cast_const();
+                    data.isend(peer, (from, block as c_int, byte()), on(TAG_CARRIED));
+                }
+            }
+        }
+        let data = CarriedInFlight {
+            flight: Some(data),
+            outgoing,
+            slots,
+        };
+        if let Err(missing) = flight.wait(|| deadline) {
+            // `data` is given up as it drops.
+            std::mem::forget((mine, all));
+            return Err(self.timeout_error(op(), missing));
+        }
+        Ok((all, data))
     }
 
     /// Sends `mine` to every peer on the control communicator, tagged `tag`, and returns every
@@ -744,12 +945,23 @@ impl Transport for MpiGroup {
         reduce: ReduceOp,
     ) -> Result<Payload, CommError> {
         let mut data = data.into_host();
-        let seq = self.open(stream, &call)?;
         let (dtype, size) = (data.dtype, self.size());
         let (len, elem) = (data.num_elements(), dtype.size());
         let bytes = len * elem;
+        if bytes <= CARRIED {
+            // One round: the whole tensor goes with the header, and every rank reduces all of
+            // them in rank order, in place in its own.
+            let opened =
+                self.open_carrying(stream, &call, Carry::Same(&data.bytes), Carriers::All)?;
+            let own = data.bytes.as_mut_ptr();
+            let srcs = opened.blocks(me, own.cast_const());
+            // SAFETY: the slots hold the peers' tensors, `own` this rank's; the kernel reads
+            // each element before it writes it, so `own` may be both.
+            unsafe { kernels::reduce(dtype, reduce, &srcs, &[own], len) };
+            return Ok(data.into());
+        }
+        let seq = self.open(stream, &call)?;
         if bytes <= SMALL_ALL_REDUCE {
-            // One round: every rank reduces the whole tensor, in rank order.
             let all = SharedBuffer::uninit(size * bytes);
             self.all_gather_elems(&call, seq, (data.bytes.as_ptr(), len), all.ptr(), elem)?;
             let srcs: Vec<*const u8> = (0..size)
@@ -854,29 +1066,43 @@ impl Transport for MpiGroup {
         dim: usize,
     ) -> Result<Payload, CommError> {
         let data = data.into_host();
-        let seq = self.open(stream, &call)?;
         let (dtype, shape) = (data.dtype, data.shape.as_slice().to_vec());
         let size = self.size();
         let bytes = data.bytes.len();
         let mut out_shape = shape.clone();
         out_shape[dim] *= size;
-        let gathered = SharedBuffer::uninit(size * bytes);
         let elem = dtype.size();
         let len = data.num_elements();
+        // Rank r's tensor as part r of the output.
+        let place = |blocks: &[*const u8]| {
+            let out = SharedBuffer::uninit(size * bytes);
+            for (r, &block) in blocks.iter().enumerate() {
+                // SAFETY: `block` holds rank r's tensor; part r lies inside `out`.
+                unsafe {
+                    kernels::copy_to_part(block, &shape, (out.ptr(), &out_shape), (dim, r), elem)
+                };
+            }
+            out
+        };
+        if bytes <= CARRIED {
+            // The tensor goes with the header.
+            let opened =
+                self.open_carrying(stream, &call, Carry::Same(&data.bytes), Carriers::All)?;
+            let out = place(&opened.blocks(self.me, data.bytes.as_ptr()));
+            return Ok(out.view(out_shape, dtype).into());
+        }
+        let seq = self.open(stream, &call)?;
+        let gathered = SharedBuffer::uninit(size * bytes);
         self.all_gather_elems(&call, seq, (data.bytes.as_ptr(), len), gathered.ptr(), elem)?;
         stream.retire(data);
-        if shape[..dim].iter().product::<usize>() == 1 {
+        if parts_are_blocks(&shape, dim) {
             // Rank blocks are already the concatenation along `dim`.
             return Ok(gathered.view(out_shape, dtype).into());
         }
-        let out = SharedBuffer::uninit(size * bytes);
-        for r in 0..size {
-            let block = gathered.ptr().wrapping_add(r * bytes).cast_const();
-            // SAFETY: block `r` of `gathered` is rank r's tensor; part r lies inside `out`.
-            unsafe {
-                kernels::copy_to_part(block, &shape, (out.ptr(), &out_shape), (dim, r), elem)
-            };
-        }
+        let blocks: Vec<*const u8> = (0..size)
+            .map(|r| gathered.ptr().wrapping_add(r * bytes).cast_const())
+            .collect();
+        let out = place(&blocks);
         stream.retire(gathered);
         Ok(out.view(out_shape, dtype).into())
     }
@@ -891,7 +1117,6 @@ impl Transport for MpiGroup {
         dim: usize,
     ) -> Result<Payload, CommError> {
         let data = data.into_host();
-        let seq = self.open(stream, &call)?;
         let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
         let (size, elem) = (self.size(), dtype.size());
         let mut out_shape = dims.clone();
@@ -921,14 +1146,28 @@ impl Transport for MpiGroup {
             }
             packed.ptr().cast_const()
         };
+        let out = SharedBuffer::uninit(block);
+        let reduce_into_out = |srcs: &[*const u8]| {
+            // SAFETY: `srcs` hold every rank's block for this rank; `out` is ours.
+            unsafe { kernels::reduce(dtype, reduce, srcs, &[out.ptr()], outer * part) };
+        };
+        if block <= CARRIED {
+            // Each peer's block goes with the header.
+            // SAFETY: `send` holds `size` blocks, written above or the input's own bytes.
+            let blocks = unsafe { std::slice::from_raw_parts(send, size * block) };
+            let opened =
+                self.open_carrying(stream, &call, Carry::Blocks(blocks, block), Carriers::All)?;
+            reduce_into_out(&opened.blocks(self.me, send.wrapping_add(self.me * block)));
+            stream.retire(data);
+            return Ok(out.view(out_shape, dtype).into());
+        }
+        let seq = self.open(stream, &call)?;
         let received = SharedBuffer::uninit(size * block);
         self.all_to_all_elems(&call, seq, (send, block / elem), received.ptr(), elem)?;
-        let out = SharedBuffer::uninit(block);
         let srcs: Vec<*const u8> = (0..size)
             .map(|r| received.ptr().wrapping_add(r * block).cast_const())
             .collect();
-        // SAFETY: `received` holds every rank's block; `out` is ours.
-        unsafe { kernels::reduce(dtype, reduce, &srcs, &[out.ptr()], outer * part) };
+        reduce_into_out(&srcs);
         stream.retire(data);
         stream.retire(received);
         Ok(out.view(out_shape, dtype).into())
@@ -943,13 +1182,29 @@ impl Transport for MpiGroup {
         root: usize,
     ) -> Result<Payload, CommError> {
         let data = data.map(Payload::into_host);
-        let seq = self.open(stream, &call)?;
         let (shape, dtype) = (
             call.shape.clone(),
             call.dtype.expect("a broadcast carries a tensor"),
         );
         let (elems, elem) = (shape.iter().product::<usize>(), dtype.size());
         let bytes = elems * elem;
+        if bytes <= CARRIED {
+            // The root's tensor goes with its header.
+            let (carry, carriers) = match &data {
+                Some(data) => (Carry::Same(&data.bytes), Carriers::None),
+                None => (Carry::Nothing, Carriers::Rank(root)),
+            };
+            let opened = self.open_carrying(stream, &call, carry, carriers)?;
+            if let Some(data) = data {
+                return Ok(data.into());
+            }
+            let out = SharedBuffer::uninit(bytes);
+            let from = opened.blocks(self.me, std::ptr::null())[root];
+            // SAFETY: the root carried its `bytes` bytes; `out` holds as many.
+            unsafe { std::ptr::copy_nonoverlapping(from, out.ptr(), bytes) };
+            return Ok(out.view(shape, dtype).into());
+        }
+        let seq = self.open(stream, &call)?;
         let (per, ty) = units(bytes, elem);
         let count = c_int::try_from(bytes / per).map_err(|_| self.too_large(&call, elems))?;
         // The root sends its own buffer, which MPI only reads; the others receive into a fresh
@@ -981,7 +1236,6 @@ impl Transport for MpiGroup {
         concat_dim: usize,
     ) -> Result<Payload, CommError> {
         let data = data.into_host();
-        let seq = self.open(stream, &call)?;
         let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
         let (size, elem) = (self.size(), dtype.size());
         let mut part = dims.clone();
@@ -1016,6 +1270,22 @@ impl Transport for MpiGroup {
         // it, else in a buffer they are unpacked from.
         let out = SharedBuffer::uninit(size * block);
         let unpacked = !parts_are_blocks(&out_shape, concat_dim);
+        if block <= CARRIED {
+            // Each peer's part goes with the header.
+            // SAFETY: `sent` holds `size` blocks, written above or the input's own bytes.
+            let blocks = unsafe { std::slice::from_raw_parts(sent, size * block) };
+            let opened =
+                self.open_carrying(stream, &call, Carry::Blocks(blocks, block), Carriers::All)?;
+            let received = opened.blocks(self.me, sent.wrapping_add(self.me * block));
+            for (r, &from) in received.iter().enumerate() {
+                let dst = (out.ptr(), out_shape.as_slice());
+                // SAFETY: `from` holds rank r's part; part r lies inside `out`.
+                unsafe { kernels::copy_to_part(from, &part, dst, (concat_dim, r), elem) };
+            }
+            stream.retire(data);
+            return Ok(out.view(out_shape, dtype).into());
+        }
+        let seq = self.open(stream, &call)?;
         let received = match unpacked {
             true => SharedBuffer::uninit(size * block),
             false => out.clone(),

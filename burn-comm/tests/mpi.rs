@@ -50,7 +50,7 @@ fn orchestrate() {
     let _ = std::fs::remove_file(&hostfile);
     assert_ok(&out, "collectives at 3 processes placed by a hostfile");
     println!("collectives at 3 processes placed by a hostfile: ok");
-    let faults: [(&str, &[&str]); 6] = [
+    let faults: [(&str, &[&str]); 8] = [
         ("panic", &["rank 1 panicked: rank 1 gives up"]),
         (
             "error",
@@ -68,6 +68,24 @@ fn orchestrate() {
             &[
                 "mismatched calls on group 'world'",
                 "all_gather(dim 0) on F32 [4]",
+            ],
+        ),
+        // One call's data goes in the round of its header, the other's is too large to.
+        (
+            "mismatch-sizes",
+            &[
+                "mismatched calls on group 'world'",
+                "all_gather(dim 0) on F32 [4]",
+                "all_gather(dim 0) on F32 [20000]",
+            ],
+        ),
+        // Both go in the headers' round, one much larger than the other expects.
+        (
+            "mismatch-carried",
+            &[
+                "mismatched calls on group 'world'",
+                "all_gather(dim 0) on F32 [4]",
+                "all_gather(dim 0) on F32 [1000]",
             ],
         ),
         ("killed", &["rank 1", "signal 9"]),
@@ -169,6 +187,18 @@ fn rank_case(case: &str, ctx: RankContext) -> Result<(), CommError> {
                 world.all_gather(x, 0).map(drop)
             }
         }
+        "mismatch-sizes" | "mismatch-carried" => {
+            let other = if case == "mismatch-sizes" {
+                20_000
+            } else {
+                1000
+            };
+            let x = match ctx.rank() {
+                0 => x,
+                _ => Tensor::zeros([other], &Default::default()),
+            };
+            world.all_gather(x, 0).map(drop)
+        }
         "killed" => {
             world.barrier()?;
             if ctx.rank() == 1 {
@@ -181,8 +211,12 @@ fn rank_case(case: &str, ctx: RankContext) -> Result<(), CommError> {
         }
         // Rank 1 stops itself (BURN_COMM_FREEZE_IN_EXCHANGE) inside the all-reduce's data
         // exchange, after both headers came, where MPI's blocking call cannot be left: rank 0's
-        // watchdog must end the job, naming the exchange.
-        "frozen" => world.all_reduce(x, ReduceOp::Sum).map(drop),
+        // watchdog must end the job, naming the exchange. (A tensor too large to go in the
+        // header's round, which has an exchange of its own.)
+        "frozen" => {
+            let x = Tensor::<B, 1>::ones([20_000], &Default::default());
+            world.all_reduce(x, ReduceOp::Sum).map(drop)
+        }
         other => panic!("unknown case {other}"),
     }
 }
@@ -217,8 +251,9 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
     let input = |seed: u64, rank: usize, shape: [usize; 2], dtype: DType| {
         random_magnitudes(seed * 100 + rank as u64, shape, dtype)
     };
-    // Below and above the size where an all-reduce switches from one round to two.
-    for (seed, shape) in [(1, [3, 5]), (2, [7, 3001])] {
+    // Each of an all-reduce's three ways: in the headers' round (up to 4 KiB), one all-gather
+    // after them (up to 32 KiB), and a reduce-scatter and an all-gather after them.
+    for (seed, shape) in [(1, [3, 5]), (20, [7, 301]), (2, [7, 3001])] {
         for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
                 let what = format!("all_reduce({op}) of {dtype:?} {shape:?}");
@@ -257,37 +292,39 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
             ctx.rank()
         );
     }
-    for dim in [0, 1] {
-        let shape = [2 * n, 3 * n];
-        same_as_threads(ctx, &format!("all_gather(dim {dim})"), |c, r| {
-            Ok(c.all_gather(input(4, r, [2, 3], DType::F32), dim)?
-                .into_data())
-        })?;
-        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
-            same_as_threads(ctx, &format!("reduce_scatter({op}, dim {dim})"), |c, r| {
-                Ok(c.reduce_scatter(input(5, r, shape, DType::F32), op, dim)?
+    // Small enough to go in the round of the calls' headers, and (x 3001: beyond 4 KiB per
+    // peer) not.
+    for wide in [1, 3001] {
+        for dim in [0, 1] {
+            let shape = [2 * n, 3 * n * wide];
+            same_as_threads(ctx, &format!("all_gather(dim {dim}) x {wide}"), |c, r| {
+                Ok(c.all_gather(input(4, r, [2, 3 * wide], DType::F32), dim)?
+                    .into_data())
+            })?;
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                let what = format!("reduce_scatter({op}, dim {dim}) x {wide}");
+                same_as_threads(ctx, &what, |c, r| {
+                    Ok(c.reduce_scatter(input(5, r, shape, DType::F32), op, dim)?
+                        .into_data())
+                })?;
+            }
+            same_as_threads(ctx, &format!("all_to_all(split {dim}) x {wide}"), |c, r| {
+                Ok(c.all_to_all(input(6, r, shape, DType::F16), dim, 1 - dim)?
+                    .into_data())
+            })?;
+            // Parts that are whole blocks of both the input and the output move without copies.
+            let what = format!("all_to_all(split {dim}, concat {dim}) x {wide}");
+            same_as_threads(ctx, &what, |c, r| {
+                Ok(c.all_to_all(input(8, r, shape, DType::F32), dim, dim)?
                     .into_data())
             })?;
         }
-        same_as_threads(ctx, &format!("all_to_all(split {dim})"), |c, r| {
-            Ok(c.all_to_all(input(6, r, shape, DType::F16), dim, 1 - dim)?
-                .into_data())
-        })?;
-        // Parts that are whole blocks of both the input and the output move without copies.
-        same_as_threads(
-            ctx,
-            &format!("all_to_all(split {dim}, concat {dim})"),
-            |c, r| {
-                Ok(c.all_to_all(input(8, r, shape, DType::F32), dim, dim)?
+        for root in [0, n - 1] {
+            same_as_threads(ctx, &format!("broadcast from {root} x {wide}"), |c, r| {
+                Ok(c.broadcast(input(7, r, [4, 9 * wide], DType::F32), root)?
                     .into_data())
-            },
-        )?;
-    }
-    for root in [0, n - 1] {
-        same_as_threads(ctx, &format!("broadcast from {root}"), |c, r| {
-            Ok(c.broadcast(input(7, r, [4, 9], DType::F32), root)?
-                .into_data())
-        })?;
+            })?;
+        }
     }
     // Point to point around the ring, two messages per pair, in order.
     same_as_threads(ctx, "send and recv", |c, r| {

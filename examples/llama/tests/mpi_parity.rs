@@ -287,14 +287,20 @@ fn processes_checkpoint_and_resume_as_threads_do() {
     }
 }
 
-/// `llama train` for 30 steps of `tiny` at dp 2, as two processes under mpirun, checkpointing
-/// every step into `checkpoints` (resuming from it with `resume`).
+/// Steps of [`long_job`]: about 3 s here, so that a SIGTERM to mpirun after the second step
+/// reaches the ranks while they train (mpirun passes it on about a second later).
+#[cfg(unix)]
+const LONG_STEPS: usize = 80;
+
+/// `llama train` for [`LONG_STEPS`] steps of `tiny` at dp 2, as two processes under mpirun,
+/// checkpointing every step into `checkpoints` (resuming from it with `resume`).
 #[cfg(unix)]
 fn long_job(checkpoints: &Path, metrics: &Path, resume: bool) -> std::process::Command {
     let mut command = burn_comm::mpirun(2);
     command
         .arg(env!("CARGO_BIN_EXE_llama"))
-        .args(["train", "--steps", "30", "--batch-size", "8", "--seq-len"])
+        .args(["train", "--steps", &LONG_STEPS.to_string()])
+        .args(["--batch-size", "8", "--seq-len"])
         .args([
             "16",
             "--dp",
@@ -363,7 +369,7 @@ fn a_sigterm_to_mpirun_checkpoints_and_killing_one_rank_loses_nothing_committed(
         .unwrap();
     assert!(out.status.success(), "{}", transcript(&out));
     let whole = losses(&whole);
-    assert_eq!(whole.len(), 30);
+    assert_eq!(whole.len(), LONG_STEPS);
 
     // SIGTERM to mpirun (a scheduler's preemption), which passes it to every rank: the ranks
     // agree on the step to stop after, checkpoint it and say how to go on. Open MPI SIGKILLs
@@ -403,7 +409,10 @@ fn a_sigterm_to_mpirun_checkpoints_and_killing_one_rank_loses_nothing_committed(
         "{stderr}"
     );
     let stopped = losses(&metrics).len();
-    assert!(stopped < 30, "the signal came too late to test anything");
+    assert!(
+        stopped < LONG_STEPS,
+        "the signal came too late to test anything"
+    );
     let resumed = dir.join("resumed-after-term.jsonl");
     let out = long_job(&checkpoints, &resumed, true).output().unwrap();
     assert!(out.status.success(), "{}", transcript(&out));

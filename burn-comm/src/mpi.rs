@@ -60,6 +60,20 @@ const TAG_PAYLOAD: c_int = 2;
 const CARRIED: usize = 4096;
 /// The tag of that data on the control communicator.
 const TAG_CARRIED: c_int = 2;
+/// A send up to this large that MPI did not finish at once is completed by the group's next
+/// call instead of by waking the group's send thread, which cost a 4 KiB send/recv at 4
+/// processes on 2 cores half its time. Its receiver needs nothing more from this process:
+/// Open MPI's shared-memory transport sends it whole in the first message of its rendezvous
+/// (`btl_vader_rndv_eager_limit`, 32 KiB) or lets the receiver copy it (single copy), and
+/// over TCP it went at once (`btl_tcp_eager_limit`, 64 KiB). Any MPI call of this process
+/// also moves it on.
+const DEFERRED: usize = 32 * 1024 - 128;
+/// At most this many sends wait so; more go to the send thread.
+const DEFERRED_COUNT: usize = 64;
+/// How often the send thread tests the deferred sends while there are any: where a receiver
+/// does need this process to move a send on (a transport without single copy), it waits at
+/// most about this long for a caller that makes no MPI call meanwhile.
+const SWEEP: Duration = Duration::from_millis(1);
 /// Up to this many bytes, an all-reduce gathers every rank's whole tensor and reduces it on
 /// every rank: one data round instead of two.
 const SMALL_ALL_REDUCE: usize = 32 * 1024;
@@ -69,8 +83,8 @@ const SMALL_ALL_REDUCE: usize = 32 * 1024;
 struct Comm(ffi::MPI_Comm);
 
 // SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE; a group's calls are ordered by its
-// stream, and each of its sends is completed by one thread (the sender's, or the group's send
-// thread).
+// stream, and each of its sends is tested by one thread at a time (the sender's, or the
+// group's send thread; deferred sends under their list's lock).
 unsafe impl Send for Comm {}
 unsafe impl Sync for Comm {}
 
@@ -484,10 +498,30 @@ pub(crate) struct MpiGroup {
     /// The thread that completes this group's sends MPI did not finish at once, started by the
     /// first such.
     sender: Mutex<Option<Sender>>,
+    /// Small sends MPI has not finished (see [`DEFERRED`]), completed by this group's next
+    /// call or by the send thread's sweep, rather than by waking that thread for each.
+    deferred: Arc<Mutex<Deferred>>,
+}
+
+/// A group's deferred sends.
+#[derive(Default)]
+struct Deferred {
+    flights: Vec<InFlight>,
+    /// Whether the send thread sweeps them: it stops only when its sweep finds none, and is
+    /// woken by the next one deferred.
+    swept: bool,
+}
+
+/// What the send thread is given.
+enum ToSend {
+    /// A send to complete, in order.
+    Flight(InFlight),
+    /// Deferred sends to sweep every [`SWEEP`] until none is left.
+    Sweep,
 }
 
 struct Sender {
-    queue: mpsc::Sender<InFlight>,
+    queue: mpsc::Sender<ToSend>,
     thread: JoinHandle<()>,
     /// Set when the group is dropped: every send still queued must be done by then.
     drain: Arc<OnceLock<Instant>>,
@@ -524,6 +558,7 @@ impl MpiGroup {
             timeout,
             broken: Mutex::new(None),
             sender: Mutex::new(None),
+            deferred: Arc::default(),
         }
     }
 
@@ -538,6 +573,27 @@ impl MpiGroup {
 
     fn deadline(&self) -> Instant {
         deadline_after(self.timeout)
+    }
+
+    /// Keeps `flight` among the deferred sends, unless there are too many; has the send thread
+    /// sweep them if it was not.
+    fn defer(&self, flight: InFlight) -> Result<(), InFlight> {
+        let mut deferred = lock(&self.deferred);
+        if deferred.flights.len() >= DEFERRED_COUNT {
+            return Err(flight);
+        }
+        deferred.flights.push(flight);
+        if !std::mem::replace(&mut deferred.swept, true) {
+            drop(deferred);
+            // The thread sweeps until it finds none left: one wake-up for a run of sends.
+            let _ = self.sender().send(ToSend::Sweep);
+        }
+        Ok(())
+    }
+
+    /// Frees the deferred sends MPI has finished.
+    fn complete_deferred(&self) {
+        sweep(&mut lock(&self.deferred));
     }
 
     fn broken(&self) -> Result<(), CommError> {
@@ -584,6 +640,7 @@ impl MpiGroup {
         carriers: Carriers,
     ) -> Result<Opened, CommError> {
         self.broken()?;
+        self.complete_deferred();
         let seq = stream.next_seq();
         let digest = call.digest();
         let mut mine = [0u8; HEADER];
@@ -810,16 +867,17 @@ impl MpiGroup {
         })
     }
 
-    fn sender(&self) -> mpsc::Sender<InFlight> {
+    fn sender(&self) -> mpsc::Sender<ToSend> {
         let mut sender = lock(&self.sender);
         let sender = sender.get_or_insert_with(|| {
-            let (queue, inbox) = mpsc::channel::<InFlight>();
+            let (queue, inbox) = mpsc::channel::<ToSend>();
             let timeout = self.timeout;
             let drain = Arc::new(OnceLock::new());
             let deadline = drain.clone();
+            let deferred = self.deferred.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("mpi-send-{}", self.name))
-                .spawn(move || complete_sends(inbox, timeout, &deadline))
+                .spawn(move || complete_sends(inbox, timeout, &deadline, &deferred))
                 .expect("the OS refused to start a thread");
             Sender {
                 queue,
@@ -832,10 +890,39 @@ impl MpiGroup {
 }
 
 /// Completes in the background a group's sends that MPI did not finish at once, in the order
-/// they were queued (MPI needs the sender to make progress on large messages). Gives up on a
-/// send after `timeout`, or at the `drain` deadline the group's drop sets.
-fn complete_sends(inbox: mpsc::Receiver<InFlight>, timeout: Duration, drain: &OnceLock<Instant>) {
-    for flight in inbox {
+/// they were queued (MPI needs the sender to make progress on large messages), and sweeps its
+/// deferred sends while there are any. Gives up on a send after `timeout`, or at the `drain`
+/// deadline the group's drop sets.
+fn complete_sends(
+    inbox: mpsc::Receiver<ToSend>,
+    timeout: Duration,
+    drain: &OnceLock<Instant>,
+    deferred: &Mutex<Deferred>,
+) {
+    let mut sweeping = false;
+    loop {
+        let next = match sweeping {
+            true => inbox.recv_timeout(SWEEP),
+            false => inbox
+                .recv()
+                .map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+        };
+        let flight = match next {
+            Ok(ToSend::Flight(flight)) => flight,
+            Ok(ToSend::Sweep) => {
+                sweeping = true;
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let mut deferred = lock(deferred);
+                sweep(&mut deferred);
+                // None left: stop until a deferred send wakes this thread again.
+                deferred.swept = !deferred.flights.is_empty();
+                sweeping = deferred.swept;
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        };
         let finalized = FINALIZED.read().unwrap_or_else(|e| e.into_inner());
         if *finalized {
             // A group that outlived MPI: its sends can no longer complete.
@@ -848,11 +935,38 @@ fn complete_sends(inbox: mpsc::Receiver<InFlight>, timeout: Duration, drain: &On
     }
 }
 
+/// Tests the deferred sends (which also moves them on in MPI) and frees those finished.
+fn sweep(deferred: &mut Deferred) {
+    if deferred.flights.is_empty() {
+        return;
+    }
+    let finalized = FINALIZED.read().unwrap_or_else(|e| e.into_inner());
+    if !*finalized {
+        deferred.flights.retain_mut(|flight| !flight.test());
+    }
+}
+
 impl Drop for MpiGroup {
     fn drop(&mut self) {
-        // Deliver what is queued before the communicators go, within one timeout in all.
+        // Deferred sends, then the send thread's, within one timeout in all.
+        let deadline = deadline_after(self.timeout);
+        if let Some(sender) = &*lock(&self.sender) {
+            let _ = sender.drain.set(deadline);
+        }
+        let deferred = std::mem::take(&mut lock(&self.deferred).flights);
+        {
+            let finalized = FINALIZED.read().unwrap_or_else(|e| e.into_inner());
+            if *finalized {
+                // A group that outlived MPI: its sends can no longer complete.
+                std::mem::forget(deferred);
+            } else {
+                for flight in deferred {
+                    // A send not received in time: the receiver reports the timeout.
+                    let _ = flight.wait(|| deadline);
+                }
+            }
+        }
         if let Some(sender) = lock(&self.sender).take() {
-            let _ = sender.drain.set(deadline_after(self.timeout));
             drop(sender.queue);
             let _ = sender.thread.join();
         }
@@ -1315,6 +1429,7 @@ impl Transport for MpiGroup {
     fn send(&self, _me: usize, to: usize, data: Payload) -> Result<(), CommError> {
         let data = data.into_host();
         self.broken()?;
+        self.complete_deferred();
         let bytes = data.bytes.len();
         let op = || PointToPoint::Send { to }.to_string();
         let count = c_int::try_from(bytes).map_err(|_| CommError::InvalidArgument {
@@ -1355,8 +1470,15 @@ impl Transport for MpiGroup {
         if frees_inline(bytes) && flight.test() {
             return Ok(());
         }
+        let flight = match bytes <= DEFERRED {
+            true => match self.defer(flight) {
+                Ok(()) => return Ok(()),
+                Err(flight) => flight,
+            },
+            false => flight,
+        };
         self.sender()
-            .send(flight)
+            .send(ToSend::Flight(flight))
             .map_err(|_| CommError::Transport {
                 op: op(),
                 group: self.name.clone(),
@@ -1375,6 +1497,7 @@ impl Transport for MpiGroup {
     ) -> Result<Payload, CommError> {
         let dtype = like.dtype();
         self.broken()?;
+        self.complete_deferred();
         let mut head = Box::new([0u8; TEXT]);
         let mut flight = InFlight::new();
         let buf = head.as_mut_ptr();

@@ -37,6 +37,15 @@ fn orchestrate() {
         assert_ok(&out, &format!("collectives at {world} processes"));
         println!("collectives at {world} processes: ok");
     }
+    // Without single copy, a receiver needs its sender's MPI to move a message past the eager
+    // limit on: a sender that then makes no MPI call must not hold it up.
+    let out = mpirun(
+        2,
+        "quiet-sender",
+        &[("OMPI_MCA_btl_vader_single_copy_mechanism", "none")],
+    );
+    assert_ok(&out, "a send whose sender goes quiet");
+    println!("a send whose sender goes quiet: ok");
     // Several machines come from a hostfile; here it lists this one's slots.
     let hostfile = std::env::temp_dir().join(format!("burn-comm-hosts-{}", std::process::id()));
     std::fs::write(&hostfile, "localhost slots=3\n").expect("a temporary file");
@@ -186,6 +195,24 @@ fn rank_case(case: &str, ctx: RankContext) -> Result<(), CommError> {
             } else {
                 world.all_gather(x, 0).map(drop)
             }
+        }
+        "quiet-sender" => {
+            let shape = [30, 100];
+            world.barrier()?;
+            if ctx.rank() == 0 {
+                world.send(Tensor::<B, 2>::ones(shape, &Default::default()), 1)?;
+                // No MPI call for a while, as in a long computation.
+                std::thread::sleep(Duration::from_secs(2));
+            } else {
+                let began = Instant::now();
+                let _: Tensor<B, 2> = world.recv(0, shape, &Default::default())?;
+                let took = began.elapsed();
+                assert!(
+                    took < Duration::from_millis(500),
+                    "the message took {took:?} to arrive while its sender made no MPI call"
+                );
+            }
+            world.barrier()
         }
         "mismatch-sizes" | "mismatch-carried" => {
             let other = if case == "mismatch-sizes" {
@@ -344,6 +371,22 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
         let large: Tensor<B, 2> = c.recv(prev, [512, 512], &Default::default())?;
         let small: Tensor<B, 2> = c.recv(prev, [3, 2], &Default::default())?;
         Ok(Tensor::cat(vec![large.flatten::<1>(0, 1), small.flatten(0, 1)], 0).into_data())
+    })?;
+    // Sends past the eager limit that MPI finishes only once received: several wait for the
+    // group's next call to complete them (up to 32 KiB) or for its send thread (beyond), in
+    // order.
+    same_as_threads(ctx, "sends waiting to be received", |c, r| {
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let shapes = [[30, 100], [31, 100], [2, 9000], [29, 100]];
+        for (i, shape) in shapes.into_iter().enumerate() {
+            c.send(input(30 + i as u64, r, shape, DType::F32), next)?;
+        }
+        let received = shapes
+            .into_iter()
+            .map(|shape| c.recv::<B, 2, burn::tensor::Float>(prev, shape, &Default::default()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let flat = received.into_iter().map(|t| t.flatten::<1>(0, 1)).collect();
+        Ok(Tensor::cat(flat, 0).into_data())
     })?;
     // A message of another shape than expected is a mismatch naming both, not garbage.
     let (next, prev) = ((ctx.rank() + 1) % n, (ctx.rank() + n - 1) % n);

@@ -60,13 +60,13 @@ const TAG_PAYLOAD: c_int = 2;
 const CARRIED: usize = 4096;
 /// The tag of that data on the control communicator.
 const TAG_CARRIED: c_int = 2;
-/// A send up to this large that MPI did not finish at once is completed by the group's next
-/// call instead of by waking the group's send thread, which cost a 4 KiB send/recv at 4
-/// processes on 2 cores half its time. Its receiver needs nothing more from this process:
-/// Open MPI's shared-memory transport sends it whole in the first message of its rendezvous
-/// (`btl_vader_rndv_eager_limit`, 32 KiB) or lets the receiver copy it (single copy), and
-/// over TCP it went at once (`btl_tcp_eager_limit`, 64 KiB). Any MPI call of this process
-/// also moves it on.
+/// A send up to this large that MPI did not finish at once waits in the group's deferred list,
+/// completed by the group's next call or by the send thread's sweep every [`SWEEP`], instead
+/// of by waking that thread for each (which cost a 4 KiB send/recv at 4 processes on 2 cores
+/// half its time). The receiver of such a send may still need this process's MPI to move it
+/// on (Open MPI's shared memory without single copy sends about 4 KiB at once and the rest as
+/// the sender progresses): the sweep bounds that wait. Larger sends go to the thread, which
+/// polls them without pause.
 const DEFERRED: usize = 32 * 1024 - 128;
 /// At most this many sends wait so; more go to the send thread.
 const DEFERRED_COUNT: usize = 64;
@@ -506,7 +506,8 @@ pub(crate) struct MpiGroup {
 /// A group's deferred sends.
 #[derive(Default)]
 struct Deferred {
-    flights: Vec<InFlight>,
+    /// Each with the moment it is given up (not received in time: the receiver reports it).
+    flights: Vec<(InFlight, Instant)>,
     /// Whether the send thread sweeps them: it stops only when its sweep finds none, and is
     /// woken by the next one deferred.
     swept: bool,
@@ -582,7 +583,9 @@ impl MpiGroup {
         if deferred.flights.len() >= DEFERRED_COUNT {
             return Err(flight);
         }
-        deferred.flights.push(flight);
+        deferred
+            .flights
+            .push((flight, deadline_after(self.timeout)));
         if !std::mem::replace(&mut deferred.swept, true) {
             drop(deferred);
             // The thread sweeps until it finds none left: one wake-up for a run of sends.
@@ -935,15 +938,23 @@ fn complete_sends(
     }
 }
 
-/// Tests the deferred sends (which also moves them on in MPI) and frees those finished.
+/// Tests the deferred sends (which also moves them on in MPI), frees those finished and gives
+/// up those past their time.
 fn sweep(deferred: &mut Deferred) {
     if deferred.flights.is_empty() {
         return;
     }
     let finalized = FINALIZED.read().unwrap_or_else(|e| e.into_inner());
-    if !*finalized {
-        deferred.flights.retain_mut(|flight| !flight.test());
+    if *finalized {
+        // A group that outlived MPI: its sends can no longer complete.
+        std::mem::forget(std::mem::take(&mut deferred.flights));
+        return;
     }
+    let now = Instant::now();
+    // A flight given up while pending leaks its buffers as it drops (MPI may still use them).
+    deferred
+        .flights
+        .retain_mut(|(flight, until)| !flight.test() && now < *until);
 }
 
 impl Drop for MpiGroup {
@@ -960,7 +971,7 @@ impl Drop for MpiGroup {
                 // A group that outlived MPI: its sends can no longer complete.
                 std::mem::forget(deferred);
             } else {
-                for flight in deferred {
+                for (flight, _) in deferred {
                     // A send not received in time: the receiver reports the timeout.
                     let _ = flight.wait(|| deadline);
                 }

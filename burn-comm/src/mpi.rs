@@ -959,25 +959,15 @@ fn sweep(deferred: &mut Deferred) {
 
 impl Drop for MpiGroup {
     fn drop(&mut self) {
-        // Deferred sends, then the send thread's, within one timeout in all.
-        let deadline = deadline_after(self.timeout);
-        if let Some(sender) = &*lock(&self.sender) {
-            let _ = sender.drain.set(deadline);
-        }
+        // Deliver what is queued, deferred sends last, before the communicators go, within
+        // one timeout in all. A deferred send started the thread, so it is there to take them
+        // (dropped otherwise, a pending flight leaks its buffers).
         let deferred = std::mem::take(&mut lock(&self.deferred).flights);
-        {
-            let finalized = FINALIZED.read().unwrap_or_else(|e| e.into_inner());
-            if *finalized {
-                // A group that outlived MPI: its sends can no longer complete.
-                std::mem::forget(deferred);
-            } else {
-                for (flight, _) in deferred {
-                    // A send not received in time: the receiver reports the timeout.
-                    let _ = flight.wait(|| deadline);
-                }
-            }
-        }
         if let Some(sender) = lock(&self.sender).take() {
+            let _ = sender.drain.set(deadline_after(self.timeout));
+            for (flight, _) in deferred {
+                let _ = sender.queue.send(ToSend::Flight(flight));
+            }
             drop(sender.queue);
             let _ = sender.thread.join();
         }

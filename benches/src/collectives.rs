@@ -117,26 +117,31 @@ pub fn time_rank(
     iters: usize,
 ) -> Result<Vec<Duration>, CommError> {
     let values = vec![1.0f32; op.input_elems(elems, comm.size())];
-    let len = values.len();
     let mut times = Vec::with_capacity(iters);
     for i in 0..iters + 2 {
-        // A fresh, uniquely owned input: burn hands its buffer over without a copy.
-        let x = Tensor::<Flex, 1>::from_data(
-            TensorData::new(values.clone(), [len]),
-            &Default::default(),
-        );
-        comm.barrier()?;
-        let start = Instant::now();
-        let out = op.run(comm, x);
-        let elapsed = start.elapsed();
-        drop(out);
-        // No rank prepares its next input while a peer is still being timed.
-        comm.barrier()?;
+        let elapsed = time_call(comm, op, &values)?;
         if i >= 2 {
             times.push(elapsed);
         }
     }
     Ok(times)
+}
+
+/// One call of `op` on a fresh tensor holding `values`, timed from a barrier.
+pub fn time_call(comm: &Communicator, op: Op, values: &[f32]) -> Result<Duration, CommError> {
+    // A fresh, uniquely owned input: burn hands its buffer over without a copy.
+    let x = Tensor::<Flex, 1>::from_data(
+        TensorData::new(values.to_vec(), [values.len()]),
+        &Default::default(),
+    );
+    comm.barrier()?;
+    let start = Instant::now();
+    let out = op.run(comm, x);
+    let elapsed = start.elapsed();
+    drop(out);
+    // No rank prepares its next input while a peer is still being timed.
+    comm.barrier()?;
+    Ok(elapsed)
 }
 
 /// The median over iterations of the slowest rank's time.

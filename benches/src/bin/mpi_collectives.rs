@@ -5,15 +5,18 @@
 //! under `mpirun` for each world size; there every process times the same operations through
 //! burn-comm's `Communicator` on burn tensors and through MPI's own `MPI_Allreduce`,
 //! `MPI_Allgather`, `MPI_Reduce_scatter_block`, `MPI_Bcast`, `MPI_Alltoall` and `MPI_Sendrecv`
-//! (a ring) on `Vec<f32>`, and rank 0 prints
-//! the rows back as JSON lines.
+//! (a ring) on `Vec<f32>`, in turns of a tenth of the calls each, and rank 0 prints the rows
+//! back as JSON lines. Raw MPI is timed twice: on a fresh input each call, allocated as burn-comm's input
+//! tensor is (the ratio's baseline), and on an input kept from call to call.
 //!
 //! `cargo run --release -p benches --features mpi --bin mpi_collectives -- --help`
 
 use std::ffi::c_int;
 use std::time::{Duration, Instant};
 
-use benches::collectives::{Op, elements, human, iterations, sizes, slowest_median, time_rank};
+use benches::collectives::{
+    Op, elements, human, iterations, sizes, slowest_median, time_call, time_rank,
+};
 use burn::backend::Flex;
 use burn::tensor::Tensor;
 use burn_comm::{Communicator, Launcher, Process, launch};
@@ -56,7 +59,10 @@ struct Measured {
     bytes: usize,
     iterations: usize,
     burn_comm_us: f64,
+    /// Raw MPI on a fresh input each call, as burn-comm's is.
     raw_mpi_us: f64,
+    /// Raw MPI on an input kept from call to call.
+    raw_kept_us: f64,
 }
 
 #[derive(Serialize)]
@@ -67,6 +73,7 @@ struct Row {
     local_us: f64,
     mpi_us: f64,
     raw_mpi_us: f64,
+    raw_kept_us: f64,
     mpi_busbw_gbps: f64,
     raw_busbw_gbps: f64,
     /// burn-comm's MPI bus bandwidth over raw MPI's (the time ratio raw / ours).
@@ -100,15 +107,21 @@ fn orchestrate(args: Args) {
     println!(
         "busbw = algbw x factor (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast 1)"
     );
-    println!("mpi/raw: burn-comm's MPI bus bandwidth over raw MPI's on the same buffers\n");
     println!(
-        "{:<15} {:>5} {:>9} {:>11} {:>11} {:>11} {:>10} {:>10} {:>8}",
+        "raw: MPI's own call on a fresh input each call, as burn-comm's is (a new tensor); kept: on an input kept from call to call"
+    );
+    println!(
+        "mpi, raw and kept take turns of a tenth of the calls each; mpi/raw: burn-comm's MPI bus bandwidth over raw MPI's\n"
+    );
+    println!(
+        "{:<15} {:>5} {:>9} {:>11} {:>11} {:>11} {:>11} {:>10} {:>10} {:>8}",
         "op",
         "world",
         "size",
         "local (us)",
         "mpi (us)",
         "raw (us)",
+        "kept (us)",
         "mpi busbw",
         "raw busbw",
         "mpi/raw"
@@ -149,18 +162,20 @@ fn orchestrate(args: Args) {
                 local_us,
                 mpi_us: m.burn_comm_us,
                 raw_mpi_us: m.raw_mpi_us,
+                raw_kept_us: m.raw_kept_us,
                 mpi_busbw_gbps: busbw(m.burn_comm_us),
                 raw_busbw_gbps: busbw(m.raw_mpi_us),
                 mpi_over_raw: m.raw_mpi_us / m.burn_comm_us,
             };
             println!(
-                "{:<15} {:>5} {:>9} {:>11.1} {:>11.1} {:>11.1} {:>10.2} {:>10.2} {:>8.2}",
+                "{:<15} {:>5} {:>9} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>10.2} {:>10.2} {:>8.2}",
                 row.op.name(),
                 world,
                 human(row.bytes),
                 row.local_us,
                 row.mpi_us,
                 row.raw_mpi_us,
+                row.raw_kept_us,
                 row.mpi_busbw_gbps,
                 row.raw_busbw_gbps,
                 row.mpi_over_raw
@@ -172,7 +187,8 @@ fn orchestrate(args: Args) {
     benches::write_json(&args.json, &rows);
 }
 
-/// Every process's side: burn-comm and raw MPI on the same sizes; rank 0 prints the rows.
+/// Every process's side: burn-comm and raw MPI on the same sizes, in turns (see [`turns`]);
+/// rank 0 prints the rows.
 fn measure(world: &Communicator, args: &Args) {
     let n = world.size();
     for &op in &args.ops {
@@ -181,10 +197,29 @@ fn measure(world: &Communicator, args: &Args) {
             let iters = args
                 .iterations
                 .map_or_else(|| iterations(elems * 4), |n| n as usize);
-            let ours = time_rank(world, op, elems, iters).expect("burn-comm's collective");
-            let raw = time_raw(op, n, elems, iters);
-            let ours = slowest_median(&gather(world, &ours));
-            let raw = slowest_median(&gather(world, &raw));
+            let values = vec![1.0f32; op.input_elems(elems, n)];
+            let mut raw = Raw::new(op, n, elems);
+            let [mut ours, mut fresh, mut kept] = [(); 3].map(|()| Vec::with_capacity(iters));
+            for (turn, calls) in turns(iters).enumerate() {
+                // Two warm-up calls of each, before the first turn.
+                let warm = if turn == 0 { 2 } else { 0 };
+                for i in 0..warm + calls {
+                    let time = time_call(world, op, &values).expect("burn-comm's collective");
+                    if i >= warm {
+                        ours.push(time);
+                    }
+                }
+                for (times, input) in [(&mut fresh, Some(values.as_slice())), (&mut kept, None)] {
+                    for i in 0..warm + calls {
+                        let time = raw.time(input);
+                        if i >= warm {
+                            times.push(time);
+                        }
+                    }
+                }
+            }
+            let [ours, fresh, kept] =
+                [ours, fresh, kept].map(|times| slowest_median(&gather(world, &times)));
             if world.rank() == 0 {
                 let m = Measured {
                     op,
@@ -192,13 +227,24 @@ fn measure(world: &Communicator, args: &Args) {
                     bytes: elems * 4,
                     iterations: iters,
                     burn_comm_us: ours.as_secs_f64() * 1e6,
-                    raw_mpi_us: raw.as_secs_f64() * 1e6,
+                    raw_mpi_us: fresh.as_secs_f64() * 1e6,
+                    raw_kept_us: kept.as_secs_f64() * 1e6,
                 };
                 println!("{ROW}{}", serde_json::to_string(&m).expect("serialises"));
             }
         }
     }
 }
+
+/// How many calls of each side each turn makes: `iters` in up to `TURNS` turns. Calls in a row
+/// keep their state warm, as a run of calls of one size does; the turns spread this VM's
+/// speed, which drifts over seconds, over all sides alike.
+fn turns(iters: usize) -> impl Iterator<Item = usize> {
+    let turns = iters.clamp(1, TURNS);
+    (0..turns).map(move |t| iters * (t + 1) / turns - iters * t / turns)
+}
+
+const TURNS: usize = 10;
 
 /// Every rank's times, in rank order.
 fn gather(world: &Communicator, times: &[Duration]) -> Vec<Vec<Duration>> {
@@ -229,65 +275,78 @@ fn rank() -> usize {
     rank as usize
 }
 
-/// One rank's times of `iters` raw MPI calls of `op` on plain buffers, each from a barrier.
-fn time_raw(op: Op, n: usize, elems: usize, iters: usize) -> Vec<Duration> {
-    let mut input = vec![1.0f32; op.input_elems(elems, n)];
-    let out_len = match op {
-        Op::AllReduce | Op::Broadcast | Op::AllToAll | Op::SendRecv => elems,
-        Op::AllGather => elems,
-        Op::ReduceScatter => elems / n,
-    };
-    let (next, previous) = (((rank() + 1) % n) as c_int, ((rank() + n - 1) % n) as c_int);
-    let mut output = vec![0.0f32; out_len];
-    // SAFETY: MPI is initialised (this runs inside `Process::run`); the buffers hold the counts
-    // given, and every rank makes the same calls.
-    unsafe {
-        let comm = ffi::RSMPI_COMM_WORLD;
-        let float = ffi::RSMPI_FLOAT;
-        let sum = ffi::RSMPI_SUM;
-        let mut times = Vec::with_capacity(iters);
-        for i in 0..iters + 2 {
-            // Written afresh before every call, as burn-comm's input is (a new tensor) and as
-            // any tensor a model just computed is: MPI reads data another core has just
-            // written much slower than data it read before (at 64 KiB, 2.3x for MPI_Bcast
-            // here).
-            match op {
-                // The root broadcasts `output`.
-                Op::Broadcast if rank() == 0 => output.fill(1.0),
-                Op::Broadcast => {}
-                _ => input.fill(1.0),
+/// Raw MPI's side of one operation and size: MPI's own call on plain `Vec<f32>` buffers.
+struct Raw {
+    op: Op,
+    n: usize,
+    elems: usize,
+    /// An input kept from call to call.
+    kept: Vec<f32>,
+    output: Vec<f32>,
+}
+
+impl Raw {
+    fn new(op: Op, n: usize, elems: usize) -> Self {
+        let out_len = match op {
+            Op::ReduceScatter => elems / n,
+            _ => elems,
+        };
+        Self {
+            op,
+            n,
+            elems,
+            kept: vec![1.0f32; op.input_elems(elems, n)],
+            output: vec![0.0f32; out_len],
+        }
+    }
+
+    /// One call, timed from a barrier, on a fresh copy of `fresh` (allocated as burn-comm's
+    /// input tensor is) or, given none, on the kept input.
+    fn time(&mut self, fresh: Option<&[f32]>) -> Duration {
+        let (op, n, elems) = (self.op, self.n, self.elems);
+        let mut copy = fresh.map(<[f32]>::to_vec);
+        let input = match copy.as_mut() {
+            Some(copy) => copy.as_mut_slice(),
+            None => {
+                // Written before every call, as any tensor a model just computed is: MPI reads
+                // data another core has just written much slower than data it read before (at
+                // 64 KiB, 2.3x for MPI_Bcast here).
+                self.kept.fill(1.0);
+                self.kept.as_mut_slice()
             }
+        };
+        let me = rank();
+        let (next, previous) = (((me + 1) % n) as c_int, ((me + n - 1) % n) as c_int);
+        // SAFETY: MPI is initialised (this runs inside `Process::run`); the buffers hold the
+        // counts given, and every rank makes the same calls.
+        unsafe {
+            let comm = ffi::RSMPI_COMM_WORLD;
+            let float = ffi::RSMPI_FLOAT;
+            let sum = ffi::RSMPI_SUM;
             ffi::MPI_Barrier(comm);
             let start = Instant::now();
             let send = input.as_ptr().cast();
-            let recv = output.as_mut_ptr().cast();
+            let recv = self.output.as_mut_ptr().cast();
             match op {
                 Op::AllReduce => {
                     ffi::MPI_Allreduce(send, recv, elems as c_int, float, sum, comm);
                 }
                 Op::AllGather => {
-                    ffi::MPI_Allgather(
-                        send,
-                        (elems / n) as c_int,
-                        float,
-                        recv,
-                        (elems / n) as c_int,
-                        float,
-                        comm,
-                    );
+                    let part = (elems / n) as c_int;
+                    ffi::MPI_Allgather(send, part, float, recv, part, float, comm);
                 }
                 Op::ReduceScatter => {
-                    ffi::MPI_Reduce_scatter_block(
-                        send,
-                        recv,
-                        (elems / n) as c_int,
-                        float,
-                        sum,
-                        comm,
-                    );
+                    let part = (elems / n) as c_int;
+                    ffi::MPI_Reduce_scatter_block(send, recv, part, float, sum, comm);
                 }
                 Op::Broadcast => {
-                    ffi::MPI_Bcast(recv, elems as c_int, float, 0, comm);
+                    // The root sends its input; the others receive into their output.
+                    let buffer = if me == 0 {
+                        input.as_mut_ptr().cast()
+                    } else {
+                        recv
+                    };
+                    ffi::MPI_Bcast(buffer, elems as c_int, float, 0, comm);
                 }
                 Op::AllToAll => {
                     let part = (elems / n) as c_int;
@@ -313,10 +372,7 @@ fn time_raw(op: Op, n: usize, elems: usize, iters: usize) -> Vec<Duration> {
             }
             let elapsed = start.elapsed();
             ffi::MPI_Barrier(comm);
-            if i >= 2 {
-                times.push(elapsed);
-            }
+            elapsed
         }
-        times
     }
 }

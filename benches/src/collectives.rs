@@ -1,6 +1,6 @@
 //! What the collective benches share: the operations measured, how many iterations a size
-//! gets, and one rank's timing loop, which threads (the local transport) and processes (MPI)
-//! run alike.
+//! gets, and how one rank times a call of burn-comm (threads of the local transport and MPI
+//! processes alike).
 
 use std::time::{Duration, Instant};
 

@@ -7,8 +7,8 @@
 //! `MPI_Allgather`, `MPI_Reduce_scatter_block`, `MPI_Bcast`, `MPI_Alltoall` and `MPI_Sendrecv`
 //! (a ring) on `Vec<f32>`, in turns of a tenth of the calls each, and rank 0 prints the rows
 //! back as JSON lines. Raw MPI is timed twice: on a fresh input each call, allocated as
-//! burn-comm's input tensor is, and on an input kept from call to call; the ratio is against
-//! the faster.
+//! burn-comm's input tensor is, and on an input kept from call to call (written before each);
+//! the ratio is against the faster.
 //!
 //! `cargo run --release -p benches --features mpi --bin mpi_collectives -- --help`
 
@@ -61,7 +61,7 @@ struct Measured {
     iterations: usize,
     burn_comm_us: f64,
     /// Raw MPI on a fresh input each call, as burn-comm's is.
-    raw_mpi_us: f64,
+    raw_fresh_us: f64,
     /// Raw MPI on an input kept from call to call.
     raw_kept_us: f64,
 }
@@ -73,7 +73,7 @@ struct Row {
     bytes: usize,
     local_us: f64,
     mpi_us: f64,
-    raw_mpi_us: f64,
+    raw_fresh_us: f64,
     raw_kept_us: f64,
     mpi_busbw_gbps: f64,
     /// Raw MPI's bus bandwidth, the faster of its two inputs.
@@ -110,7 +110,7 @@ fn orchestrate(args: Args) {
         "busbw = algbw x factor (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast 1)"
     );
     println!(
-        "raw: MPI's own call on a fresh input each call, as burn-comm's is (a new tensor); kept: on an input kept from call to call"
+        "raw: MPI's own call on a fresh input each call, as burn-comm's is (a new tensor); kept: on an input kept from call to call, written before each"
     );
     println!(
         "mpi, raw and kept take turns of a tenth of the calls each; mpi/raw: burn-comm's MPI bus bandwidth over raw MPI's, the faster of raw and kept\n"
@@ -157,8 +157,8 @@ fn orchestrate(args: Args) {
             .collect::<Vec<_>>();
             let local_us = slowest_median(&local).as_secs_f64() * 1e6;
             // The faster of raw MPI's two inputs: a fresh buffer for every call also slows
-            // MPI's own allocations (3x for MPI_Allreduce of 1 MiB here).
-            let best_raw = m.raw_mpi_us.min(m.raw_kept_us);
+            // MPI's own allocations (2.4-2.9x for MPI_Allreduce of 1 MiB here).
+            let best_raw = m.raw_fresh_us.min(m.raw_kept_us);
             let busbw = |us: f64| m.bytes as f64 / (us * 1e-6) / 1e9 * m.op.bus_factor(world);
             let row = Row {
                 op: m.op,
@@ -166,7 +166,7 @@ fn orchestrate(args: Args) {
                 bytes: m.bytes,
                 local_us,
                 mpi_us: m.burn_comm_us,
-                raw_mpi_us: m.raw_mpi_us,
+                raw_fresh_us: m.raw_fresh_us,
                 raw_kept_us: m.raw_kept_us,
                 mpi_busbw_gbps: busbw(m.burn_comm_us),
                 raw_busbw_gbps: busbw(best_raw),
@@ -179,7 +179,7 @@ fn orchestrate(args: Args) {
                 human(row.bytes),
                 row.local_us,
                 row.mpi_us,
-                row.raw_mpi_us,
+                row.raw_fresh_us,
                 row.raw_kept_us,
                 row.mpi_busbw_gbps,
                 row.raw_busbw_gbps,
@@ -204,27 +204,27 @@ fn measure(world: &Communicator, args: &Args) {
                 .map_or_else(|| iterations(elems * 4), |n| n as usize);
             let values = vec![1.0f32; op.input_elems(elems, n)];
             let mut raw = Raw::new(op, n, elems);
-            let [mut ours, mut fresh, mut kept] = [(); 3].map(|()| Vec::with_capacity(iters));
+            // burn-comm, raw MPI on a fresh input, raw MPI on a kept one.
+            let mut times: [Vec<Duration>; 3] = Default::default();
             for (turn, calls) in turns(iters).enumerate() {
-                // Two warm-up calls of each, before the first turn.
-                let warm = if turn == 0 { 2 } else { 0 };
-                for i in 0..warm + calls {
-                    let time = time_call(world, op, &values).expect("burn-comm's collective");
-                    if i >= warm {
-                        ours.push(time);
-                    }
-                }
-                for (times, input) in [(&mut fresh, Some(values.as_slice())), (&mut kept, None)] {
+                // A side's first call of a turn follows the other sides' calls: it is not
+                // timed (nor, in the first turn, its second). The order rotates, so that no
+                // side always follows the same one.
+                let warm = if turn == 0 { 2 } else { 1 };
+                for side in (0..3).map(|s| (s + turn) % 3) {
                     for i in 0..warm + calls {
-                        let time = raw.time(input);
+                        let time = match side {
+                            0 => time_call(world, op, &values).expect("burn-comm's collective"),
+                            1 => raw.time(Some(&values)),
+                            _ => raw.time(None),
+                        };
                         if i >= warm {
-                            times.push(time);
+                            times[side].push(time);
                         }
                     }
                 }
             }
-            let [ours, fresh, kept] =
-                [ours, fresh, kept].map(|times| slowest_median(&gather(world, &times)));
+            let [ours, fresh, kept] = times.map(|times| slowest_median(&gather(world, &times)));
             if world.rank() == 0 {
                 let m = Measured {
                     op,
@@ -232,7 +232,7 @@ fn measure(world: &Communicator, args: &Args) {
                     bytes: elems * 4,
                     iterations: iters,
                     burn_comm_us: ours.as_secs_f64() * 1e6,
-                    raw_mpi_us: fresh.as_secs_f64() * 1e6,
+                    raw_fresh_us: fresh.as_secs_f64() * 1e6,
                     raw_kept_us: kept.as_secs_f64() * 1e6,
                 };
                 println!("{ROW}{}", serde_json::to_string(&m).expect("serialises"));
@@ -285,7 +285,7 @@ struct Raw {
     op: Op,
     n: usize,
     elems: usize,
-    /// An input kept from call to call.
+    /// An input kept from call to call (written before each).
     kept: Vec<f32>,
     output: Vec<f32>,
 }

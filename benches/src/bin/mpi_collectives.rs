@@ -284,6 +284,8 @@ fn rank() -> usize {
 struct Raw {
     op: Op,
     n: usize,
+    /// This process's rank.
+    me: usize,
     elems: usize,
     /// An input kept from call to call (written before each).
     kept: Vec<f32>,
@@ -299,6 +301,7 @@ impl Raw {
         Self {
             op,
             n,
+            me: rank(),
             elems,
             kept: vec![1.0f32; op.input_elems(elems, n)],
             output: vec![0.0f32; out_len],
@@ -308,7 +311,7 @@ impl Raw {
     /// One call, timed from a barrier, on a fresh copy of `fresh` (allocated as burn-comm's
     /// input tensor is) or, given none, on the kept input.
     fn time(&mut self, fresh: Option<&[f32]>) -> Duration {
-        let (op, n, elems) = (self.op, self.n, self.elems);
+        let (op, n, me, elems) = (self.op, self.n, self.me, self.elems);
         let mut copy = fresh.map(<[f32]>::to_vec);
         let input = match copy.as_mut() {
             Some(copy) => copy.as_mut_slice(),
@@ -320,7 +323,6 @@ impl Raw {
                 self.kept.as_mut_slice()
             }
         };
-        let me = rank();
         let (next, previous) = (((me + 1) % n) as c_int, ((me + n - 1) % n) as c_int);
         // SAFETY: MPI is initialised (this runs inside `Process::run`); the buffers hold the
         // counts given, and every rank makes the same calls.

@@ -74,6 +74,38 @@ impl ShardData {
         }
     }
 
+    /// The same elements, row-major, shaped `shape`.
+    ///
+    /// # Panics
+    /// When `shape` holds another number of elements.
+    pub fn reshaped(self, shape: Vec<usize>) -> Self {
+        let count = |s: &[usize]| s.iter().product::<usize>();
+        assert_eq!(
+            count(&shape),
+            count(&self.shape),
+            "a piece of shape {:?} cannot be shaped {shape:?}",
+            self.shape
+        );
+        let shaped = shape.clone();
+        let source = match self.source {
+            Source::Host(data) => Source::Host(TensorData {
+                shape: shaped.into(),
+                ..data
+            }),
+            Source::Later(read) => Source::Later(Arc::new(move || {
+                read().map(|data| TensorData {
+                    shape: shaped.clone().into(),
+                    ..data
+                })
+            })),
+        };
+        Self {
+            dtype: self.dtype,
+            shape,
+            source,
+        }
+    }
+
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -137,10 +169,15 @@ mod tests {
         let read = data.read().unwrap().into_owned();
         assert_eq!(read.to_vec::<f32>().unwrap(), vec![1., 2., 3., 4.]);
         assert_eq!(read.shape.to_vec(), vec![2, 2]);
-        let host = data.to_host().unwrap();
+        let host = data.clone().to_host().unwrap();
         assert_eq!(
             host.read().unwrap().to_vec::<f32>().unwrap(),
             vec![1., 2., 3., 4.]
         );
+        let flat = data.reshaped(vec![4]);
+        assert_eq!(flat.shape(), &[4]);
+        let read = flat.read().unwrap().into_owned();
+        assert_eq!(read.shape.to_vec(), vec![4]);
+        assert_eq!(read.to_vec::<f32>().unwrap(), vec![1., 2., 3., 4.]);
     }
 }

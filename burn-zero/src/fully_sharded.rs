@@ -407,14 +407,21 @@ where
             .collect()
     }
 
-    /// This rank's part of the training state, for a checkpoint.
+    /// This rank's part of the training state, for a checkpoint, in host memory.
     pub fn shard_state(&self) -> ShardState {
+        self.shard_tensors().into_host()
+    }
+
+    /// This rank's part of the training state as tensors that share the engine's buffers: no
+    /// copy is made, and the next step leaves them as they are (a burn tensor is a value).
+    pub fn shard_tensors(&self) -> ShardState<Tensor<Inner<B>, 1>> {
         let device = self.shard[0].device();
         let rank = self.comm.rank();
-        let weights = self
+        let parts = self
             .optimizer
             .master(&device)
             .unwrap_or_else(|| self.shard.iter().cloned().map(to_f32).collect());
+        let weights = state::cut(&self.layout, rank, parts);
         state::shard_state(
             &self.layout,
             rank,

@@ -231,17 +231,24 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         state::ranges(&self.layout, &self.names, &shapes, self.comm.rank())
     }
 
-    /// This rank's part of the training state, for a checkpoint.
+    /// This rank's part of the training state, for a checkpoint, in host memory.
     pub fn shard_state(&self) -> ShardState {
+        self.shard_tensors().into_host()
+    }
+
+    /// This rank's part of the training state as tensors that share the engine's buffers: no
+    /// copy is made, and the next step leaves them as they are (a burn tensor is a value).
+    pub fn shard_tensors(&self) -> ShardState<Tensor<Inner<B>, 1>> {
         let slots = params::trainable::<B, M>(self.module());
         let device = slots[0].device.clone();
         let rank = self.comm.rank();
-        let weights = self.optimizer.master(&device).unwrap_or_else(|| {
-            let values: Vec<_> = slots.iter().map(|s| to_f32(s.value.clone())).collect();
-            (0..self.layout.units.len())
-                .map(|u| self.layout.shard_of(u, rank, &values))
-                .collect()
-        });
+        let weights = match self.optimizer.master(&device) {
+            Some(master) => state::cut(&self.layout, rank, master),
+            None => {
+                let values: Vec<_> = slots.iter().map(|s| to_f32(s.value.clone())).collect();
+                state::cut_params(&self.layout, rank, &values)
+            }
+        };
         state::shard_state(
             &self.layout,
             rank,

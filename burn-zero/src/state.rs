@@ -22,19 +22,35 @@ pub struct ParamRange {
     pub range: Range<usize>,
 }
 
-/// A rank's part of a ZeRO engine's state.
+/// A rank's part of a ZeRO engine's state. `V` holds the values of one range: host data (what
+/// `shard_state` gives), or a tensor on the engine's device that shares the engine's buffers
+/// and so costs no copy (what `shard_tensors` gives, for a save that reads it later).
 #[derive(Debug, Clone)]
-pub struct ShardState {
+pub struct ShardState<V = TensorData> {
     /// This rank's ranges, in its shard's order.
     pub ranges: Vec<ParamRange>,
     /// Their fp32 weights: the master weights under mixed precision.
-    pub weights: Vec<TensorData>,
+    pub weights: Vec<V>,
     /// Their first and second AdamW moments, fp32, once a step has made them.
-    pub moments: Option<[Vec<TensorData>; 2]>,
+    pub moments: Option<[Vec<V>; 2]>,
     /// Optimizer steps taken.
     pub steps: usize,
     /// The loss scaler's state (f16).
     pub loss_scale: Option<LossScaleState>,
+}
+
+impl<B: Backend> ShardState<Tensor<B, 1>> {
+    /// The same state read into host memory.
+    pub fn into_host(self) -> ShardState {
+        let host = |values: Vec<Tensor<B, 1>>| values.into_iter().map(Tensor::into_data).collect();
+        ShardState {
+            ranges: self.ranges,
+            weights: host(self.weights),
+            moments: self.moments.map(|moments| moments.map(host)),
+            steps: self.steps,
+            loss_scale: self.loss_scale,
+        }
+    }
 }
 
 /// Dynamic loss scaling's running state.
@@ -64,12 +80,13 @@ pub(crate) fn ranges(
         .collect()
 }
 
-/// `parts` (`rank`'s part of every unit, in order) cut into its ranges' values, in order.
+/// `parts` (`rank`'s part of every unit, in order) cut into its ranges' values, in order: views
+/// of `parts`, not copies.
 pub(crate) fn cut<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
     parts: Vec<Tensor<B, 1>>,
-) -> Vec<TensorData> {
+) -> Vec<Tensor<B, 1>> {
     parts
         .into_iter()
         .enumerate()
@@ -77,7 +94,7 @@ pub(crate) fn cut<B: Backend>(
             layout
                 .pieces(u, rank)
                 .into_iter()
-                .map(move |(_, range, at)| part.clone().narrow(0, at, range.len()).into_data())
+                .map(move |(_, range, at)| part.clone().narrow(0, at, range.len()))
                 .collect::<Vec<_>>()
         })
         .collect()
@@ -125,8 +142,21 @@ pub(crate) fn join<B: Backend>(
     Ok(parts)
 }
 
-/// `rank`'s state: `ranges` (see [`ranges`]), its fp32 `weights` (its part of every unit),
-/// and the optimizer's and the loss scaler's state.
+/// `rank`'s ranges' values cut straight from the parameters' `values` (flat, by parameter
+/// index): views, not copies.
+pub(crate) fn cut_params<B: Backend>(
+    layout: &FlatLayout,
+    rank: usize,
+    values: &[Tensor<B, 1>],
+) -> Vec<Tensor<B, 1>> {
+    (0..layout.units.len())
+        .flat_map(|u| layout.pieces(u, rank))
+        .map(|(p, range, _)| values[p].clone().narrow(0, range.start, range.len()))
+        .collect()
+}
+
+/// `rank`'s state: `ranges` (see [`ranges`]), their fp32 `weights` (in order), and the
+/// optimizer's and the loss scaler's state.
 pub(crate) fn shard_state<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
@@ -134,12 +164,12 @@ pub(crate) fn shard_state<B: Backend>(
     weights: Vec<Tensor<B, 1>>,
     optimizer: &PlacedAdamW<B>,
     scaler: Option<&LossScaler>,
-) -> ShardState {
+) -> ShardState<Tensor<B, 1>> {
     let device = weights[0].device();
     let (moments, steps) = moments_of(layout, rank, optimizer, &device);
     ShardState {
         ranges,
-        weights: cut(layout, rank, weights),
+        weights,
         moments,
         steps,
         loss_scale: scaler.map(LossScaler::state),
@@ -168,7 +198,7 @@ fn moments_of<B: Backend>(
     rank: usize,
     optimizer: &PlacedAdamW<B>,
     device: &B::Device,
-) -> (Option<[Vec<TensorData>; 2]>, usize) {
+) -> (Option<[Vec<Tensor<B, 1>>; 2]>, usize) {
     match optimizer.state(device) {
         Some((time, [first, second])) => {
             let moments = [cut(layout, rank, first), cut(layout, rank, second)];

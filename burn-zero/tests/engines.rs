@@ -878,3 +878,81 @@ fn a_shard_state_restored_into_a_new_engine_continues_the_run_bit_for_bit() {
         assert_eq!(want, got.unwrap(), "ZeRO-3");
     }
 }
+
+/// A state's weights and moments, flat, in order.
+fn state_values(state: &ShardState) -> Vec<Vec<f32>> {
+    let moments = state.moments.iter().flatten().flatten();
+    state
+        .weights
+        .iter()
+        .chain(moments)
+        .map(|d| d.to_vec::<f32>().unwrap())
+        .collect()
+}
+
+#[test]
+fn shard_tensors_taken_before_a_step_keep_their_values_through_it() {
+    let world = 2;
+    let bf16 = || ZeroConfig::new().with_precision(Some(MixedPrecision::bf16()));
+    for (stage, config) in [
+        (ZeroStage::OptimizerState, ZeroConfig::new()),
+        (ZeroStage::Gradients, bf16()),
+    ] {
+        for result in launch(world, |ctx| {
+            let mut zero = ShardedDataParallel::new(
+                Net::new(),
+                ctx.world().clone(),
+                stage,
+                &adamw(),
+                config.clone(),
+            )?;
+            let step = |zero: &mut ShardedDataParallel<AD, Net<AD>>, step| {
+                let dtype = zero.module().first.val().dtype();
+                let loss = zero
+                    .module()
+                    .loss(batch(ctx.rank(), step).cast(dtype), true);
+                zero.backward(loss)?;
+                assert_eq!(zero.step(0.01)?, StepOutcome::Applied);
+                Ok::<_, ZeroError>(())
+            };
+            step(&mut zero, 0)?;
+            let (held, copied) = (zero.shard_tensors(), zero.shard_state());
+            step(&mut zero, 1)?;
+            Ok::<_, ZeroError>((held.into_host(), copied, zero.shard_state()))
+        }) {
+            let (held, copied, after) = result.unwrap();
+            assert_eq!(held.ranges, copied.ranges);
+            assert_eq!(state_values(&held), state_values(&copied), "{stage:?}");
+            assert_ne!(
+                state_values(&after),
+                state_values(&copied),
+                "{stage:?}: the step changed nothing"
+            );
+        }
+    }
+    for result in launch(world, |ctx| {
+        let mut fsdp = FullyShardedDataParallel::new(
+            layers(3, false),
+            ctx.world().clone(),
+            &adamw(),
+            ZeroConfig::new(),
+        )?;
+        let step = |fsdp: &mut FullyShardedDataParallel<AD, Layer<AD>>, step| {
+            fsdp.forward_backward(&batch(ctx.rank(), step).unsqueeze(), 1.0)?;
+            assert_eq!(fsdp.step(0.01)?, StepOutcome::Applied);
+            Ok::<_, ZeroError>(())
+        };
+        step(&mut fsdp, 0)?;
+        let (held, copied) = (fsdp.shard_tensors(), fsdp.shard_state());
+        step(&mut fsdp, 1)?;
+        Ok::<_, ZeroError>((held.into_host(), copied, fsdp.shard_state()))
+    }) {
+        let (held, copied, after) = result.unwrap();
+        assert_eq!(state_values(&held), state_values(&copied), "ZeRO-3");
+        assert_ne!(
+            state_values(&after),
+            state_values(&copied),
+            "ZeRO-3: the step changed nothing"
+        );
+    }
+}

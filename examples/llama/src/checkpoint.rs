@@ -13,7 +13,7 @@ use burn::module::{AutodiffModule, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::record::AdaptorRecord;
 use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_checkpoint::{Checkpoint, Region, Shard, ShardData};
 use burn_ddp::params::{ParamVisitor, visit_params};
@@ -326,9 +326,12 @@ fn range_boxes(
 }
 
 /// A ZeRO engine's shard state as checkpoint pieces: each range cut into boxes of its whole
-/// parameter. The state is this rank's own copy, so a range that is one box of f32 is handed
-/// over as it is; only a range spanning several boxes is cut (the step waits for every copy).
-pub(crate) fn zero_pieces(held: &Held<'_>, state: ShardState) -> Result<TrainingState, TrainError> {
+/// parameter, each box a view of the engine's tensors read when the piece is written, so the
+/// step that hands them in copies nothing.
+pub(crate) fn zero_pieces<B: Backend>(
+    held: &Held<'_>,
+    state: ShardState<Tensor<B, 1>>,
+) -> Result<TrainingState, TrainError> {
     let ShardState {
         ranges,
         weights,
@@ -336,11 +339,10 @@ pub(crate) fn zero_pieces(held: &Held<'_>, state: ShardState) -> Result<Training
         steps,
         loss_scale,
     } = state;
-    let zeros = |d: &TensorData| TensorData::new(vec![0f32; d.num_elements()], d.shape.clone());
-    let moments: [Vec<TensorData>; 2] = match moments {
+    let moments: [Vec<Tensor<B, 1>>; 2] = match moments {
         Some(moments) => moments,
         // No step has been applied yet (f16 skipped them all): AdamW starts from zeros.
-        None => [0, 1].map(|_| weights.iter().map(zeros).collect()),
+        None => [0, 1].map(|_| weights.iter().map(Tensor::zeros_like).collect()),
     };
     let [first, second] = moments;
     let mut pieces = Vec::new();
@@ -354,22 +356,18 @@ pub(crate) fn zero_pieces(held: &Held<'_>, state: ShardState) -> Result<Training
             (moment_name(1, &path), first),
             (moment_name(2, &path), second),
         ];
-        for (name, data) in values {
-            let data = data.convert::<f32>();
-            if let [only] = boxes.as_slice() {
-                let data = TensorData {
-                    shape: only.extents.clone().into(),
-                    ..data
-                };
-                pieces.push(shard(name.clone(), &whole, only, data));
-                continue;
-            }
-            let flat = data.to_vec::<f32>().expect("f32 values");
+        for (name, flat) in values {
+            let flat = flat.cast(FloatDType::F32);
             let mut at = 0;
             for b in &boxes {
                 let n = b.volume();
-                let part = TensorData::new(flat[at..at + n].to_vec(), b.extents.clone());
-                pieces.push(shard(name.clone(), &whole, b, part));
+                let part = ShardData::read_later(flat.clone().narrow(0, at, n));
+                pieces.push(shard(
+                    name.clone(),
+                    &whole,
+                    b,
+                    part.reshaped(b.extents.clone()),
+                ));
                 at += n;
             }
         }

@@ -124,7 +124,7 @@ impl<B: TrainBackend> Engine<B> for FullyShardedEngine<'_, B> {
     }
 
     fn checkpoint_pieces(&self) -> Result<TrainingState, TrainError> {
-        let mut state = self.fsdp.shard_state();
+        let mut state = self.fsdp.shard_tensors();
         state.ranges = self.ranges();
         checkpoint::zero_pieces(&self.held(), state)
     }

@@ -406,7 +406,7 @@ impl<B: TrainBackend> Stepper<B, Llama<B>> {
                 chunks, optimizer, ..
             } => checkpoint::adamw_pieces(&Self::held(plan, chunks), chunks, optimizer),
             Self::Zero { zero, .. } => {
-                checkpoint::zero_pieces(&Self::held(plan, zero.module()), zero.shard_state())
+                checkpoint::zero_pieces(&Self::held(plan, zero.module()), zero.shard_tensors())
             }
         }
     }

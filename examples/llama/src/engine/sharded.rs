@@ -80,7 +80,7 @@ impl<B: TrainBackend> Engine<B> for ShardedEngine<'_, B> {
 
     fn checkpoint_pieces(&self) -> Result<TrainingState, TrainError> {
         let held = checkpoint::Held::of(self.plan, self.zero.module());
-        checkpoint::zero_pieces(&held, self.zero.shard_state())
+        checkpoint::zero_pieces(&held, self.zero.shard_tensors())
     }
 
     fn restore(&mut self, from: &Checkpoint, _: &B::Device) -> Result<(), TrainError> {

@@ -412,8 +412,9 @@ where
         self.shard_tensors().into_host()
     }
 
-    /// This rank's part of the training state as tensors that share the engine's buffers: no
-    /// copy is made, and the next step leaves them as they are (a burn tensor is a value).
+    /// This rank's part of the training state as tensors, which the next step leaves as they
+    /// are (a burn tensor is a value): views of the engine's buffers, not copies (an offloaded
+    /// optimizer's state is moved to the device).
     pub fn shard_tensors(&self) -> ShardState<Tensor<Inner<B>, 1>> {
         let device = self.shard[0].device();
         let rank = self.comm.rank();
@@ -429,6 +430,7 @@ where
             weights,
             &self.optimizer,
             self.scaler.as_ref(),
+            &device,
         )
     }
 

@@ -236,8 +236,10 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
         self.shard_tensors().into_host()
     }
 
-    /// This rank's part of the training state as tensors that share the engine's buffers: no
-    /// copy is made, and the next step leaves them as they are (a burn tensor is a value).
+    /// This rank's part of the training state as tensors, which the next step leaves as they
+    /// are (a burn tensor is a value). The moments and master weights are views of the
+    /// engine's buffers, not copies (an offloaded optimizer's are moved to the device); fp32
+    /// weights without a master copy are copied, as a view would keep every rank's part alive.
     pub fn shard_tensors(&self) -> ShardState<Tensor<Inner<B>, 1>> {
         let slots = params::trainable::<B, M>(self.module());
         let device = slots[0].device.clone();
@@ -256,6 +258,7 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             weights,
             &self.optimizer,
             self.scaler.as_ref(),
+            &device,
         )
     }
 

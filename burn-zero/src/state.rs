@@ -10,7 +10,7 @@ use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::ZeroError;
-use crate::flat::FlatLayout;
+use crate::flat::{FlatLayout, compact};
 use crate::optimizer::PlacedAdamW;
 use crate::precision::LossScaler;
 
@@ -23,8 +23,8 @@ pub struct ParamRange {
 }
 
 /// A rank's part of a ZeRO engine's state. `V` holds the values of one range: host data (what
-/// `shard_state` gives), or a tensor on the engine's device that shares the engine's buffers
-/// and so costs no copy (what `shard_tensors` gives, for a save that reads it later).
+/// `shard_state` gives), or a tensor on the engine's device (what `shard_tensors` gives, for a
+/// save that reads it later), most of them views of the engine's own buffers.
 #[derive(Debug, Clone)]
 pub struct ShardState<V = TensorData> {
     /// This rank's ranges, in its shard's order.
@@ -142,8 +142,8 @@ pub(crate) fn join<B: Backend>(
     Ok(parts)
 }
 
-/// `rank`'s ranges' values cut straight from the parameters' `values` (flat, by parameter
-/// index): views, not copies.
+/// `rank`'s ranges' values cut from the parameters' `values` (flat, by parameter index), each
+/// copied: a view would keep the whole buffer the parameter was gathered into alive.
 pub(crate) fn cut_params<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
@@ -151,12 +151,12 @@ pub(crate) fn cut_params<B: Backend>(
 ) -> Vec<Tensor<B, 1>> {
     (0..layout.units.len())
         .flat_map(|u| layout.pieces(u, rank))
-        .map(|(p, range, _)| values[p].clone().narrow(0, range.start, range.len()))
+        .map(|(p, range, _)| compact(values[p].clone().narrow(0, range.start, range.len())))
         .collect()
 }
 
 /// `rank`'s state: `ranges` (see [`ranges`]), their fp32 `weights` (in order), and the
-/// optimizer's and the loss scaler's state.
+/// optimizer's (moved to `device`) and the loss scaler's state.
 pub(crate) fn shard_state<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
@@ -164,9 +164,9 @@ pub(crate) fn shard_state<B: Backend>(
     weights: Vec<Tensor<B, 1>>,
     optimizer: &PlacedAdamW<B>,
     scaler: Option<&LossScaler>,
+    device: &B::Device,
 ) -> ShardState<Tensor<B, 1>> {
-    let device = weights[0].device();
-    let (moments, steps) = moments_of(layout, rank, optimizer, &device);
+    let (moments, steps) = moments_of(layout, rank, optimizer, device);
     ShardState {
         ranges,
         weights,

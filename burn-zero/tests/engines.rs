@@ -897,6 +897,7 @@ fn shard_tensors_taken_before_a_step_keep_their_values_through_it() {
     for (stage, config) in [
         (ZeroStage::OptimizerState, ZeroConfig::new()),
         (ZeroStage::Gradients, bf16()),
+        (ZeroStage::Gradients, ZeroConfig::new().with_offload(true)),
     ] {
         for result in launch(world, |ctx| {
             let mut zero = ShardedDataParallel::new(
@@ -922,37 +923,47 @@ fn shard_tensors_taken_before_a_step_keep_their_values_through_it() {
         }) {
             let (held, copied, after) = result.unwrap();
             assert_eq!(held.ranges, copied.ranges);
-            assert_eq!(state_values(&held), state_values(&copied), "{stage:?}");
+            assert_eq!(
+                state_values(&held),
+                state_values(&copied),
+                "{stage:?} {config:?}"
+            );
             assert_ne!(
                 state_values(&after),
                 state_values(&copied),
-                "{stage:?}: the step changed nothing"
+                "{stage:?} {config:?}: the step changed nothing"
             );
         }
     }
-    for result in launch(world, |ctx| {
-        let mut fsdp = FullyShardedDataParallel::new(
-            layers(3, false),
-            ctx.world().clone(),
-            &adamw(),
-            ZeroConfig::new(),
-        )?;
-        let step = |fsdp: &mut FullyShardedDataParallel<AD, Layer<AD>>, step| {
-            fsdp.forward_backward(&batch(ctx.rank(), step).unsqueeze(), 1.0)?;
-            assert_eq!(fsdp.step(0.01)?, StepOutcome::Applied);
-            Ok::<_, ZeroError>(())
-        };
-        step(&mut fsdp, 0)?;
-        let (held, copied) = (fsdp.shard_tensors(), fsdp.shard_state());
-        step(&mut fsdp, 1)?;
-        Ok::<_, ZeroError>((held.into_host(), copied, fsdp.shard_state()))
-    }) {
-        let (held, copied, after) = result.unwrap();
-        assert_eq!(state_values(&held), state_values(&copied), "ZeRO-3");
-        assert_ne!(
-            state_values(&after),
-            state_values(&copied),
-            "ZeRO-3: the step changed nothing"
-        );
+    for config in [ZeroConfig::new(), bf16()] {
+        for result in launch(world, |ctx| {
+            let mut fsdp = FullyShardedDataParallel::new(
+                layers(3, false),
+                ctx.world().clone(),
+                &adamw(),
+                config.clone(),
+            )?;
+            let step = |fsdp: &mut FullyShardedDataParallel<AD, Layer<AD>>, step| {
+                fsdp.forward_backward(&batch(ctx.rank(), step).unsqueeze(), 1.0)?;
+                assert_eq!(fsdp.step(0.01)?, StepOutcome::Applied);
+                Ok::<_, ZeroError>(())
+            };
+            step(&mut fsdp, 0)?;
+            let (held, copied) = (fsdp.shard_tensors(), fsdp.shard_state());
+            step(&mut fsdp, 1)?;
+            Ok::<_, ZeroError>((held.into_host(), copied, fsdp.shard_state()))
+        }) {
+            let (held, copied, after) = result.unwrap();
+            assert_eq!(
+                state_values(&held),
+                state_values(&copied),
+                "ZeRO-3 {config:?}"
+            );
+            assert_ne!(
+                state_values(&after),
+                state_values(&copied),
+                "ZeRO-3 {config:?}: the step changed nothing"
+            );
+        }
     }
 }

@@ -53,11 +53,13 @@ const TAG_ALL_REDUCE: c_int = 3;
 const TAG_HEADER: c_int = 1;
 const TAG_PAYLOAD: c_int = 2;
 /// Up to this many bytes of a call's data go to each peer in the same round as its header, in
-/// a message of their own: a small collective then takes one round instead of two. About what
-/// Open MPI sends at once, without waiting for its receiver: its shared-memory transport's
-/// eager limit (4 KiB with MPI's own header, the smallest of its transports'). A message at the
-/// top of the range may wait for its receiver, whose receive is already posted.
-const CARRIED: usize = 4096;
+/// messages of their own of at most [`EAGER`] bytes: a small collective then takes one round
+/// instead of two.
+const CARRIED: usize = 2 * EAGER;
+/// The most a carried message holds: what Open MPI sends at once, without waiting for its
+/// receiver, under its shared-memory transport's eager limit (4 KiB with MPI's own header, the
+/// smallest of its transports'). A 4 KiB tensor in one message would wait for its receiver.
+const EAGER: usize = 4096 - 64;
 /// The tag of that data on the control communicator.
 const TAG_CARRIED: c_int = 2;
 /// A send up to this large that MPI did not finish at once waits in the group's deferred list,
@@ -404,23 +406,37 @@ impl Carry<'_> {
     }
 }
 
-/// Which peers send this rank data in a call's opening round.
+/// Which peers send this rank data in a call's opening round, and how many bytes each.
 #[derive(Clone, Copy)]
 enum Carriers {
     None,
-    All,
+    All(usize),
     /// A broadcast's root.
-    Rank(usize),
+    Rank(usize, usize),
 }
 
 impl Carriers {
     fn include(self, peer: usize) -> bool {
         match self {
             Carriers::None => false,
-            Carriers::All => true,
-            Carriers::Rank(rank) => rank == peer,
+            Carriers::All(_) => true,
+            Carriers::Rank(rank, _) => rank == peer,
         }
     }
+
+    /// Bytes each carrier sends.
+    fn bytes(self) -> usize {
+        match self {
+            Carriers::None => 0,
+            Carriers::All(bytes) | Carriers::Rank(_, bytes) => bytes,
+        }
+    }
+}
+
+/// Where each message of `bytes` carried bytes starts: every [`EAGER`] bytes, at least one
+/// message (an empty tensor's).
+fn carried_messages(bytes: usize) -> impl Iterator<Item = usize> {
+    (0..bytes.div_ceil(EAGER).max(1)).map(|m| m * EAGER)
 }
 
 /// A call every rank has joined: its number, and what each peer carried, in its slot of
@@ -696,9 +712,9 @@ impl MpiGroup {
     ) -> Result<(Vec<[u8; HEADER]>, CarriedInFlight), CommError> {
         let size = self.size();
         assert!(
-            carry.per_peer() <= CARRIED,
+            carry.per_peer().max(carriers.bytes()) <= CARRIED,
             "{} bytes carried to a peer, beyond {CARRIED}",
-            carry.per_peer()
+            carry.per_peer().max(carriers.bytes())
         );
         let outgoing = match carry {
             Carry::Nothing => None,
@@ -725,18 +741,25 @@ impl MpiGroup {
                 let into = heads.add(peer).cast::<u8>();
                 flight.irecv(peer, (into, HEADER as c_int, byte()), on(TAG_CALL));
                 flight.isend(peer, (mine.as_ptr(), HEADER as c_int, byte()), on(TAG_CALL));
+                // Room for a whole message each: a peer that made another call may send more
+                // than this call expects, which must not end the job in MPI.
                 if let Some(slots) = slots.as_ref().filter(|_| carriers.include(peer)) {
-                    let into = slots.ptr().add(peer * CARRIED);
-                    data.irecv(peer, (into, CARRIED as c_int, byte()), on(TAG_CARRIED));
+                    for at in carried_messages(carriers.bytes()) {
+                        let into = slots.ptr().add(peer * CARRIED + at);
+                        data.irecv(peer, (into, EAGER as c_int, byte()), on(TAG_CARRIED));
+                    }
                 }
                 if let Some(out) = &outgoing {
                     let block = carry.per_peer();
-                    let at = match carry {
+                    let start = match carry {
                         Carry::Blocks(..) => peer * block,
                         _ => 0,
                     };
-                    let from = out.ptr().add(at).cast_const();
-                    data.isend(peer, (from, block as c_int, byte()), on(TAG_CARRIED));
+                    for at in carried_messages(block) {
+                        let from = out.ptr().add(start + at).cast_const();
+                        let len = EAGER.min(block - at);
+                        data.isend(peer, (from, len as c_int, byte()), on(TAG_CARRIED));
+                    }
                 }
             }
         }
@@ -1066,8 +1089,12 @@ impl Transport for MpiGroup {
         if bytes <= CARRIED {
             // One round: the whole tensor goes with the header, and every rank reduces all of
             // them in rank order, in place in its own.
-            let opened =
-                self.open_carrying(stream, &call, Carry::Same(&data.bytes), Carriers::All)?;
+            let opened = self.open_carrying(
+                stream,
+                &call,
+                Carry::Same(&data.bytes),
+                Carriers::All(bytes),
+            )?;
             let own = data.bytes.as_mut_ptr();
             let srcs = opened.blocks(me, own.cast_const());
             // SAFETY: the slots hold the peers' tensors, `own` this rank's; the kernel reads
@@ -1201,8 +1228,12 @@ impl Transport for MpiGroup {
         };
         if bytes <= CARRIED {
             // The tensor goes with the header.
-            let opened =
-                self.open_carrying(stream, &call, Carry::Same(&data.bytes), Carriers::All)?;
+            let opened = self.open_carrying(
+                stream,
+                &call,
+                Carry::Same(&data.bytes),
+                Carriers::All(bytes),
+            )?;
             let out = place(&opened.blocks(self.me, data.bytes.as_ptr()));
             return Ok(out.view(out_shape, dtype).into());
         }
@@ -1270,8 +1301,12 @@ impl Transport for MpiGroup {
             // Each peer's block goes with the header.
             // SAFETY: `send` holds `size` blocks, written above or the input's own bytes.
             let blocks = unsafe { std::slice::from_raw_parts(send, size * block) };
-            let opened =
-                self.open_carrying(stream, &call, Carry::Blocks(blocks, block), Carriers::All)?;
+            let opened = self.open_carrying(
+                stream,
+                &call,
+                Carry::Blocks(blocks, block),
+                Carriers::All(block),
+            )?;
             reduce_into_out(&opened.blocks(self.me, send.wrapping_add(self.me * block)));
             stream.retire(data);
             return Ok(out.view(out_shape, dtype).into());
@@ -1307,7 +1342,7 @@ impl Transport for MpiGroup {
             // The root's tensor goes with its header.
             let (carry, carriers) = match &data {
                 Some(data) => (Carry::Same(&data.bytes), Carriers::None),
-                None => (Carry::Nothing, Carriers::Rank(root)),
+                None => (Carry::Nothing, Carriers::Rank(root, bytes)),
             };
             let opened = self.open_carrying(stream, &call, carry, carriers)?;
             if let Some(data) = data {
@@ -1389,8 +1424,12 @@ impl Transport for MpiGroup {
             // Each peer's part goes with the header.
             // SAFETY: `sent` holds `size` blocks, written above or the input's own bytes.
             let blocks = unsafe { std::slice::from_raw_parts(sent, size * block) };
-            let opened =
-                self.open_carrying(stream, &call, Carry::Blocks(blocks, block), Carriers::All)?;
+            let opened = self.open_carrying(
+                stream,
+                &call,
+                Carry::Blocks(blocks, block),
+                Carriers::All(block),
+            )?;
             let received = opened.blocks(self.me, sent.wrapping_add(self.me * block));
             for (r, &from) in received.iter().enumerate() {
                 let dst = (out.ptr(), out_shape.as_slice());
@@ -1683,6 +1722,16 @@ pub(crate) fn abort(message: &str) -> ! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn carried_bytes_go_in_messages_of_at_most_eager_bytes() {
+        let starts = |bytes| carried_messages(bytes).collect::<Vec<_>>();
+        assert_eq!(starts(0), [0]);
+        assert_eq!(starts(EAGER), [0]);
+        assert_eq!(starts(EAGER + 1), [0, EAGER]);
+        assert_eq!(starts(4096), [0, EAGER]);
+        assert_eq!(starts(CARRIED), [0, EAGER]);
+    }
 
     #[test]
     fn a_description_comes_back_as_sent_and_says_when_it_was_cut() {

@@ -88,13 +88,14 @@ fn orchestrate() {
                 "all_gather(dim 0) on F32 [20000]",
             ],
         ),
-        // Both go in the headers' round, one much larger than the other expects.
+        // Both go in the headers' round, one much larger than the other expects and in two
+        // messages where the other expects one.
         (
             "mismatch-carried",
             &[
                 "mismatched calls on group 'world'",
                 "all_gather(dim 0) on F32 [4]",
-                "all_gather(dim 0) on F32 [1000]",
+                "all_gather(dim 0) on F32 [1500]",
             ],
         ),
         ("killed", &["rank 1", "signal 9"]),
@@ -218,7 +219,7 @@ fn rank_case(case: &str, ctx: RankContext) -> Result<(), CommError> {
             let other = if case == "mismatch-sizes" {
                 20_000
             } else {
-                1000
+                1500
             };
             let x = match ctx.rank() {
                 0 => x,
@@ -278,8 +279,9 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
     let input = |seed: u64, rank: usize, shape: [usize; 2], dtype: DType| {
         random_magnitudes(seed * 100 + rank as u64, shape, dtype)
     };
-    // Each of an all-reduce's three ways: in the headers' round (up to 4 KiB), one all-gather
-    // after them (up to 32 KiB), and a reduce-scatter and an all-gather after them.
+    // Each of an all-reduce's three ways: in the headers' round (up to 8064 bytes, in two
+    // messages beyond 4032: bf16 and f16 x 2107), one all-gather after them (up to 32 KiB), and
+    // a reduce-scatter and an all-gather after them.
     for (seed, shape) in [(1, [3, 5]), (20, [7, 301]), (2, [7, 3001])] {
         for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
@@ -319,9 +321,10 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
             ctx.rank()
         );
     }
-    // Small enough to go in the round of the calls' headers, and (x 3001: beyond 4 KiB per
-    // peer) not.
-    for wide in [1, 3001] {
+    // Small enough to go in the round of the calls' headers, in one message per peer or in two
+    // (beyond 4032 bytes: x 40 the broadcast, x 100 the reduce-scatter at 2 processes, x 200
+    // the all-gather and the f16 all-to-all at 2), and (x 3001: beyond 8064 bytes) not.
+    for wide in [1, 40, 100, 200, 3001] {
         for dim in [0, 1] {
             let shape = [2 * n, 3 * n * wide];
             same_as_threads(ctx, &format!("all_gather(dim {dim}) x {wide}"), |c, r| {

@@ -406,12 +406,13 @@ impl Carry<'_> {
     }
 }
 
-/// Which peers send this rank data in a call's opening round, and how many bytes each.
+/// Which peers send this rank data in a call's opening round.
 #[derive(Clone, Copy)]
 enum Carriers {
     None,
-    All(usize),
-    /// A broadcast's root.
+    /// Every peer, each as many bytes as this rank carries to each.
+    All,
+    /// A broadcast's root, this many bytes.
     Rank(usize, usize),
 }
 
@@ -419,16 +420,17 @@ impl Carriers {
     fn include(self, peer: usize) -> bool {
         match self {
             Carriers::None => false,
-            Carriers::All(_) => true,
+            Carriers::All => true,
             Carriers::Rank(rank, _) => rank == peer,
         }
     }
 
-    /// Bytes each carrier sends.
-    fn bytes(self) -> usize {
+    /// Bytes each carrier sends this rank, when this rank carries `carry`.
+    fn bytes(self, carry: Carry) -> usize {
         match self {
             Carriers::None => 0,
-            Carriers::All(bytes) | Carriers::Rank(_, bytes) => bytes,
+            Carriers::All => carry.per_peer(),
+            Carriers::Rank(_, bytes) => bytes,
         }
     }
 }
@@ -711,10 +713,11 @@ impl MpiGroup {
         op: impl FnOnce() -> String,
     ) -> Result<(Vec<[u8; HEADER]>, CarriedInFlight), CommError> {
         let size = self.size();
+        let incoming = carriers.bytes(carry);
         assert!(
-            carry.per_peer().max(carriers.bytes()) <= CARRIED,
+            carry.per_peer().max(incoming) <= CARRIED,
             "{} bytes carried to a peer, beyond {CARRIED}",
-            carry.per_peer().max(carriers.bytes())
+            carry.per_peer().max(incoming)
         );
         let outgoing = match carry {
             Carry::Nothing => None,
@@ -744,7 +747,7 @@ impl MpiGroup {
                 // Room for a whole message each: a peer that made another call may send more
                 // than this call expects, which must not end the job in MPI.
                 if let Some(slots) = slots.as_ref().filter(|_| carriers.include(peer)) {
-                    for at in carried_messages(carriers.bytes()) {
+                    for at in carried_messages(incoming) {
                         let into = slots.ptr().add(peer * CARRIED + at);
                         data.irecv(peer, (into, EAGER as c_int, byte()), on(TAG_CARRIED));
                     }
@@ -1089,12 +1092,8 @@ impl Transport for MpiGroup {
         if bytes <= CARRIED {
             // One round: the whole tensor goes with the header, and every rank reduces all of
             // them in rank order, in place in its own.
-            let opened = self.open_carrying(
-                stream,
-                &call,
-                Carry::Same(&data.bytes),
-                Carriers::All(bytes),
-            )?;
+            let opened =
+                self.open_carrying(stream, &call, Carry::Same(&data.bytes), Carriers::All)?;
             let own = data.bytes.as_mut_ptr();
             let srcs = opened.blocks(me, own.cast_const());
             // SAFETY: the slots hold the peers' tensors, `own` this rank's; the kernel reads
@@ -1228,12 +1227,8 @@ impl Transport for MpiGroup {
         };
         if bytes <= CARRIED {
             // The tensor goes with the header.
-            let opened = self.open_carrying(
-                stream,
-                &call,
-                Carry::Same(&data.bytes),
-                Carriers::All(bytes),
-            )?;
+            let opened =
+                self.open_carrying(stream, &call, Carry::Same(&data.bytes), Carriers::All)?;
             let out = place(&opened.blocks(self.me, data.bytes.as_ptr()));
             return Ok(out.view(out_shape, dtype).into());
         }
@@ -1301,12 +1296,8 @@ impl Transport for MpiGroup {
             // Each peer's block goes with the header.
             // SAFETY: `send` holds `size` blocks, written above or the input's own bytes.
             let blocks = unsafe { std::slice::from_raw_parts(send, size * block) };
-            let opened = self.open_carrying(
-                stream,
-                &call,
-                Carry::Blocks(blocks, block),
-                Carriers::All(block),
-            )?;
+            let opened =
+                self.open_carrying(stream, &call, Carry::Blocks(blocks, block), Carriers::All)?;
             reduce_into_out(&opened.blocks(self.me, send.wrapping_add(self.me * block)));
             stream.retire(data);
             return Ok(out.view(out_shape, dtype).into());
@@ -1424,12 +1415,8 @@ impl Transport for MpiGroup {
             // Each peer's part goes with the header.
             // SAFETY: `sent` holds `size` blocks, written above or the input's own bytes.
             let blocks = unsafe { std::slice::from_raw_parts(sent, size * block) };
-            let opened = self.open_carrying(
-                stream,
-                &call,
-                Carry::Blocks(blocks, block),
-                Carriers::All(block),
-            )?;
+            let opened =
+                self.open_carrying(stream, &call, Carry::Blocks(blocks, block), Carriers::All)?;
             let received = opened.blocks(self.me, sent.wrapping_add(self.me * block));
             for (r, &from) in received.iter().enumerate() {
                 let dst = (out.ptr(), out_shape.as_slice());

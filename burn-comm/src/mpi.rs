@@ -435,10 +435,10 @@ impl Carriers {
     }
 }
 
-/// Where each message of `bytes` carried bytes starts: every [`EAGER`] bytes, at least one
-/// message (an empty tensor's).
-fn carried_messages(bytes: usize) -> impl Iterator<Item = usize> {
-    (0..bytes.div_ceil(EAGER).max(1)).map(|m| m * EAGER)
+/// The bytes of each message that `bytes` carried bytes go in: [`EAGER`] bytes each but the
+/// last, at least one message (an empty tensor's).
+fn carried_messages(bytes: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..bytes.div_ceil(EAGER).max(1)).map(move |m| m * EAGER..bytes.min((m + 1) * EAGER))
 }
 
 /// A call every rank has joined: its number, and what each peer carried, in its slot of
@@ -747,8 +747,8 @@ impl MpiGroup {
                 // Room for a whole message each: a peer that made another call may send more
                 // than this call expects, which must not end the job in MPI.
                 if let Some(slots) = slots.as_ref().filter(|_| carriers.include(peer)) {
-                    for at in carried_messages(incoming) {
-                        let into = slots.ptr().add(peer * CARRIED + at);
+                    for message in carried_messages(incoming) {
+                        let into = slots.ptr().add(peer * CARRIED + message.start);
                         data.irecv(peer, (into, EAGER as c_int, byte()), on(TAG_CARRIED));
                     }
                 }
@@ -758,10 +758,10 @@ impl MpiGroup {
                         Carry::Blocks(..) => peer * block,
                         _ => 0,
                     };
-                    for at in carried_messages(block) {
-                        let from = out.ptr().add(start + at).cast_const();
-                        let len = EAGER.min(block - at);
-                        data.isend(peer, (from, len as c_int, byte()), on(TAG_CARRIED));
+                    for message in carried_messages(block) {
+                        let from = out.ptr().add(start + message.start).cast_const();
+                        let len = message.len() as c_int;
+                        data.isend(peer, (from, len, byte()), on(TAG_CARRIED));
                     }
                 }
             }
@@ -1712,12 +1712,17 @@ mod tests {
 
     #[test]
     fn carried_bytes_go_in_messages_of_at_most_eager_bytes() {
-        let starts = |bytes| carried_messages(bytes).collect::<Vec<_>>();
-        assert_eq!(starts(0), [0]);
-        assert_eq!(starts(EAGER), [0]);
-        assert_eq!(starts(EAGER + 1), [0, EAGER]);
-        assert_eq!(starts(4096), [0, EAGER]);
-        assert_eq!(starts(CARRIED), [0, EAGER]);
+        let messages = |bytes| {
+            carried_messages(bytes)
+                .map(|m| (m.start, m.end))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(messages(0), [(0, 0)]);
+        assert_eq!(messages(100), [(0, 100)]);
+        assert_eq!(messages(EAGER), [(0, EAGER)]);
+        assert_eq!(messages(EAGER + 1), [(0, EAGER), (EAGER, EAGER + 1)]);
+        assert_eq!(messages(4096), [(0, EAGER), (EAGER, 4096)]);
+        assert_eq!(messages(CARRIED), [(0, EAGER), (EAGER, CARRIED)]);
     }
 
     #[test]

@@ -326,8 +326,8 @@ fn range_boxes(
 }
 
 /// A ZeRO engine's shard state as checkpoint pieces: each range cut into boxes of its whole
-/// parameter, each box a view of the engine's tensors read when the piece is written, so the
-/// step that hands them in copies nothing.
+/// parameter, each box a view of the state's tensors, read when the piece is written: cutting
+/// them copies nothing.
 pub(crate) fn zero_pieces<B: Backend>(
     held: &Held<'_>,
     state: ShardState<Tensor<B, 1>>,

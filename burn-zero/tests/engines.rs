@@ -12,7 +12,7 @@ use burn::module::{Module, Param};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData};
-use burn_comm::launch;
+use burn_comm::{RankError, launch};
 use burn_ddp::{DdpConfig, DistributedDataParallel};
 use burn_pipeline::{PipelineStage, StageOutput};
 use burn_zero::{
@@ -890,6 +890,24 @@ fn state_values(state: &ShardState) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// Each rank's state from `shard_tensors` taken before a step (read after it) is the state
+/// `shard_state` copied then, and the step changed the state.
+fn assert_held_through_the_step(
+    results: Vec<Result<(ShardState, ShardState, ShardState), RankError<ZeroError>>>,
+    what: &str,
+) {
+    for result in results {
+        let (held, copied, after) = result.unwrap();
+        assert_eq!(held.ranges, copied.ranges, "{what}");
+        assert_eq!(state_values(&held), state_values(&copied), "{what}");
+        assert_ne!(
+            state_values(&after),
+            state_values(&copied),
+            "{what}: the step changed nothing"
+        );
+    }
+}
+
 #[test]
 fn shard_tensors_taken_before_a_step_keep_their_values_through_it() {
     let world = 2;
@@ -899,7 +917,7 @@ fn shard_tensors_taken_before_a_step_keep_their_values_through_it() {
         (ZeroStage::Gradients, bf16()),
         (ZeroStage::Gradients, ZeroConfig::new().with_offload(true)),
     ] {
-        for result in launch(world, |ctx| {
+        let results = launch(world, |ctx| {
             let mut zero = ShardedDataParallel::new(
                 Net::new(),
                 ctx.world().clone(),
@@ -920,23 +938,11 @@ fn shard_tensors_taken_before_a_step_keep_their_values_through_it() {
             let (held, copied) = (zero.shard_tensors(), zero.shard_state());
             step(&mut zero, 1)?;
             Ok::<_, ZeroError>((held.into_host(), copied, zero.shard_state()))
-        }) {
-            let (held, copied, after) = result.unwrap();
-            assert_eq!(held.ranges, copied.ranges);
-            assert_eq!(
-                state_values(&held),
-                state_values(&copied),
-                "{stage:?} {config:?}"
-            );
-            assert_ne!(
-                state_values(&after),
-                state_values(&copied),
-                "{stage:?} {config:?}: the step changed nothing"
-            );
-        }
+        });
+        assert_held_through_the_step(results, &format!("{stage:?} {config:?}"));
     }
     for config in [ZeroConfig::new(), bf16()] {
-        for result in launch(world, |ctx| {
+        let results = launch(world, |ctx| {
             let mut fsdp = FullyShardedDataParallel::new(
                 layers(3, false),
                 ctx.world().clone(),
@@ -952,18 +958,7 @@ fn shard_tensors_taken_before_a_step_keep_their_values_through_it() {
             let (held, copied) = (fsdp.shard_tensors(), fsdp.shard_state());
             step(&mut fsdp, 1)?;
             Ok::<_, ZeroError>((held.into_host(), copied, fsdp.shard_state()))
-        }) {
-            let (held, copied, after) = result.unwrap();
-            assert_eq!(
-                state_values(&held),
-                state_values(&copied),
-                "ZeRO-3 {config:?}"
-            );
-            assert_ne!(
-                state_values(&after),
-                state_values(&copied),
-                "ZeRO-3 {config:?}: the step changed nothing"
-            );
-        }
+        });
+        assert_held_through_the_step(results, &format!("ZeRO-3 {config:?}"));
     }
 }

@@ -714,10 +714,10 @@ impl MpiGroup {
     ) -> Result<(Vec<[u8; HEADER]>, CarriedInFlight), CommError> {
         let size = self.size();
         let incoming = carriers.bytes(carry);
+        let most = carry.per_peer().max(incoming);
         assert!(
-            carry.per_peer().max(incoming) <= CARRIED,
-            "{} bytes carried to a peer, beyond {CARRIED}",
-            carry.per_peer().max(incoming)
+            most <= CARRIED,
+            "{most} bytes carried to or from a peer, beyond {CARRIED}"
         );
         let outgoing = match carry {
             Carry::Nothing => None,

@@ -6,7 +6,9 @@
 //! blocking save would cause is its save time.
 //!
 //! Runs are repeated in interleaved rounds (`--repeats`) so that drift of the machine's speed
-//! hits every measurement alike.
+//! hits every measurement alike. Each checkpoint's stall is also taken against the untouched
+//! steps beside it in its own run, which drift between runs cannot move; and the processor
+//! time of the plain write shows what writing the bytes costs a machine with no core to spare.
 //!
 //! `cargo run --release -p benches --bin checkpoint -- --help`
 
@@ -48,7 +50,7 @@ struct Args {
     #[arg(long, default_value_t = 64)]
     seq_len: usize,
     /// Steps per run.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 14)]
     steps: usize,
     /// Checkpoint after every this many steps.
     #[arg(long, default_value_t = 3)]
@@ -82,8 +84,14 @@ struct Results {
     other_steps_s: f64,
     /// What a checkpoint costs the run: the excess of the two steps over `step_s`.
     stall_s: f64,
+    /// The same, each checkpoint against the untouched steps either side of it in its own
+    /// run: the median, and the quartiles over the checkpoints.
+    paired_stall_s: [f64; 3],
     save_s: f64,
     plain_write_s: f64,
+    /// The processor time of the plain write (the kernel's copy into the page cache, mostly):
+    /// what writing these bytes takes from training where no core is free for it.
+    plain_write_cpu_s: f64,
     load_s: f64,
     plain_read_s: f64,
 }
@@ -130,8 +138,10 @@ fn main() {
     let (mut plain_steps, mut stalled) = (Vec::new(), Vec::new());
     let (mut next, mut others) = (Vec::new(), Vec::new());
     let mut handed_in = Vec::new();
+    let mut paired = Vec::new();
     let (mut save, mut write, mut load, mut read) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut write_cpu = Vec::new();
     let mut bytes = 0;
     for round in 1..=args.repeats {
         eprintln!(
@@ -143,6 +153,7 @@ fn main() {
         let _ = std::fs::remove_dir_all(&checkpoints);
         let (intervals, copies) = step_times(&checkpointing, &data);
         handed_in.extend(copies);
+        paired.extend(paired_stalls(&intervals, args.every));
         for (i, seconds) in intervals.into_iter().enumerate() {
             // Interval i holds step i + 2 and what ran before its metrics, its save included;
             // a save starts after every `every`-th step and is written during the next.
@@ -192,12 +203,17 @@ fn main() {
         };
         // The disk's speed swings from one write to the next: several of each, alternating.
         let plain = args.dir.join("plain.bin");
+        let mut write_plainly = || {
+            let (wall, cpu) = plain_write(&plain, &tensors);
+            write.push(wall);
+            write_cpu.push(cpu);
+        };
         for turn in 0..WRITES_PER_ROUND {
             if (round + turn) % 2 == 1 {
                 save.push(blocking_save());
-                write.push(plain_write(&plain, &tensors));
+                write_plainly();
             } else {
-                write.push(plain_write(&plain, &tensors));
+                write_plainly();
                 save.push(blocking_save());
             }
         }
@@ -218,8 +234,10 @@ fn main() {
         next_step_s: next_step,
         other_steps_s: median(others.into_iter()),
         stall_s: checkpointing_step + next_step - 2.0 * step,
+        paired_stall_s: quartiles(paired),
         save_s: median(save.into_iter()),
         plain_write_s: median(write.into_iter()),
+        plain_write_cpu_s: median(write_cpu.into_iter()),
         load_s: median(load.into_iter()),
         plain_read_s: median(read.into_iter()),
     };
@@ -243,8 +261,47 @@ fn step_times(config: &TrainConfig, data: &MarkovSource) -> (Vec<f64>, Vec<f64>)
     (intervals, copies)
 }
 
-/// Writes `tensors`' bytes one after another into `path`, flushed to disk; its seconds.
-fn plain_write(path: &Path, tensors: &[(String, TensorData)]) -> f64 {
+/// Each checkpoint's stall against its own neighbours: the excess of the step that saves and
+/// the next one over the untouched steps just before and just after them (those the run has),
+/// so that the machine's drift between runs, and within one over more than a few steps, cancels.
+/// `intervals[i]` is step `i + 2`, as [`step_times`] gives them.
+fn paired_stalls(intervals: &[f64], every: usize) -> Vec<f64> {
+    let step = |s: usize| s.checked_sub(2).and_then(|i| intervals.get(i)).copied();
+    (1..)
+        .map(|k| k * every)
+        .map_while(|saves| Some((saves, step(saves)?, step(saves + 1)?)))
+        .filter_map(|(saves, own, next)| {
+            // With `every` >= 3 neither neighbour saves or writes a save.
+            let around: Vec<f64> = [step(saves - 1), step(saves + 2)]
+                .into_iter()
+                .flatten()
+                .collect();
+            if around.is_empty() {
+                return None;
+            }
+            let base = around.iter().sum::<f64>() / around.len() as f64;
+            Some(own + next - 2.0 * base)
+        })
+        .collect()
+}
+
+/// The lower quartile, the median and the upper quartile of `values` (nearest rank).
+fn quartiles(mut values: Vec<f64>) -> [f64; 3] {
+    values.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        let last = values.len().saturating_sub(1) as f64;
+        values
+            .get((last * q).round() as usize)
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    [at(0.25), median(values.iter().copied()), at(0.75)]
+}
+
+/// Writes `tensors`' bytes one after another into `path`, flushed to disk; its seconds, and
+/// the processor seconds this thread spent on it.
+fn plain_write(path: &Path, tensors: &[(String, TensorData)]) -> (f64, f64) {
+    let cpu = thread_cpu_seconds();
     let began = Instant::now();
     let mut file = std::io::BufWriter::new(File::create(path).expect("a plain file"));
     for (_, data) in tensors {
@@ -252,9 +309,21 @@ fn plain_write(path: &Path, tensors: &[(String, TensorData)]) -> f64 {
     }
     let file = file.into_inner().expect("a plain write");
     file.sync_all().expect("a plain flush");
-    let seconds = began.elapsed().as_secs_f64();
+    let times = (began.elapsed().as_secs_f64(), thread_cpu_seconds() - cpu);
     std::fs::remove_file(path).expect("the plain file goes");
-    seconds
+    times
+}
+
+/// The processor time this thread has used, user and kernel.
+fn thread_cpu_seconds() -> f64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid timespec to write.
+    let code = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    assert_eq!(code, 0, "the thread's processor time");
+    now.tv_sec as f64 + now.tv_nsec as f64 * 1e-9
 }
 
 /// Reads the data files of the checkpoint in `dir` from end to end; its seconds.
@@ -296,11 +365,27 @@ fn report(r: &Results) {
         r.step_s,
     );
     row(
-        "a checkpoint's stall (both steps' excess)",
+        "a checkpoint's stall, against the other run",
         r.stall_s,
         r.step_s,
     );
+    let [low, mid, high] = r.paired_stall_s;
+    row(
+        "a checkpoint's stall, against its neighbours",
+        mid,
+        r.step_s,
+    );
+    println!(
+        "  quartiles over the checkpoints: {:.1}% to {:.1}% of a step",
+        100.0 * low / r.step_s,
+        100.0 * high / r.step_s
+    );
     row("blocking save (a sync save's stall)", r.save_s, r.step_s);
+    row(
+        "a plain write's processor time",
+        r.plain_write_cpu_s,
+        r.step_s,
+    );
     println!(
         "save {:.0} MB/s against a plain write's {:.0} MB/s: {:.2} of it",
         mb / r.save_s,

@@ -33,7 +33,7 @@ use crate::memory::ModelStateBytes;
 use crate::optimizer::{PlacedAdamW, bytes, to_f32};
 use crate::precision::{LossScaler, StepOutcome, cast};
 use crate::sharded::{ZeroConfig, unscale};
-use crate::state::{self, LossScaleState, ParamRange, ShardState};
+use crate::state::{self, LossScaleState, ParamRange, ShardState, StateTensor};
 use burn::optim::AdamWConfig;
 use burn_ddp::reducer::Reduction;
 
@@ -413,15 +413,14 @@ where
     }
 
     /// This rank's part of the training state as tensors, which the next step leaves as they
-    /// are (a burn tensor is a value): views of the engine's buffers, not copies (an offloaded
-    /// optimizer's state is moved to the device).
-    pub fn shard_tensors(&self) -> ShardState<Tensor<Inner<B>, 1>> {
-        let device = self.shard[0].device();
+    /// are (a burn tensor is a value): views of the engine's buffers, not copies, where the
+    /// engine holds them (host memory when offloaded).
+    pub fn shard_tensors(&self) -> ShardState<StateTensor<Inner<B>>> {
         let rank = self.comm.rank();
-        let parts = self
-            .optimizer
-            .master(&device)
-            .unwrap_or_else(|| self.shard.iter().cloned().map(to_f32).collect());
+        let parts = self.optimizer.held_master().unwrap_or_else(|| {
+            let f32 = |t: &Tensor<Inner<B>, 1>| StateTensor::Device(to_f32(t.clone()));
+            self.shard.iter().map(f32).collect()
+        });
         let weights = state::cut(&self.layout, rank, parts);
         state::shard_state(
             &self.layout,
@@ -430,7 +429,6 @@ where
             weights,
             &self.optimizer,
             self.scaler.as_ref(),
-            &device,
         )
     }
 

@@ -36,4 +36,4 @@ pub use optimizer::ShardedAdamW;
 pub use precision::{LossScaleConfig, MixedPrecision, StepOutcome};
 pub use redundancy::{ZeroAdamW, ZeroAdamWRecord, gradient_sharding_steps};
 pub use sharded::{ShardedDataParallel, ZeroConfig, ZeroStepStats};
-pub use state::{LossScaleState, ParamRange, ShardState};
+pub use state::{LossScaleState, ParamRange, ShardState, StateTensor};

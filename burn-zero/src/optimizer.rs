@@ -11,6 +11,7 @@ use burn_kernels::FusedAdamW;
 
 use crate::ZeroError;
 use crate::precision::cast;
+use crate::state::StateTensor;
 
 /// The optimizer state of one rank's shard: first and second moments, fp32, and the fp32
 /// master weights when the parameters are kept in 16 bits.
@@ -117,6 +118,21 @@ pub fn to_f32<B: Backend>(tensor: Tensor<B, 1>) -> Tensor<B, 1> {
     cast(tensor, DType::F32)
 }
 
+/// Each part's step count and two moments, as `held` wraps them; none before the first step.
+#[allow(clippy::type_complexity)]
+fn held_moments<C: Backend, B: Backend>(
+    adamws: &[ShardedAdamW<C>],
+    held: fn(Tensor<C, 1>) -> StateTensor<B>,
+) -> Option<Vec<(usize, StateTensor<B>, StateTensor<B>)>> {
+    adamws
+        .iter()
+        .map(|a| {
+            let m = &a.state()?.momentum;
+            Some((m.time, held(m.moment_1.clone()), held(m.moment_2.clone())))
+        })
+        .collect()
+}
+
 /// A shard's AdamW where it runs, one [`ShardedAdamW`] per unit's part: on the model's device,
 /// or offloaded (ZeRO-Offload) to host memory, where the state stays and the step runs on
 /// burn's CPU backend; the shard's weights and gradients cross once each way per step.
@@ -204,27 +220,27 @@ impl<B: Backend> PlacedAdamW<B> {
         }
     }
 
-    /// The step count and each part's two moments, once a step has made them, on `device`.
-    pub fn state(&self, device: &B::Device) -> Option<(usize, [Vec<Tensor<B, 1>>; 2])> {
-        let moments =
-            |m: &AdaptiveMomentumState<_, 1>| (m.time, m.moment_1.clone(), m.moment_2.clone());
-        let parts: Option<Vec<_>> = match self {
+    /// The held fp32 master weights, part by part, where they are held (not moved).
+    pub fn held_master(&self) -> Option<Vec<StateTensor<B>>> {
+        match self {
             Self::Device(adamws) => adamws
                 .iter()
-                .map(|a| a.state().map(|s| moments(&s.momentum)))
+                .map(|a| a.master().cloned().map(StateTensor::Device))
                 .collect(),
             Self::Host(adamws) => adamws
                 .iter()
-                .map(|a| {
-                    a.state().map(|s| {
-                        let moved = |t: &Tensor<Flex, 1>| Tensor::from_data(t.to_data(), device);
-                        let m = &s.momentum;
-                        (m.time, moved(&m.moment_1), moved(&m.moment_2))
-                    })
-                })
+                .map(|a| a.master().cloned().map(StateTensor::Host))
                 .collect(),
+        }
+    }
+
+    /// The step count and each part's two moments, once a step has made them, where they are
+    /// held: moving offloaded moments to the device would take device memory the offload saves.
+    pub fn held_state(&self) -> Option<(usize, [Vec<StateTensor<B>>; 2])> {
+        let parts = match self {
+            Self::Device(adamws) => held_moments(adamws, StateTensor::Device)?,
+            Self::Host(adamws) => held_moments(adamws, StateTensor::Host)?,
         };
-        let parts = parts?;
         let time = parts.first().map_or(0, |p| p.0);
         let (first, second) = parts.into_iter().map(|(_, m1, m2)| (m1, m2)).unzip();
         Some((time, [first, second]))

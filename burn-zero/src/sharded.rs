@@ -23,7 +23,7 @@ use crate::flat::{FlatLayout, compact};
 use crate::memory::{ModelStateBytes, ZeroStage};
 use crate::optimizer::{PlacedAdamW, bytes, to_f32};
 use crate::precision::{LossScaler, MixedPrecision, StepOutcome, cast, overflowed};
-use crate::state::{self, LossScaleState, ParamRange, ShardState};
+use crate::state::{self, LossScaleState, ParamRange, ShardState, StateTensor};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 /// One reduced gradient per unit: the whole buffer or this rank's part.
@@ -238,13 +238,12 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
 
     /// This rank's part of the training state as tensors, which the next step leaves as they
     /// are (a burn tensor is a value). The moments and master weights are views of the
-    /// engine's buffers, not copies (an offloaded optimizer's are moved to the device); fp32
+    /// engine's buffers, not copies, where the engine holds them (host memory when offloaded); fp32
     /// weights without a master copy are copied, as a view would keep every rank's part alive.
-    pub fn shard_tensors(&self) -> ShardState<Tensor<Inner<B>, 1>> {
+    pub fn shard_tensors(&self) -> ShardState<StateTensor<Inner<B>>> {
         let slots = params::trainable::<B, M>(self.module());
-        let device = slots[0].device.clone();
         let rank = self.comm.rank();
-        let weights = match self.optimizer.master(&device) {
+        let weights = match self.optimizer.held_master() {
             Some(master) => state::cut(&self.layout, rank, master),
             None => {
                 let values: Vec<_> = slots.iter().map(|s| to_f32(s.value.clone())).collect();
@@ -258,7 +257,6 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
             weights,
             &self.optimizer,
             self.scaler.as_ref(),
-            &device,
         )
     }
 

@@ -5,6 +5,7 @@
 
 use std::ops::Range;
 
+use burn::backend::Flex;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
@@ -23,8 +24,8 @@ pub struct ParamRange {
 }
 
 /// A rank's part of a ZeRO engine's state. `V` holds the values of one range: host data (what
-/// `shard_state` gives), or a tensor on the engine's device (what `shard_tensors` gives, for a
-/// save that reads it later), most of them views of the engine's own buffers.
+/// `shard_state` gives), or a [`StateTensor`] where the engine holds it (what `shard_tensors`
+/// gives, for a save that reads it later), most of them views of the engine's own buffers.
 #[derive(Debug, Clone)]
 pub struct ShardState<V = TensorData> {
     /// This rank's ranges, in its shard's order.
@@ -39,10 +40,45 @@ pub struct ShardState<V = TensorData> {
     pub loss_scale: Option<LossScaleState>,
 }
 
-impl<B: Backend> ShardState<Tensor<B, 1>> {
+/// The values of one range of a ZeRO engine's state, fp32, where the engine holds them: on its
+/// device, or in host memory where its optimizer is offloaded.
+#[derive(Debug, Clone)]
+pub enum StateTensor<B: Backend> {
+    Device(Tensor<B, 1>),
+    Host(Tensor<Flex, 1>),
+}
+
+impl<B: Backend> StateTensor<B> {
+    /// The `len` values from `start`: a view, not a copy.
+    pub fn narrow(self, start: usize, len: usize) -> Self {
+        match self {
+            Self::Device(t) => Self::Device(t.narrow(0, start, len)),
+            Self::Host(t) => Self::Host(t.narrow(0, start, len)),
+        }
+    }
+
+    /// As many zeros, where these are held.
+    pub fn zeros_like(&self) -> Self {
+        match self {
+            Self::Device(t) => Self::Device(t.zeros_like()),
+            Self::Host(t) => Self::Host(t.zeros_like()),
+        }
+    }
+
+    /// The values in host memory.
+    pub fn into_data(self) -> TensorData {
+        match self {
+            Self::Device(t) => t.into_data(),
+            Self::Host(t) => t.into_data(),
+        }
+    }
+}
+
+impl<B: Backend> ShardState<StateTensor<B>> {
     /// The same state read into host memory.
     pub fn into_host(self) -> ShardState {
-        let host = |values: Vec<Tensor<B, 1>>| values.into_iter().map(Tensor::into_data).collect();
+        let host =
+            |values: Vec<StateTensor<B>>| values.into_iter().map(StateTensor::into_data).collect();
         ShardState {
             ranges: self.ranges,
             weights: host(self.weights),
@@ -85,8 +121,8 @@ pub(crate) fn ranges(
 pub(crate) fn cut<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
-    parts: Vec<Tensor<B, 1>>,
-) -> Vec<Tensor<B, 1>> {
+    parts: Vec<StateTensor<B>>,
+) -> Vec<StateTensor<B>> {
     parts
         .into_iter()
         .enumerate()
@@ -94,7 +130,7 @@ pub(crate) fn cut<B: Backend>(
             layout
                 .pieces(u, rank)
                 .into_iter()
-                .map(move |(_, range, at)| part.clone().narrow(0, at, range.len()))
+                .map(move |(_, range, at)| part.clone().narrow(at, range.len()))
                 .collect::<Vec<_>>()
         })
         .collect()
@@ -148,25 +184,30 @@ pub(crate) fn cut_params<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
     values: &[Tensor<B, 1>],
-) -> Vec<Tensor<B, 1>> {
+) -> Vec<StateTensor<B>> {
     (0..layout.units.len())
         .flat_map(|u| layout.pieces(u, rank))
-        .map(|(p, range, _)| compact(values[p].clone().narrow(0, range.start, range.len())))
+        .map(|(p, range, _)| {
+            StateTensor::Device(compact(values[p].clone().narrow(
+                0,
+                range.start,
+                range.len(),
+            )))
+        })
         .collect()
 }
 
 /// `rank`'s state: `ranges` (see [`ranges`]), their fp32 `weights` (in order), and the
-/// optimizer's (moved to `device`) and the loss scaler's state.
+/// optimizer's (where it holds it) and the loss scaler's state.
 pub(crate) fn shard_state<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
     ranges: Vec<ParamRange>,
-    weights: Vec<Tensor<B, 1>>,
+    weights: Vec<StateTensor<B>>,
     optimizer: &PlacedAdamW<B>,
     scaler: Option<&LossScaler>,
-    device: &B::Device,
-) -> ShardState<Tensor<B, 1>> {
-    let (moments, steps) = moments_of(layout, rank, optimizer, device);
+) -> ShardState<StateTensor<B>> {
+    let (moments, steps) = moments_of(layout, rank, optimizer);
     ShardState {
         ranges,
         weights,
@@ -197,9 +238,8 @@ fn moments_of<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
     optimizer: &PlacedAdamW<B>,
-    device: &B::Device,
-) -> (Option<[Vec<Tensor<B, 1>>; 2]>, usize) {
-    match optimizer.state(device) {
+) -> (Option<[Vec<StateTensor<B>>; 2]>, usize) {
+    match optimizer.held_state() {
         Some((time, [first, second])) => {
             let moments = [cut(layout, rank, first), cut(layout, rank, second)];
             (Some(moments), time)

@@ -17,7 +17,7 @@ use burn_ddp::{DdpConfig, DistributedDataParallel};
 use burn_pipeline::{PipelineStage, StageOutput};
 use burn_zero::{
     FullyShardedDataParallel, LossScaleConfig, MixedPrecision, ShardState, ShardedDataParallel,
-    StepOutcome, ZeroConfig, ZeroError, ZeroStage,
+    StateTensor, StepOutcome, ZeroConfig, ZeroError, ZeroStage,
 };
 
 type AD = Autodiff<Flex>;
@@ -890,6 +890,15 @@ fn state_values(state: &ShardState) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// Every moment of `state` is held in host memory where the optimizer is `offloaded` (handed
+/// in where it is, not moved to the device), and on the device otherwise.
+fn assert_moments_held<B: Backend>(state: &ShardState<StateTensor<B>>, offloaded: bool) {
+    let moments = state.moments.as_ref().expect("a step made the moments");
+    for moment in moments.iter().flatten() {
+        assert_eq!(matches!(moment, StateTensor::Host(_)), offloaded);
+    }
+}
+
 /// Each rank's state from `shard_tensors` taken before a step (read after it) is the state
 /// `shard_state` copied then, and the step changed the state.
 fn assert_held_through_the_step(
@@ -936,12 +945,17 @@ fn shard_tensors_taken_before_a_step_keep_their_values_through_it() {
             };
             step(&mut zero, 0)?;
             let (held, copied) = (zero.shard_tensors(), zero.shard_state());
+            assert_moments_held(&held, config.offload);
             step(&mut zero, 1)?;
             Ok::<_, ZeroError>((held.into_host(), copied, zero.shard_state()))
         });
         assert_held_through_the_step(results, &format!("{stage:?} {config:?}"));
     }
-    for config in [ZeroConfig::new(), bf16()] {
+    for config in [
+        ZeroConfig::new(),
+        bf16(),
+        ZeroConfig::new().with_offload(true),
+    ] {
         let results = launch(world, |ctx| {
             let mut fsdp = FullyShardedDataParallel::new(
                 layers(3, false),
@@ -956,6 +970,7 @@ fn shard_tensors_taken_before_a_step_keep_their_values_through_it() {
             };
             step(&mut fsdp, 0)?;
             let (held, copied) = (fsdp.shard_tensors(), fsdp.shard_state());
+            assert_moments_held(&held, config.offload);
             step(&mut fsdp, 1)?;
             Ok::<_, ZeroError>((held.into_host(), copied, fsdp.shard_state()))
         });

@@ -17,7 +17,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_checkpoint::{Checkpoint, Region, Shard, ShardData};
 use burn_ddp::params::{ParamVisitor, visit_params};
-use burn_zero::{LossScaleState, ParamRange, ShardState};
+use burn_zero::{LossScaleState, ParamRange, ShardState, StateTensor};
 use serde_json::{Value, json};
 
 use crate::hf;
@@ -326,11 +326,11 @@ fn range_boxes(
 }
 
 /// A ZeRO engine's shard state as checkpoint pieces: each range cut into boxes of its whole
-/// parameter, each box a view of the state's tensors, read when the piece is written: cutting
-/// them copies nothing.
+/// parameter, each box a view of the state's tensors (on the device, or in host memory where
+/// the optimizer is offloaded), read when the piece is written: cutting them copies nothing.
 pub(crate) fn zero_pieces<B: Backend>(
     held: &Held<'_>,
-    state: ShardState<Tensor<B, 1>>,
+    state: ShardState<StateTensor<B>>,
 ) -> Result<TrainingState, TrainError> {
     let ShardState {
         ranges,
@@ -339,10 +339,10 @@ pub(crate) fn zero_pieces<B: Backend>(
         steps,
         loss_scale,
     } = state;
-    let moments: [Vec<Tensor<B, 1>>; 2] = match moments {
+    let moments: [Vec<StateTensor<B>>; 2] = match moments {
         Some(moments) => moments,
         // No step has been applied yet (f16 skipped them all): AdamW starts from zeros.
-        None => [0, 1].map(|_| weights.iter().map(Tensor::zeros_like).collect()),
+        None => [0, 1].map(|_| weights.iter().map(StateTensor::zeros_like).collect()),
     };
     let [first, second] = moments;
     let mut pieces = Vec::new();
@@ -357,11 +357,13 @@ pub(crate) fn zero_pieces<B: Backend>(
             (moment_name(2, &path), second),
         ];
         for (name, flat) in values {
-            let flat = flat.cast(FloatDType::F32);
             let mut at = 0;
             for b in &boxes {
                 let n = b.volume();
-                let part = ShardData::read_later(flat.clone().narrow(0, at, n));
+                let part = match flat.clone().narrow(at, n) {
+                    StateTensor::Device(t) => ShardData::read_later(t.cast(FloatDType::F32)),
+                    StateTensor::Host(t) => ShardData::read_later(t.cast(FloatDType::F32)),
+                };
                 pieces.push(shard(
                     name.clone(),
                     &whole,

@@ -153,6 +153,11 @@ fn a_resumed_run_continues_the_uninterrupted_one_bit_for_bit_in_its_layout() {
             config.max_grad_norm = Some(0.5);
             config
         }),
+        ("dp 2 zero 3, offloaded", {
+            let mut config = zero_layout(2, 1, ZeroStage::Parameters, None);
+            config.zero_config = config.zero_config.with_offload(true);
+            config
+        }),
         ("dp 2 zero 2, clipped", {
             let mut config = zero_layout(2, 1, ZeroStage::Gradients, None);
             config.max_grad_norm = Some(0.5);

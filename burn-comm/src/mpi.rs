@@ -11,9 +11,9 @@
 //! [`CommError::Timeout`]; a peer that called something else gets a
 //! [`CommError::Mismatch`] naming both calls. Only then do the ranks start the collective itself,
 //! with MPI's blocking call under a watchdog that ends the job if it outlives the timeout. A
-//! small call's data (up to [`CARRIED`] bytes to each peer) goes in the headers' round instead,
-//! and is used only once the headers show every rank made the same call: one round instead of
-//! two.
+//! small call's data (up to [`CARRIED`] bytes to each peer) goes after the header, in the
+//! headers' round, and is used only once the headers show every rank made the same call: one
+//! round instead of two.
 //!
 //! Each group has three communicators, so that the headers, the collectives and the user's
 //! point-to-point messages never match each other's messages.
@@ -52,15 +52,19 @@ const TAG_ALL_REDUCE: c_int = 3;
 /// Tags on the point-to-point communicator: a message's header, then its payload.
 const TAG_HEADER: c_int = 1;
 const TAG_PAYLOAD: c_int = 2;
-/// Up to this many bytes of a call's data go to each peer in the same round as its header, in
-/// messages of their own of at most [`EAGER`] bytes: a small collective then takes one round
-/// instead of two.
-const CARRIED: usize = 2 * EAGER;
-/// The most a carried message holds: what Open MPI sends at once, without waiting for its
-/// receiver, under its shared-memory transport's eager limit (4 KiB with MPI's own header, the
-/// smallest of its transports'). A 4 KiB tensor in one message would wait for its receiver.
+/// Up to this many bytes of a call's data go to each peer in the same round as its header:
+/// a small collective then takes one round instead of two. The header and the data make a
+/// peer's frame, sent in messages of at most [`EAGER`] bytes (the header in the first, so a
+/// call carrying up to `EAGER - HEADER` bytes takes one message a peer, as a bare header does).
+const CARRIED: usize = 2 * EAGER - HEADER;
+/// A peer's frame in a call's opening round: its header, then what it carries.
+const FRAME: usize = HEADER + CARRIED;
+/// The most a message of the opening round holds: what Open MPI sends at once, without waiting
+/// for its receiver, under its shared-memory transport's eager limit (4 KiB with MPI's own
+/// header, the smallest of its transports'). A 4 KiB message would wait for its receiver.
 const EAGER: usize = 4096 - 64;
-/// The tag of that data on the control communicator.
+/// The tag of a frame's messages after its first (which is tagged [`TAG_CALL`]) on the control
+/// communicator.
 const TAG_CARRIED: c_int = 2;
 /// A send up to this large that MPI did not finish at once waits in the group's deferred list,
 /// completed by the group's next call or by the send thread's sweep every [`SWEEP`], instead
@@ -435,52 +439,57 @@ impl Carriers {
     }
 }
 
-/// The bytes of each message that `bytes` carried bytes go in: [`EAGER`] bytes each but the
-/// last, at least one message (an empty tensor's).
-fn carried_messages(bytes: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    (0..bytes.div_ceil(EAGER).max(1)).map(move |m| m * EAGER..bytes.min((m + 1) * EAGER))
+/// The bytes of the frame (see [`FRAME`]) that each message carries, when the frame's header
+/// is followed by `carried` bytes: [`EAGER`] bytes each but the last.
+fn frame_messages(carried: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let len = HEADER + carried;
+    (0..len.div_ceil(EAGER)).map(move |m| m * EAGER..len.min((m + 1) * EAGER))
 }
 
-/// A call every rank has joined: its number, and what each peer carried, in its slot of
-/// [`CARRIED`] bytes.
+/// A call every rank has joined: its number, and every peer's frame (its header, then what it
+/// carried) in its slot of [`FRAME`] bytes.
 struct Opened {
     seq: u64,
-    slots: Option<SharedBuffer>,
+    frames: SharedBuffer,
 }
 
 impl Opened {
     /// Every rank's block in group-rank order: this rank's `own`, and what each peer carried.
     /// The calls are the same, so each carried as many bytes as this rank's call expects.
     fn blocks(&self, me: usize, own: *const u8) -> Vec<*const u8> {
-        let slots = self.slots.as_ref().expect("a call whose peers carry data");
-        (0..slots.len() / CARRIED)
+        (0..self.frames.len() / FRAME)
             .map(|r| match r == me {
                 true => own,
-                false => slots.ptr().wrapping_add(r * CARRIED).cast_const(),
+                false => self
+                    .frames
+                    .ptr()
+                    .wrapping_add(r * FRAME + HEADER)
+                    .cast_const(),
             })
             .collect()
     }
 }
 
-/// The data of a call's opening round, possibly still in flight once the headers came. Dropped
-/// without [`complete`](Self::complete) (the calls differ, or an error came first), it gives
-/// the data up: a peer may never send what was expected, so what MPI may still use is leaked.
+/// The rest of a call's opening round, possibly still in flight once the headers came: the
+/// frames' later messages. Dropped without [`complete`](Self::complete) (the calls differ, or
+/// an error came first), it gives the frames up: a peer may never send what was expected, so
+/// what MPI may still use is leaked.
 struct CarriedInFlight {
     flight: Option<InFlight>,
-    /// A copy of what is sent: the caller's tensor may go while MPI still reads this.
+    /// This rank's frames: the caller's tensor may go while MPI still reads them.
     outgoing: Option<SharedBuffer>,
-    slots: Option<SharedBuffer>,
+    frames: Option<SharedBuffer>,
 }
 
 impl CarriedInFlight {
     /// Waits for every peer's data (the headers matched: each sends what was expected); on a
     /// timeout, the peers that sent nothing.
-    fn complete(mut self, deadline: Instant) -> Result<Option<SharedBuffer>, Vec<usize>> {
+    fn complete(mut self, deadline: Instant) -> Result<SharedBuffer, Vec<usize>> {
         let flight = self.flight.take().expect("completed once");
         match flight.wait(|| deadline) {
-            Ok(()) => Ok(self.slots.take()),
+            Ok(()) => Ok(self.frames.take().expect("completed once")),
             Err(missing) => {
-                std::mem::forget((self.outgoing.take(), self.slots.take()));
+                std::mem::forget((self.outgoing.take(), self.frames.take()));
                 Err(missing)
             }
         }
@@ -492,7 +501,7 @@ impl Drop for CarriedInFlight {
         if let Some(mut flight) = self.flight.take()
             && !flight.test()
         {
-            std::mem::forget((self.outgoing.take(), self.slots.take()));
+            std::mem::forget((self.outgoing.take(), self.frames.take()));
         }
     }
 }
@@ -671,10 +680,10 @@ impl MpiGroup {
         let op_name = |phase: &str| format!("{call} (call {seq}{phase})");
         let (headers, data) = self.swap_opening(mine, carry, carriers, deadline, || op_name(""))?;
         let complete = |data: CarriedInFlight| {
-            let slots = data
+            let frames = data
                 .complete(deadline)
                 .map_err(|missing| self.timeout_error(op_name(""), missing))?;
-            Ok(Opened { seq, slots })
+            Ok(Opened { seq, frames })
         };
         if headers.iter().all(|h| *h == mine) {
             return complete(data);
@@ -699,11 +708,11 @@ impl MpiGroup {
         }))
     }
 
-    /// Sends every peer `header` and what `carry` gives it, and receives every peer's header
-    /// and, into its slot of [`CARRIED`] bytes, what `carriers` send, on the control
-    /// communicator. Returns every rank's header in group-rank order once they all came (a
-    /// peer whose header does not come by `deadline` is named in a timeout of `op`), with the
-    /// data, which may still be in flight.
+    /// Sends every peer its frame: `header` and what `carry` gives it; and receives every
+    /// peer's frame into its slot of [`FRAME`] bytes (a header only, unless `carriers` include
+    /// it), on the control communicator. Returns every rank's header in group-rank order once
+    /// they all came (a peer whose header does not come by `deadline` is named in a timeout of
+    /// `op`), with the rest of the frames, which may still be in flight.
     fn swap_opening(
         &self,
         header: [u8; HEADER],
@@ -713,70 +722,79 @@ impl MpiGroup {
         op: impl FnOnce() -> String,
     ) -> Result<(Vec<[u8; HEADER]>, CarriedInFlight), CommError> {
         let size = self.size();
-        let incoming = carriers.bytes(carry);
-        let most = carry.per_peer().max(incoming);
+        let (block, incoming) = (carry.per_peer(), carriers.bytes(carry));
+        let most = block.max(incoming);
         assert!(
             most <= CARRIED,
             "{most} bytes carried to or from a peer, beyond {CARRIED}"
         );
-        let outgoing = match carry {
-            Carry::Nothing => None,
-            Carry::Same(bytes) | Carry::Blocks(bytes, _) => {
-                let copy = SharedBuffer::uninit(bytes.len());
-                // SAFETY: `copy` holds `bytes.len()` bytes and is not shared yet.
-                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), copy.ptr(), bytes.len()) };
-                Some(copy)
-            }
+        // This rank's frames, one per peer only where each gets its own block: a copy, as the
+        // caller's tensor may go while MPI still reads them.
+        let frame = HEADER + block;
+        let (data, count) = match carry {
+            Carry::Nothing => (&[][..], 1),
+            Carry::Same(bytes) => (bytes, 1),
+            Carry::Blocks(bytes, _) => (bytes, size),
         };
-        let any_carrier = (0..size).any(|p| p != self.me && carriers.include(p));
-        let slots = any_carrier.then(|| SharedBuffer::uninit(size * CARRIED));
-        // Boxed: on a timeout they are leaked with the requests that use them.
-        let mine = Box::new(header);
-        let mut all = vec![header; size];
-        let heads = all.as_mut_ptr();
-        let (mut flight, mut data) = (InFlight::new(), InFlight::new());
-        for peer in (0..size).filter(|&p| p != self.me) {
-            let on = |tag| (tag, self.control);
-            // SAFETY: every buffer lies inside what it is taken from (`all`, `mine`, `slots`,
-            // `outgoing`), none of which is touched or freed until its requests complete (they
-            // are leaked with them otherwise).
+        let outgoing = SharedBuffer::uninit(count * frame);
+        for f in 0..count {
+            let part = &data[f * block..(f + 1) * block];
+            // SAFETY: frame `f` lies inside `outgoing`, which is not shared yet.
             unsafe {
-                let into = heads.add(peer).cast::<u8>();
-                flight.irecv(peer, (into, HEADER as c_int, byte()), on(TAG_CALL));
-                flight.isend(peer, (mine.as_ptr(), HEADER as c_int, byte()), on(TAG_CALL));
-                // Room for a whole message each: a peer that made another call may send more
-                // than this call expects, which must not end the job in MPI.
-                if let Some(slots) = slots.as_ref().filter(|_| carriers.include(peer)) {
-                    for message in carried_messages(incoming) {
-                        let into = slots.ptr().add(peer * CARRIED + message.start);
-                        data.irecv(peer, (into, EAGER as c_int, byte()), on(TAG_CARRIED));
-                    }
+                let at = outgoing.ptr().add(f * frame);
+                std::ptr::copy_nonoverlapping(header.as_ptr(), at, HEADER);
+                std::ptr::copy_nonoverlapping(part.as_ptr(), at.add(HEADER), part.len());
+            }
+        }
+        let frames = SharedBuffer::uninit(size * FRAME);
+        let (mut first, mut rest) = (InFlight::new(), InFlight::new());
+        for peer in (0..size).filter(|&p| p != self.me) {
+            let on = |m: usize| match m {
+                0 => (TAG_CALL, self.control),
+                _ => (TAG_CARRIED, self.control),
+            };
+            let expected = if carriers.include(peer) { incoming } else { 0 };
+            let mine = outgoing.ptr().wrapping_add(match carry {
+                Carry::Blocks(..) => peer * frame,
+                _ => 0,
+            });
+            // SAFETY: every message lies inside its frame, in `frames` or `outgoing`, neither of
+            // which is freed until its requests complete (they are leaked with them otherwise).
+            unsafe {
+                for (m, message) in frame_messages(expected).enumerate() {
+                    let into = frames.ptr().add(peer * FRAME + message.start);
+                    let flight = if m == 0 { &mut first } else { &mut rest };
+                    // Room for a whole message each: a peer that made another call may send
+                    // more than this call expects, which must not end the job in MPI.
+                    flight.irecv(peer, (into, EAGER as c_int, byte()), on(m));
                 }
-                if let Some(out) = &outgoing {
-                    let block = carry.per_peer();
-                    let start = match carry {
-                        Carry::Blocks(..) => peer * block,
-                        _ => 0,
-                    };
-                    for message in carried_messages(block) {
-                        let from = out.ptr().add(start + message.start).cast_const();
-                        let len = message.len() as c_int;
-                        data.isend(peer, (from, len, byte()), on(TAG_CARRIED));
-                    }
+                for (m, message) in frame_messages(block).enumerate() {
+                    let from = mine.add(message.start).cast_const();
+                    let flight = if m == 0 { &mut first } else { &mut rest };
+                    flight.isend(peer, (from, message.len() as c_int, byte()), on(m));
                 }
             }
         }
-        let data = CarriedInFlight {
-            flight: Some(data),
-            outgoing,
-            slots,
+        let frames_in_flight = CarriedInFlight {
+            flight: Some(rest),
+            outgoing: Some(outgoing),
+            frames: Some(frames.clone()),
         };
-        if let Err(missing) = flight.wait(|| deadline) {
-            // `data` is given up as it drops.
-            std::mem::forget((mine, all));
+        if let Err(missing) = first.wait(|| deadline) {
+            // The headers' requests use the frames too.
+            std::mem::forget((frames_in_flight, frames));
             return Err(self.timeout_error(op(), missing));
         }
-        Ok((all, data))
+        let headers = (0..size)
+            .map(|r| match r == self.me {
+                true => header,
+                // SAFETY: peer r's header came into the start of its frame.
+                false => unsafe {
+                    std::ptr::read_unaligned(frames.ptr().add(r * FRAME).cast::<[u8; HEADER]>())
+                },
+            })
+            .collect();
+        Ok((headers, frames_in_flight))
     }
 
     /// Sends `mine` to every peer on the control communicator, tagged `tag`, and returns every
@@ -1711,18 +1729,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn carried_bytes_go_in_messages_of_at_most_eager_bytes() {
-        let messages = |bytes| {
-            carried_messages(bytes)
+    fn a_frame_goes_in_messages_of_at_most_eager_bytes_its_header_in_the_first() {
+        let messages = |carried| {
+            frame_messages(carried)
                 .map(|m| (m.start, m.end))
                 .collect::<Vec<_>>()
         };
-        assert_eq!(messages(0), [(0, 0)]);
-        assert_eq!(messages(100), [(0, 100)]);
-        assert_eq!(messages(EAGER), [(0, EAGER)]);
-        assert_eq!(messages(EAGER + 1), [(0, EAGER), (EAGER, EAGER + 1)]);
-        assert_eq!(messages(4096), [(0, EAGER), (EAGER, 4096)]);
-        assert_eq!(messages(CARRIED), [(0, EAGER), (EAGER, CARRIED)]);
+        assert_eq!(messages(0), [(0, HEADER)]);
+        assert_eq!(messages(100), [(0, HEADER + 100)]);
+        assert_eq!(messages(EAGER - HEADER), [(0, EAGER)]);
+        assert_eq!(
+            messages(EAGER - HEADER + 1),
+            [(0, EAGER), (EAGER, EAGER + 1)]
+        );
+        assert_eq!(messages(4096), [(0, EAGER), (EAGER, HEADER + 4096)]);
+        assert_eq!(messages(CARRIED), [(0, EAGER), (EAGER, FRAME)]);
+        assert_eq!(FRAME, 2 * EAGER);
     }
 
     #[test]

@@ -279,8 +279,8 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
     let input = |seed: u64, rank: usize, shape: [usize; 2], dtype: DType| {
         random_magnitudes(seed * 100 + rank as u64, shape, dtype)
     };
-    // Each of an all-reduce's three ways: in the headers' round (up to 8064 bytes, in two
-    // messages beyond 4032: bf16 and f16 x 2107), one all-gather after them (up to 32 KiB: f32
+    // Each of an all-reduce's three ways: in the headers' round (up to 8048 bytes, in two
+    // messages beyond 4016: bf16 and f16 x 2107), one all-gather after them (up to 32 KiB: f32
     // and f64 x 2107), and a reduce-scatter and an all-gather after them.
     for (seed, shape) in [(1, [3, 5]), (20, [7, 301]), (2, [7, 3001])] {
         for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
@@ -292,14 +292,16 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
             }
         }
     }
-    // At the edges of the headers' round, in f32: one full message (4032 bytes), a second one
-    // (4096, as small as a message gets in f16: 4034), two full ones (8064), and just beyond.
+    // At the edges of the headers' round, in f32: one full message (4016 bytes after the
+    // header), a second one (4020; 4096; as small as it gets in f16: 4018), two full ones
+    // (8048), and just beyond.
     for (len, dtype) in [
-        (1008, DType::F32),
+        (1004, DType::F32),
+        (1005, DType::F32),
         (1024, DType::F32),
-        (2017, DType::F16),
-        (2016, DType::F32),
-        (2017, DType::F32),
+        (2009, DType::F16),
+        (2012, DType::F32),
+        (2013, DType::F32),
     ] {
         let what = format!("all_reduce of {dtype:?} [{len}]");
         same_as_threads(ctx, &what, |c, r| {
@@ -336,8 +338,8 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
             ctx.rank()
         );
     }
-    // Small enough to go in the round of the calls' headers (up to 8064 bytes a peer), in one
-    // message a peer or in two (beyond 4032 bytes), or too large to. Two messages: x 40 the
+    // Small enough to go in the round of the calls' headers (up to 8048 bytes a peer), in one
+    // message a peer or in two (beyond 4016 bytes), or too large to. Two messages: x 40 the
     // broadcast (5760 bytes); x 100 the reduce-scatter and the f32 all-to-all at 2 and 3
     // processes, and the f16 all-to-all at 4; x 200 the all-gather (4800) and the f16
     // all-to-all at 2 and 3. Not carried: x 3001, and what x 100 and x 200 make larger.

@@ -414,7 +414,7 @@ where
 
     /// This rank's part of the training state as tensors, which the next step leaves as they
     /// are (a burn tensor is a value): views of the engine's buffers, not copies, where the
-    /// engine holds them (host memory when offloaded).
+    /// engine holds them (an offloaded optimizer's moments and master weights in host memory).
     pub fn shard_tensors(&self) -> ShardState<StateTensor<Inner<B>>> {
         let rank = self.comm.rank();
         let parts = self.optimizer.held_master().unwrap_or_else(|| {

@@ -322,7 +322,7 @@ fn restore<B: Backend, C: Backend>(
     }
 }
 
-fn to_host<B: Backend>(tensor: Tensor<B, 1>) -> Tensor<Flex, 1> {
+pub(crate) fn to_host<B: Backend>(tensor: Tensor<B, 1>) -> Tensor<Flex, 1> {
     let dtype = tensor.dtype();
     Tensor::from_data(tensor.into_data(), (&Default::default(), dtype))
 }

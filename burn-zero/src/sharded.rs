@@ -238,8 +238,9 @@ impl<B: BackwardHooks, M: AutodiffModule<B>> ShardedDataParallel<B, M> {
 
     /// This rank's part of the training state as tensors, which the next step leaves as they
     /// are (a burn tensor is a value). The moments and master weights are views of the
-    /// engine's buffers, not copies, where the engine holds them (host memory when offloaded); fp32
-    /// weights without a master copy are copied, as a view would keep every rank's part alive.
+    /// engine's buffers, not copies, where the engine holds them (host memory when offloaded);
+    /// fp32 weights without a master copy are copied to host memory, as a view would keep
+    /// every rank's part alive.
     pub fn shard_tensors(&self) -> ShardState<StateTensor<Inner<B>>> {
         let slots = params::trainable::<B, M>(self.module());
         let rank = self.comm.rank();

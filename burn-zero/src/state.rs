@@ -11,8 +11,8 @@ use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::ZeroError;
-use crate::flat::{FlatLayout, compact};
-use crate::optimizer::PlacedAdamW;
+use crate::flat::FlatLayout;
+use crate::optimizer::{PlacedAdamW, to_host};
 use crate::precision::LossScaler;
 
 /// The elements `range` (row-major) of the parameter `name` shaped `shape`.
@@ -179,7 +179,8 @@ pub(crate) fn join<B: Backend>(
 }
 
 /// `rank`'s ranges' values cut from the parameters' `values` (flat, by parameter index), each
-/// copied: a view would keep the whole buffer the parameter was gathered into alive.
+/// copied to host memory: a view would keep the whole buffer the parameter was gathered into
+/// alive, and a copy on the device would take device memory until the save is written.
 pub(crate) fn cut_params<B: Backend>(
     layout: &FlatLayout,
     rank: usize,
@@ -188,11 +189,8 @@ pub(crate) fn cut_params<B: Backend>(
     (0..layout.units.len())
         .flat_map(|u| layout.pieces(u, rank))
         .map(|(p, range, _)| {
-            StateTensor::Device(compact(values[p].clone().narrow(
-                0,
-                range.start,
-                range.len(),
-            )))
+            let range = values[p].clone().narrow(0, range.start, range.len());
+            StateTensor::Host(to_host(range))
         })
         .collect()
 }

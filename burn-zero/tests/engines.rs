@@ -891,11 +891,21 @@ fn state_values(state: &ShardState) -> Vec<Vec<f32>> {
 }
 
 /// Every moment of `state` is held in host memory where the optimizer is `offloaded` (handed
-/// in where it is, not moved to the device), and on the device otherwise.
-fn assert_moments_held<B: Backend>(state: &ShardState<StateTensor<B>>, offloaded: bool) {
+/// in where it is, not moved to the device), and on the device otherwise; its weights in host
+/// memory exactly where `weights_on_host`.
+fn assert_held_where<B: Backend>(
+    state: &ShardState<StateTensor<B>>,
+    offloaded: bool,
+    weights_on_host: bool,
+) {
+    let on_host = |t: &StateTensor<B>| matches!(t, StateTensor::Host(_));
     let moments = state.moments.as_ref().expect("a step made the moments");
+    assert!(!moments[0].is_empty(), "every rank holds a range");
     for moment in moments.iter().flatten() {
-        assert_eq!(matches!(moment, StateTensor::Host(_)), offloaded);
+        assert_eq!(on_host(moment), offloaded, "a moment");
+    }
+    for weight in &state.weights {
+        assert_eq!(on_host(weight), weights_on_host, "a weight");
     }
 }
 
@@ -925,6 +935,7 @@ fn shard_tensors_taken_before_a_step_keep_their_values_through_it() {
         (ZeroStage::OptimizerState, ZeroConfig::new()),
         (ZeroStage::Gradients, bf16()),
         (ZeroStage::Gradients, ZeroConfig::new().with_offload(true)),
+        (ZeroStage::Gradients, bf16().with_offload(true)),
     ] {
         let results = launch(world, |ctx| {
             let mut zero = ShardedDataParallel::new(
@@ -945,7 +956,9 @@ fn shard_tensors_taken_before_a_step_keep_their_values_through_it() {
             };
             step(&mut zero, 0)?;
             let (held, copied) = (zero.shard_tensors(), zero.shard_state());
-            assert_moments_held(&held, config.offload);
+            // Without a master copy, ZeRO-1/2 copies its part of the weights to host memory.
+            let master = config.precision.is_some();
+            assert_held_where(&held, config.offload, config.offload || !master);
             step(&mut zero, 1)?;
             Ok::<_, ZeroError>((held.into_host(), copied, zero.shard_state()))
         });
@@ -970,7 +983,9 @@ fn shard_tensors_taken_before_a_step_keep_their_values_through_it() {
             };
             step(&mut fsdp, 0)?;
             let (held, copied) = (fsdp.shard_tensors(), fsdp.shard_state());
-            assert_moments_held(&held, config.offload);
+            // Without a master copy, ZeRO-3's weights are its shard, on the device.
+            let master = config.precision.is_some();
+            assert_held_where(&held, config.offload, config.offload && master);
             step(&mut fsdp, 1)?;
             Ok::<_, ZeroError>((held.into_host(), copied, fsdp.shard_state()))
         });

@@ -271,7 +271,9 @@ fn paired_stalls(intervals: &[f64], every: usize) -> Vec<f64> {
         .map(|k| k * every)
         .map_while(|saves| Some((saves, step(saves)?, step(saves + 1)?)))
         .filter_map(|(saves, own, next)| {
-            // With `every` >= 3 neither neighbour saves or writes a save.
+            // With `every` >= 3 neither neighbour saves, nor writes a save unless the save
+            // outlasts the step after it (the other steps' median, printed, shows whether
+            // they do); with `every` = 3 a step is the neighbour of two checkpoints.
             let around: Vec<f64> = [step(saves - 1), step(saves + 2)]
                 .into_iter()
                 .flatten()
@@ -285,17 +287,19 @@ fn paired_stalls(intervals: &[f64], every: usize) -> Vec<f64> {
         .collect()
 }
 
-/// The lower quartile, the median and the upper quartile of `values` (nearest rank).
+/// The lower quartile, the median and the upper quartile of `values`, each interpolated
+/// between the two values beside it.
 fn quartiles(mut values: Vec<f64>) -> [f64; 3] {
     values.sort_by(f64::total_cmp);
     let at = |q: f64| {
-        let last = values.len().saturating_sub(1) as f64;
-        values
-            .get((last * q).round() as usize)
-            .copied()
-            .unwrap_or(f64::NAN)
+        let place = values.len().saturating_sub(1) as f64 * q;
+        let (low, high) = (place.floor() as usize, place.ceil() as usize);
+        match (values.get(low), values.get(high)) {
+            (Some(a), Some(b)) => a + (b - a) * (place - place.floor()),
+            _ => f64::NAN,
+        }
     };
-    [at(0.25), median(values.iter().copied()), at(0.75)]
+    [at(0.25), at(0.5), at(0.75)]
 }
 
 /// Writes `tensors`' bytes one after another into `path`, flushed to disk; its seconds, and

@@ -130,7 +130,8 @@ struct PlanArgs {
     /// Ring bus bandwidth within a node in GB/s per device, instead of the preset's.
     #[arg(long, requires = "gpus")]
     intra_node_gbps: Option<f64>,
-    /// Ring bus bandwidth between nodes in GB/s per device, instead of the preset's.
+    /// Network bandwidth between nodes in GB/s per device (a ring moves this through each of
+    /// its ranks in a node), instead of the preset's.
     #[arg(long, requires = "gpus")]
     inter_node_gbps: Option<f64>,
     /// Latency of a ring hop within a node in microseconds, instead of the preset's.

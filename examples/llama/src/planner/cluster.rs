@@ -139,14 +139,34 @@ impl Cluster {
         bytes / self.memory_bandwidth
     }
 
-    /// The link a group crosses whose ranks lie `stride` apart, `size` of them, in a mesh laid
-    /// out over the devices in order: within a machine when they all fit in one.
+    /// The link a message between ranks of a group crosses whose ranks lie `stride` apart,
+    /// `size` of them, in a mesh laid out over the devices in order: within a machine when
+    /// they all fit in one; else a device's own network interface.
     pub fn link(&self, stride: usize, size: usize) -> Link {
-        let span = stride * size;
-        if span <= self.devices_per_node && self.devices_per_node.is_multiple_of(span) {
+        if self.within_node(stride * size) {
             self.intra_node
         } else {
             self.inter_node
         }
+    }
+
+    /// The link a ring collective over such a group crosses, `per_node` of whose ranks share
+    /// each machine. Across machines NCCL runs a ring per network interface, each entering and
+    /// leaving a machine through its own, so the group moves `per_node` devices' network
+    /// bandwidth, up to what the links within a machine carry.
+    pub fn ring(&self, stride: usize, size: usize, per_node: usize) -> Link {
+        if self.within_node(stride * size) {
+            return self.intra_node;
+        }
+        let bandwidth = per_node.max(1) as f64 * self.inter_node.bandwidth;
+        Link {
+            bandwidth: bandwidth.min(self.intra_node.bandwidth),
+            ..self.inter_node
+        }
+    }
+
+    /// Whether `span` devices, starting at a multiple of `span`, lie in one machine.
+    fn within_node(&self, span: usize) -> bool {
+        span <= self.devices_per_node && self.devices_per_node.is_multiple_of(span)
     }
 }

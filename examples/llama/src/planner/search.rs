@@ -142,6 +142,7 @@ pub fn burn_parallel(bf16: bool) -> Engine {
         overlap_tp: false,
         split_pipeline_messages: false,
         zero3_forward_twice: true,
+        overlap_cost: 0.0,
     }
 }
 

@@ -211,6 +211,18 @@ pub struct Engine {
     /// its backward (burn-zero: burn's tape would otherwise keep every gathered weight alive;
     /// the last unit, with the head, stays gathered and runs once).
     pub zero3_forward_twice: bool,
+    /// The share of the communication it runs behind computation that a step pays anyway: the
+    /// collectives' kernels take the device's multiprocessors and memory bandwidth, and a
+    /// system may hold its prefetches back (0: hidden entirely).
+    pub overlap_cost: f64,
+}
+
+impl Engine {
+    /// Seconds `comm` adds to a step when it runs behind `compute`: what does not fit behind
+    /// it, and the share of the rest the system pays.
+    fn behind(&self, comm: f64, compute: f64) -> f64 {
+        (comm - compute).max(0.0) + self.overlap_cost * comm.min(compute)
+    }
 }
 
 /// A layout to time: how the model and the batch are cut.
@@ -258,19 +270,50 @@ impl StepLayout {
         self.dp * self.ep * self.micro_batch * self.micro_batches
     }
 
-    /// The link a group of ranks crosses, in the mesh `dp x ep x pp x cp x tp` (tp fastest):
-    /// the devices from its first rank to its last, by the outermost dimension it spans.
+    /// The link a message between ranks of a group crosses, in the mesh `dp x ep x pp x cp x
+    /// tp` (tp fastest): the devices from its first rank to its last, by the outermost
+    /// dimension it spans.
     fn link(&self, cluster: &Cluster, dims: Dims) -> Link {
-        let sizes = [
+        cluster.link(self.span(dims), 1)
+    }
+
+    /// The link a ring collective over a group crosses: as [`Self::link`], with each of its
+    /// ranks in a machine moving its share through its own network interface.
+    fn ring(&self, cluster: &Cluster, dims: Dims) -> Link {
+        cluster.ring(self.span(dims), 1, self.ranks_per_node(cluster, dims))
+    }
+
+    /// The mesh's dimensions, outermost first, each with whether the group spans it.
+    fn sizes(&self, dims: Dims) -> [(bool, usize); 5] {
+        [
             (dims.dp, self.dp),
             (dims.ep, self.ep),
             (dims.pp, self.pp),
             (dims.cp, self.cp),
             (dims.tp, self.tp),
-        ];
+        ]
+    }
+
+    /// Devices from a group's first rank to its last.
+    fn span(&self, dims: Dims) -> usize {
+        let sizes = self.sizes(dims);
         let outermost = sizes.iter().position(|&(within, size)| within && size > 1);
-        let span = outermost.map_or(1, |i| sizes[i..].iter().map(|(_, size)| size).product());
-        cluster.link(span, 1)
+        outermost.map_or(1, |i| sizes[i..].iter().map(|(_, size)| size).product())
+    }
+
+    /// How many of a group's ranks share a machine, which holds `devices_per_node` devices of
+    /// the mesh in order (its innermost dimensions first).
+    fn ranks_per_node(&self, cluster: &Cluster, dims: Dims) -> usize {
+        let mut room = cluster.devices_per_node.max(1);
+        let mut ranks = 1;
+        for (within, size) in self.sizes(dims).into_iter().rev() {
+            let here = size.clamp(1, room);
+            if within {
+                ranks *= here;
+            }
+            room /= here;
+        }
+        ranks
     }
 }
 
@@ -535,17 +578,15 @@ fn micro_batch(
     // its blocks and are waited for, and finished ones go back to their owner once more.
     // All-gather gathers them forward and reduce-scatters their gradients backward, waited for.
     let (cp_forward, cp_backward) = {
-        let link = layout.link(
-            cluster,
-            Dims {
-                cp: true,
-                ..Dims::NONE
-            },
-        );
+        let cp_dims = Dims {
+            cp: true,
+            ..Dims::NONE
+        };
+        let (link, ring) = (layout.link(cluster, cp_dims), layout.ring(cluster, cp_dims));
         let kv = tokens * 2.0 * kv_rank;
         let overlapped = |comm: f64, compute: f64| match cluster.shared_cores {
             Some(_) => comm,
-            None => (comm - compute).max(0.0),
+            None => engine.behind(comm, compute),
         };
         match (layout.cp, layout.cp_attention) {
             (1, _) => (0.0, 0.0),
@@ -558,7 +599,7 @@ fn micro_batch(
                 )
             }
             (cp, CpAttention::AllGather) => {
-                let gather = link.all_gather(kv * p * c, cp);
+                let gather = ring.all_gather(kv * p * c, cp);
                 (gather, gather)
             }
         }
@@ -588,7 +629,7 @@ fn micro_batch(
     // the experts' outputs, a row per copy, in a mixture), and two backward (a reduce-scatter
     // and all-gather each under sequence parallelism, which gathers its input once more in
     // backward), and the recomputed forward's.
-    let tp_link = layout.link(
+    let tp_link = layout.ring(
         cluster,
         Dims {
             tp: true,
@@ -624,7 +665,8 @@ fn micro_batch(
         };
 
     // Expert parallelism: the copies go to their experts' ranks and come back (two
-    // all-to-alls), mirrored backward and again in a recomputed forward; waited for.
+    // all-to-alls), mirrored backward and again in a recomputed forward; waited for. Across
+    // machines each device's copies leave through its own network interface.
     let ep_forward = match shape.experts {
         Some(_) if layout.ep > 1 => {
             let link = layout.link(
@@ -694,7 +736,7 @@ fn data_parallel(
     // ZeRO-3's gathers and reduce-scatter of one micro-batch.
     let (mut reduce, mut gather, mut per_micro, mut optimizer_state) = (0.0, 0.0, 0.0, 0.0);
     for (params, ranks, dims) in groups.into_iter().filter(|(params, ..)| *params > 0.0) {
-        let link = layout.link(cluster, dims);
+        let link = layout.ring(cluster, dims);
         let (grads, weights) = (params * engine.grad_bytes, params * engine.compute_bytes);
         match layout.zero {
             ZeroStage::Replicated => {
@@ -719,13 +761,13 @@ fn data_parallel(
             // reduce-scatters their gradients, prefetched behind its computation.
             match cluster.shared_cores {
                 Some(_) => m * per_micro,
-                None => m * (per_micro - (micro.forward + micro.backward)).max(0.0),
+                None => m * engine.behind(per_micro, micro.forward + micro.backward),
             }
         }
         _ => {
             let overlaps = engine.overlap_grad_reduce && cluster.shared_cores.is_none();
             let exposed = if overlaps {
-                (reduce - micro.backward).max(0.0)
+                engine.behind(reduce, micro.backward)
             } else {
                 reduce
             };
@@ -1043,6 +1085,31 @@ mod tests {
             (ratio - expected).abs() < 1e-9,
             "{ratio} against {expected}"
         );
+    }
+
+    #[test]
+    fn a_collective_across_machines_moves_through_every_network_interface_its_ranks_have() {
+        let cluster = Cluster::preset("a100", 2).unwrap();
+        let dp = Dims {
+            dp: true,
+            ..Dims::NONE
+        };
+        let (nic, nvlink) = (cluster.inter_node.bandwidth, cluster.intra_node.bandwidth);
+        let ring = |dp_size, tp| {
+            let layout = layout(dp_size, tp, 1, ScheduleKind::OneFOneB, 1);
+            (
+                layout.ranks_per_node(&cluster, dp),
+                layout.ring(&cluster, dp).bandwidth,
+                layout.link(&cluster, dp).bandwidth,
+            )
+        };
+        // One rank a machine: its own interface; two: two; eight: the machine's eight, as
+        // far as the links within it carry. A message between two ranks leaves through one.
+        assert_eq!(ring(2, 8), (1, nic, nic));
+        assert_eq!(ring(4, 4), (2, 2.0 * nic, nic));
+        assert_eq!(ring(16, 1), (8, (8.0 * nic).min(nvlink), nic));
+        // Within one machine: its own links.
+        assert_eq!(ring(8, 1).1, nvlink);
     }
 
     #[test]

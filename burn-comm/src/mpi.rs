@@ -42,6 +42,10 @@ use crate::{CommError, ReduceOp};
 const HEADER: usize = 16;
 /// Bytes of a call's or a message's description: a number and text (cut short if longer).
 const TEXT: usize = 256;
+/// How this build frames a call's opening round (sent with the call's text when headers
+/// differ): builds that digest calls otherwise may go on together, builds that frame them
+/// otherwise may not. Raise it with any change to the framing.
+const WIRE: u64 = 2;
 /// Tags on the control communicator: call headers, then, only when they differ, the calls'
 /// descriptions (the point-to-point tags below are on another communicator).
 const TAG_CALL: c_int = 0;
@@ -690,12 +694,24 @@ impl MpiGroup {
         }
         // Another call, or the same one digested otherwise (another build): the calls' text
         // tells, within what is left of the timeout.
-        let text = Described::encode(seq, digest, &call.to_string());
+        let text = Described::encode(seq, WIRE, &call.to_string());
         let texts = self.swap(text, TAG_CALL_TEXT, deadline, || {
             op_name(", comparing calls")
         });
         // On an error or a mismatch, `data` is given up as it drops.
         let texts: Vec<Described> = texts?.iter().map(Described::decode).collect();
+        if let Some(other) = other_build(&texts) {
+            return Err(self.break_with(CommError::Transport {
+                op: op_name(""),
+                group: self.name.clone(),
+                rank: self.members[0],
+                reason: format!(
+                    "group rank {other} runs a build of burn-comm that frames its calls otherwise \
+                     (format {}, this build's {WIRE}): every rank must run the same build",
+                    texts[other].digest
+                ),
+            }));
+        }
         let Some(other) = other_call(&headers, &texts) else {
             return complete(data);
         };
@@ -1024,6 +1040,12 @@ impl Drop for MpiGroup {
     }
 }
 
+/// The first rank whose build frames calls otherwise than this one's, given every rank's
+/// call as text (whose digest field holds its build's [`WIRE`]).
+fn other_build(texts: &[Described]) -> Option<usize> {
+    texts.iter().position(|text| text.digest != WIRE)
+}
+
 /// The rank (not 0) whose call differs from rank 0's, given every rank's header and, since
 /// those differ, every rank's call as text; None when the texts show the calls are the same
 /// (another build digests them otherwise). A text cut short shows nothing: then the first rank
@@ -1040,8 +1062,9 @@ fn other_call(headers: &[[u8; HEADER]], texts: &[Described]) -> Option<usize> {
     }
 }
 
-/// A number, a digest and a text, sent as `TEXT` bytes: a call's number, digest and text when
-/// headers differ, or a message's length, digest and description before its payload.
+/// A number, a digest and a text, sent as `TEXT` bytes: a call's number, its build's [`WIRE`]
+/// and text when headers differ, or a message's length, digest and description before its
+/// payload.
 struct Described {
     number: u64,
     digest: u64,
@@ -1114,7 +1137,7 @@ impl Transport for MpiGroup {
                 self.open_carrying(stream, &call, Carry::Same(&data.bytes), Carriers::All)?;
             let own = data.bytes.as_mut_ptr();
             let srcs = opened.blocks(me, own.cast_const());
-            // SAFETY: the slots hold the peers' tensors, `own` this rank's; the kernel reads
+            // SAFETY: the frames hold the peers' tensors, `own` this rank's; the kernel reads
             // each element before it writes it, so `own` may be both.
             unsafe { kernels::reduce(dtype, reduce, &srcs, &[own], len) };
             return Ok(data.into());
@@ -1736,13 +1759,17 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert_eq!(messages(0), [(0, HEADER)]);
+        assert_eq!(messages(1), [(0, HEADER + 1)]);
         assert_eq!(messages(100), [(0, HEADER + 100)]);
+        assert_eq!(messages(EAGER - HEADER - 1), [(0, EAGER - 1)]);
         assert_eq!(messages(EAGER - HEADER), [(0, EAGER)]);
         assert_eq!(
             messages(EAGER - HEADER + 1),
             [(0, EAGER), (EAGER, EAGER + 1)]
         );
+        assert_eq!(messages(EAGER), [(0, EAGER), (EAGER, EAGER + HEADER)]);
         assert_eq!(messages(4096), [(0, EAGER), (EAGER, HEADER + 4096)]);
+        assert_eq!(messages(CARRIED - 1), [(0, EAGER), (EAGER, FRAME - 1)]);
         assert_eq!(messages(CARRIED), [(0, EAGER), (EAGER, FRAME)]);
         assert_eq!(FRAME, 2 * EAGER);
     }
@@ -1775,10 +1802,14 @@ mod tests {
         let text = |number: u64, digest: u64, text: &str| {
             Described::decode(&Described::encode(number, digest, text))
         };
-        // The same call digested otherwise (another build) goes on.
+        // The same call digested otherwise (another build) goes on, unless that build frames
+        // calls otherwise.
         let headers = [header(7, 1), header(7, 2)];
-        let same = [text(7, 1, "barrier"), text(7, 2, "barrier")];
+        let same = [text(7, WIRE, "barrier"), text(7, WIRE, "barrier")];
         assert_eq!(other_call(&headers, &same), None);
+        assert_eq!(other_build(&same), None);
+        let older = [text(7, WIRE, "barrier"), text(7, WIRE - 1, "barrier")];
+        assert_eq!(other_build(&older), Some(1));
         // Another call, or the same one under another number, is named.
         let headers = [header(7, 1), header(7, 1), header(7, 2)];
         let split = [

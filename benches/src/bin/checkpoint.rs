@@ -85,8 +85,8 @@ struct Results {
     /// What a checkpoint costs the run: the excess of the two steps over `step_s`.
     stall_s: f64,
     /// The same, each checkpoint against the untouched steps either side of it in its own
-    /// run: the median, and the quartiles over the checkpoints.
-    paired_stall_s: [f64; 3],
+    /// run, as a fraction of their step: the median, and the quartiles over the checkpoints.
+    paired_stall: [f64; 3],
     save_s: f64,
     plain_write_s: f64,
     /// The processor time of the plain write (the kernel's copy into the page cache, mostly):
@@ -234,7 +234,7 @@ fn main() {
         next_step_s: next_step,
         other_steps_s: median(others.into_iter()),
         stall_s: checkpointing_step + next_step - 2.0 * step,
-        paired_stall_s: quartiles(paired),
+        paired_stall: quartiles(paired),
         save_s: median(save.into_iter()),
         plain_write_s: median(write.into_iter()),
         plain_write_cpu_s: median(write_cpu.into_iter()),
@@ -263,8 +263,9 @@ fn step_times(config: &TrainConfig, data: &MarkovSource) -> (Vec<f64>, Vec<f64>)
 
 /// Each checkpoint's stall against its own neighbours: the excess of the step that saves and
 /// the next one over the untouched steps just before and just after them (those the run has),
-/// so that the machine's drift between runs, and within one over more than a few steps, cancels.
-/// `intervals[i]` is step `i + 2`, as [`step_times`] gives them.
+/// as a fraction of those steps' mean, so that the machine's drift between runs, and within
+/// one over more than a few steps, cancels. `intervals[i]` is step `i + 2`, as
+/// [`step_times`] gives them.
 fn paired_stalls(intervals: &[f64], every: usize) -> Vec<f64> {
     let step = |s: usize| s.checked_sub(2).and_then(|i| intervals.get(i)).copied();
     (1..)
@@ -282,7 +283,7 @@ fn paired_stalls(intervals: &[f64], every: usize) -> Vec<f64> {
                 return None;
             }
             let base = around.iter().sum::<f64>() / around.len() as f64;
-            Some(own + next - 2.0 * base)
+            Some((own + next - 2.0 * base) / base)
         })
         .collect()
 }
@@ -373,16 +374,15 @@ fn report(r: &Results) {
         r.stall_s,
         r.step_s,
     );
-    let [low, mid, high] = r.paired_stall_s;
-    row(
-        "a checkpoint's stall, against its neighbours",
-        mid,
-        r.step_s,
+    let [low, mid, high] = r.paired_stall;
+    println!(
+        "{:<44} {:>9} {mid:>9.3}",
+        "a checkpoint's stall, against its neighbours", ""
     );
     println!(
-        "  quartiles over the checkpoints: {:.1}% to {:.1}% of a step",
-        100.0 * low / r.step_s,
-        100.0 * high / r.step_s
+        "  quartiles over the checkpoints: {:.1}% to {:.1}% of their neighbours' step",
+        100.0 * low,
+        100.0 * high
     );
     row("blocking save (a sync save's stall)", r.save_s, r.step_s);
     row(
@@ -402,4 +402,21 @@ fn report(r: &Results) {
         mb / r.plain_read_s,
         r.plain_read_s / r.load_s
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoints_stall_is_measured_against_its_own_neighbours() {
+        // Steps 2 to 10 (saves after steps 4 and 8); the second stretch runs at half the
+        // speed, its save costing as much of its steps as the first's.
+        let intervals = [1.0, 1.0, 1.5, 1.2, 1.0, 2.0, 3.0, 2.4, 2.0];
+        let stalls = paired_stalls(&intervals, 4);
+        assert_eq!(stalls.len(), 2);
+        for stall in stalls {
+            assert!((stall - 0.7).abs() < 1e-12, "{stall}");
+        }
+    }
 }

@@ -57,12 +57,14 @@ impl<B: Backend> StateTensor<B> {
         }
     }
 
-    /// As many zeros, where these are held.
-    pub fn zeros_like(&self) -> Self {
-        match self {
-            Self::Device(t) => Self::Device(t.zeros_like()),
-            Self::Host(t) => Self::Host(t.zeros_like()),
-        }
+    /// As many zeros (fp32), in host memory: moments a checkpoint writes before any step made
+    /// them, which need no room on a device.
+    pub fn host_zeros_like(&self) -> Self {
+        let len = match self {
+            Self::Device(t) => t.dims()[0],
+            Self::Host(t) => t.dims()[0],
+        };
+        Self::Host(Tensor::zeros([len], &Default::default()))
     }
 
     /// The values in host memory.
@@ -294,4 +296,20 @@ fn restore_moments<B: Backend>(
     };
     optimizer.set_state(state);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_moments_for_a_save_are_made_in_host_memory() {
+        let on_device = StateTensor::<Flex>::Device(Tensor::ones([5], &Default::default()));
+        match on_device.host_zeros_like() {
+            StateTensor::Host(zeros) => {
+                assert_eq!(zeros.into_data(), TensorData::from([0.0f32; 5]));
+            }
+            StateTensor::Device(_) => panic!("the zeros took room on the device"),
+        }
+    }
 }

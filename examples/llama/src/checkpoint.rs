@@ -342,7 +342,7 @@ pub(crate) fn zero_pieces<B: Backend>(
     let moments: [Vec<StateTensor<B>>; 2] = match moments {
         Some(moments) => moments,
         // No step has been applied yet (f16 skipped them all): AdamW starts from zeros.
-        None => [0, 1].map(|_| weights.iter().map(StateTensor::zeros_like).collect()),
+        None => [0, 1].map(|_| weights.iter().map(StateTensor::host_zeros_like).collect()),
     };
     let [first, second] = moments;
     let mut pieces = Vec::new();

@@ -150,10 +150,11 @@ impl Cluster {
         }
     }
 
-    /// The link a ring collective over such a group crosses, `per_node` of whose ranks share
-    /// each machine. Across machines NCCL runs a ring per network interface, each entering and
-    /// leaving a machine through its own, so the group moves `per_node` devices' network
-    /// bandwidth, up to what the links within a machine carry.
+    /// The link a ring collective over such a group crosses, at least `per_node` of whose
+    /// ranks share each machine it reaches. Across machines NCCL runs a ring per network
+    /// interface, each entering and leaving a machine through its own, so with an interface
+    /// per device, and no other group's traffic on them meanwhile, the group moves `per_node`
+    /// devices' network bandwidth, up to what the links within a machine carry.
     pub fn ring(&self, stride: usize, size: usize, per_node: usize) -> Link {
         if self.within_node(stride * size) {
             return self.intra_node;
@@ -166,7 +167,7 @@ impl Cluster {
     }
 
     /// Whether `span` devices, starting at a multiple of `span`, lie in one machine.
-    fn within_node(&self, span: usize) -> bool {
+    pub(crate) fn within_node(&self, span: usize) -> bool {
         span <= self.devices_per_node && self.devices_per_node.is_multiple_of(span)
     }
 }

@@ -4,6 +4,8 @@
 //! the link its group crosses, the pipeline's bubble from burn-pipeline's simulation of the
 //! schedule with these costs, and the optimizer's step from the state it streams.
 
+use std::collections::HashMap;
+
 use burn_pipeline::{Costs, Schedule, ScheduleKind, simulate};
 use burn_tensor_parallel::CpAttention;
 use burn_zero::ZeroStage;
@@ -213,7 +215,8 @@ pub struct Engine {
     pub zero3_forward_twice: bool,
     /// The share of the communication it runs behind computation that a step pays anyway: the
     /// collectives' kernels take the device's multiprocessors and memory bandwidth, and a
-    /// system may hold its prefetches back (0: hidden entirely).
+    /// system may hold its prefetches back (0: hidden entirely). Tensor-parallel collectives
+    /// overlapped with the linears (`overlap_tp`) are taken as hidden entirely.
     pub overlap_cost: f64,
 }
 
@@ -280,7 +283,11 @@ impl StepLayout {
     /// The link a ring collective over a group crosses: as [`Self::link`], with each of its
     /// ranks in a machine moving its share through its own network interface.
     fn ring(&self, cluster: &Cluster, dims: Dims) -> Link {
-        cluster.ring(self.span(dims), 1, self.ranks_per_node(cluster, dims))
+        let span = self.span(dims);
+        match cluster.within_node(span) {
+            true => cluster.intra_node,
+            false => cluster.ring(span, 1, self.ranks_per_node(cluster, dims)),
+        }
     }
 
     /// The mesh's dimensions, outermost first, each with whether the group spans it.
@@ -301,19 +308,27 @@ impl StepLayout {
         outermost.map_or(1, |i| sizes[i..].iter().map(|(_, size)| size).product())
     }
 
-    /// How many of a group's ranks share a machine, which holds `devices_per_node` devices of
-    /// the mesh in order (its innermost dimensions first).
+    /// The fewest ranks of one group that share a machine, over the groups and the machines
+    /// each reaches: the mesh lies over the devices in order, `devices_per_node` to a machine,
+    /// and a ring moves as fast as its machine with the fewest network interfaces lets it.
     fn ranks_per_node(&self, cluster: &Cluster, dims: Dims) -> usize {
-        let mut room = cluster.devices_per_node.max(1);
-        let mut ranks = 1;
-        for (within, size) in self.sizes(dims).into_iter().rev() {
-            let here = size.clamp(1, room);
-            if within {
-                ranks *= here;
+        let sizes = self.sizes(dims);
+        let devices: usize = sizes.iter().map(|(_, size)| size).product();
+        let per_node = cluster.devices_per_node.max(1);
+        let mut counts: HashMap<(usize, usize), usize> = HashMap::new();
+        for device in 0..devices {
+            // A group is named by the device's coordinates outside the group's dimensions.
+            let (mut rest, mut group) = (device, 0);
+            for &(within, size) in sizes.iter().rev() {
+                let coordinate = rest % size;
+                rest /= size;
+                if !within {
+                    group = group * size + coordinate;
+                }
             }
-            room /= here;
+            *counts.entry((group, device / per_node)).or_default() += 1;
         }
-        ranks
+        counts.into_values().min().unwrap_or(1)
     }
 }
 
@@ -1110,6 +1125,24 @@ mod tests {
         assert_eq!(ring(16, 1), (8, (8.0 * nic).min(nvlink), nic));
         // Within one machine: its own links.
         assert_eq!(ring(8, 1).1, nvlink);
+        // Sizes that do not divide a machine: three machines of 8 devices.
+        let three = Cluster::preset("a100", 3).unwrap();
+        let cp = Dims {
+            cp: true,
+            ..Dims::NONE
+        };
+        let per_node = |dp, cp_size, tp, dims| {
+            let layout = StepLayout {
+                cp: cp_size,
+                ..layout(dp, tp, 1, ScheduleKind::OneFOneB, 1)
+            };
+            layout.ranks_per_node(&three, dims)
+        };
+        // cp 3 over tp 2: the group {6, 8, 10} has one rank in the first machine.
+        assert_eq!(per_node(4, 3, 2, cp), 1);
+        // dp 8 x cp 3 over all 24 devices: eight in every machine.
+        let dp_cp = Dims { dp: true, ..cp };
+        assert_eq!(per_node(8, 3, 1, dp_cp), 8);
     }
 
     #[test]

@@ -6,7 +6,6 @@
 //! how much of its overlapped communication MosaicML's FSDP runs pay (`mosaicml_mpt_h100`).
 
 use burn_pipeline::ScheduleKind;
-use burn_tensor_parallel::CpAttention;
 use burn_zero::ZeroStage;
 use llama::planner::{Cluster, Engine, Recompute, Shape, StepLayout, StepTime, step_time};
 
@@ -115,24 +114,22 @@ impl GptRun {
     fn step(&self, recompute: Recompute, sp: bool) -> StepTime {
         let dp = self.gpus / (self.tp * self.pp);
         let layout = StepLayout {
-            dp,
-            ep: 1,
             tp: self.tp,
             pp: self.pp,
-            cp: 1,
-            cp_attention: CpAttention::Ring,
             sp,
-            zero: ZeroStage::Replicated,
             recompute,
-            micro_batch: self.micro_batch,
-            micro_batches: self.batch / (dp * self.micro_batch),
-            seq_len: 2048,
             schedule: if self.virtual_stages > 1 {
                 ScheduleKind::Interleaved
             } else {
                 ScheduleKind::OneFOneB
             },
             virtual_stages: self.virtual_stages,
+            ..StepLayout::data_parallel(
+                dp,
+                self.micro_batch,
+                self.batch / (dp * self.micro_batch),
+                2048,
+            )
         };
         let cluster = Cluster::preset("a100", self.gpus.div_ceil(8)).unwrap();
         step_time(&self.shape(), &cluster, &megatron(self.pp > 1), &layout).unwrap()
@@ -266,20 +263,10 @@ fn korthikanti_one_block_table_4() {
     .into_iter()
     .map(|(name, recompute, sp, published)| {
         let layout = StepLayout {
-            dp: 1,
-            ep: 1,
             tp: 8,
-            pp: 1,
-            cp: 1,
-            cp_attention: CpAttention::Ring,
             sp,
-            zero: ZeroStage::Replicated,
             recompute,
-            micro_batch: 4,
-            micro_batches: 1,
-            seq_len: 2048,
-            schedule: ScheduleKind::OneFOneB,
-            virtual_stages: 1,
+            ..StepLayout::data_parallel(1, 4, 1, 2048)
         };
         let time = step_time(&block, &cluster, &megatron(true), &layout).unwrap();
         Case {
@@ -427,20 +414,11 @@ fn torchtitan_llama3_h100() {
         .map(
             |(name, shape, gpus, tp, local, recompute, compiled, published)| {
                 let layout = StepLayout {
-                    dp: gpus / tp,
-                    ep: 1,
                     tp,
-                    pp: 1,
-                    cp: 1,
-                    cp_attention: CpAttention::Ring,
                     sp: tp > 1,
                     zero: ZeroStage::Parameters,
                     recompute,
-                    micro_batch: local,
-                    micro_batches: 1,
-                    seq_len: 8192,
-                    schedule: ScheduleKind::OneFOneB,
-                    virtual_stages: 1,
+                    ..StepLayout::data_parallel(gpus / tp, local, 1, 8192)
                 };
                 let time = step_time(&shape, &cluster(gpus), &engine(compiled), &layout).unwrap();
                 let tokens = (layout.global_batch() * layout.seq_len) as f64;
@@ -551,24 +529,13 @@ fn mosaicml_mpt_h100() {
         .map(
             |(model, seq_len, gpus, micro_batch, micro_batches, recompute, published)| {
                 let layout = StepLayout {
-                    dp: gpus,
-                    ep: 1,
-                    tp: 1,
-                    pp: 1,
-                    cp: 1,
-                    cp_attention: CpAttention::Ring,
-                    sp: false,
                     zero: ZeroStage::Parameters,
                     recompute: if recompute {
                         Recompute::Full
                     } else {
                         Recompute::None
                     },
-                    micro_batch,
-                    micro_batches,
-                    seq_len,
-                    schedule: ScheduleKind::OneFOneB,
-                    virtual_stages: 1,
+                    ..StepLayout::data_parallel(gpus, micro_batch, micro_batches, seq_len)
                 };
                 let cluster = Cluster::preset("h100", gpus.div_ceil(8)).unwrap();
                 let time = step_time(&mpt(model), &cluster, &engine, &layout).unwrap();

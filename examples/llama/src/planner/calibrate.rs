@@ -15,13 +15,10 @@ use std::time::Instant;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Int, Tensor};
-use burn_pipeline::ScheduleKind;
-use burn_tensor_parallel::CpAttention;
-use burn_zero::ZeroStage;
 
 use super::cluster::{Cluster, Link};
 use super::search::burn_parallel;
-use super::step_time::{Recompute, Shape, StepLayout, step_time};
+use super::step_time::{Shape, StepLayout, step_time};
 use crate::config::LlamaConfig;
 use crate::model::{Llama, next_token_loss};
 
@@ -115,22 +112,7 @@ pub fn calibrate() -> Result<Calibration, String> {
     // operations reach) and what does not (each block's fixed cost).
     let (model, seq) = reference();
     let modelled = |model: &LlamaConfig, cluster: &Cluster, batch| -> Result<f64, String> {
-        let layout = StepLayout {
-            dp: 1,
-            ep: 1,
-            tp: 1,
-            pp: 1,
-            cp: 1,
-            cp_attention: CpAttention::Ring,
-            sp: false,
-            zero: ZeroStage::Replicated,
-            recompute: Recompute::None,
-            micro_batch: batch,
-            micro_batches: 1,
-            seq_len: seq,
-            schedule: ScheduleKind::OneFOneB,
-            virtual_stages: 1,
-        };
+        let layout = StepLayout::data_parallel(1, batch, 1, seq);
         let shape = Shape::llama(model);
         Ok(step_time(&shape, cluster, &burn_parallel(false), &layout)?.compute)
     };

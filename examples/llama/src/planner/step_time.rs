@@ -263,6 +263,33 @@ pub struct StepLayout {
 }
 
 impl StepLayout {
+    /// `dp` replicas, each running `micro_batches` micro-batches of `micro_batch` samples of
+    /// `seq_len` tokens, with nothing else cut or recomputed: the base other layouts are
+    /// written from.
+    pub fn data_parallel(
+        dp: usize,
+        micro_batch: usize,
+        micro_batches: usize,
+        seq_len: usize,
+    ) -> Self {
+        Self {
+            dp,
+            ep: 1,
+            tp: 1,
+            pp: 1,
+            cp: 1,
+            cp_attention: CpAttention::Ring,
+            sp: false,
+            zero: ZeroStage::Replicated,
+            recompute: Recompute::None,
+            micro_batch,
+            micro_batches,
+            seq_len,
+            schedule: ScheduleKind::OneFOneB,
+            virtual_stages: 1,
+        }
+    }
+
     /// Devices the layout uses.
     pub fn devices(&self) -> usize {
         self.dp * self.ep * self.cp * self.tp * self.pp
@@ -802,20 +829,13 @@ mod tests {
 
     fn layout(dp: usize, tp: usize, pp: usize, schedule: ScheduleKind, v: usize) -> StepLayout {
         StepLayout {
-            dp,
-            ep: 1,
             tp,
             pp,
-            cp: 1,
-            cp_attention: CpAttention::Ring,
             sp: tp > 1,
             zero: ZeroStage::OptimizerState,
-            recompute: Recompute::None,
-            micro_batch: 1,
-            micro_batches: 8,
-            seq_len: 2048,
             schedule,
             virtual_stages: v,
+            ..StepLayout::data_parallel(dp, 1, 8, 2048)
         }
     }
 

@@ -103,11 +103,12 @@ impl Call {
         }
     }
 
-    /// A digest of the call, alike in every process of one build: ranks of another process
-    /// compare digests, which is much faster than writing out and comparing the calls' text.
+    /// A digest of the call and of `framing` (the version of how a transport frames calls),
+    /// alike in every process of one build: ranks of another process compare digests, which is
+    /// much faster than writing out and comparing the calls' text.
     #[cfg(any(feature = "mpi", test))]
-    pub fn digest(&self) -> u64 {
-        digest_of(self)
+    pub fn digest(&self, framing: u64) -> u64 {
+        digest_of(&(framing, self))
     }
 
     /// A call that carries no tensor (barrier, split).
@@ -170,7 +171,8 @@ mod tests {
     #[test]
     fn calls_that_differ_have_other_digests() {
         let call = Call::new(Op::AllGather { dim: 0 }, DType::F32, &[2, 3]);
-        assert_eq!(call.digest(), call.clone().digest());
+        assert_eq!(call.digest(0), call.clone().digest(0));
+        assert_ne!(call.digest(0), call.digest(1));
         let others = [
             Call::new(Op::AllGather { dim: 1 }, DType::F32, &[2, 3]),
             Call::new(Op::AllGather { dim: 0 }, DType::F16, &[2, 3]),
@@ -181,7 +183,7 @@ mod tests {
             Call::new(Op::Barrier, DType::F32, &[]),
         ];
         for other in others {
-            assert_ne!(call.digest(), other.digest(), "{call} and {other}");
+            assert_ne!(call.digest(0), other.digest(0), "{call} and {other}");
         }
     }
 

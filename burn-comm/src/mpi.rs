@@ -42,9 +42,11 @@ use crate::{CommError, ReduceOp};
 const HEADER: usize = 16;
 /// Bytes of a call's or a message's description: a number and text (cut short if longer).
 const TEXT: usize = 256;
-/// How this build frames a call's opening round (sent with the call's text when headers
-/// differ): builds that digest calls otherwise may go on together, builds that frame them
-/// otherwise may not. Raise it with any change to the framing.
+/// How this build frames a call's opening round, digested into every call's header and sent
+/// in its text when headers differ: builds that digest calls otherwise may go on together,
+/// builds that frame them otherwise may not. Raise it with any change to the framing. (A
+/// build from before this check sends its call's digest in the text's place of it, and only
+/// the newer rank refuses; that ends the job all the same.)
 const WIRE: u64 = 2;
 /// Tags on the control communicator: call headers, then, only when they differ, the calls'
 /// descriptions (the point-to-point tags below are on another communicator).
@@ -676,7 +678,9 @@ impl MpiGroup {
         self.broken()?;
         self.complete_deferred();
         let seq = stream.next_seq();
-        let digest = call.digest();
+        // The framing's version is digested with the call, so ranks of builds that frame calls
+        // otherwise compare their calls' text, which tells them apart.
+        let digest = call.digest(WIRE);
         let mut mine = [0u8; HEADER];
         mine[..8].copy_from_slice(&seq.to_le_bytes());
         mine[8..].copy_from_slice(&digest.to_le_bytes());
@@ -704,11 +708,10 @@ impl MpiGroup {
             return Err(self.break_with(CommError::Transport {
                 op: op_name(""),
                 group: self.name.clone(),
-                rank: self.members[0],
+                rank: self.members[self.me],
                 reason: format!(
-                    "group rank {other} runs a build of burn-comm that frames its calls otherwise \
-                     (format {}, this build's {WIRE}): every rank must run the same build",
-                    texts[other].digest
+                    "group rank {other} runs a build of burn-comm that frames its calls \
+                     otherwise: every rank must run the same build"
                 ),
             }));
         }
@@ -1802,31 +1805,46 @@ mod tests {
         let text = |number: u64, digest: u64, text: &str| {
             Described::decode(&Described::encode(number, digest, text))
         };
-        // The same call digested otherwise (another build) goes on, unless that build frames
-        // calls otherwise.
+        // The same call digested otherwise (another build of the same framing) goes on.
         let headers = [header(7, 1), header(7, 2)];
         let same = [text(7, WIRE, "barrier"), text(7, WIRE, "barrier")];
-        assert_eq!(other_call(&headers, &same), None);
         assert_eq!(other_build(&same), None);
-        let older = [text(7, WIRE, "barrier"), text(7, WIRE - 1, "barrier")];
-        assert_eq!(other_build(&older), Some(1));
+        assert_eq!(other_call(&headers, &same), None);
         // Another call, or the same one under another number, is named.
         let headers = [header(7, 1), header(7, 1), header(7, 2)];
         let split = [
-            text(7, 1, "barrier"),
-            text(7, 1, "barrier"),
-            text(7, 2, "split"),
+            text(7, WIRE, "barrier"),
+            text(7, WIRE, "barrier"),
+            text(7, WIRE, "split"),
         ];
+        assert_eq!(other_build(&split), None);
         assert_eq!(other_call(&headers, &split), Some(2));
-        let later = [text(7, 1, "barrier"), text(8, 1, "barrier")];
+        let later = [text(7, WIRE, "barrier"), text(8, WIRE, "barrier")];
         assert_eq!(other_call(&[header(7, 1), header(8, 1)], &later), Some(1));
         // Texts that differ only past the cut read the same: the headers name the other.
         let long = |end: &str| format!("{}{end}", "x".repeat(TEXT));
         let cut = [
-            text(7, 1, &long("a")),
-            text(7, 1, &long("a")),
-            text(7, 2, &long("b")),
+            text(7, WIRE, &long("a")),
+            text(7, WIRE, &long("a")),
+            text(7, WIRE, &long("b")),
         ];
         assert_eq!(other_call(&headers, &cut), Some(2));
+    }
+
+    #[test]
+    fn a_build_that_frames_calls_otherwise_is_refused_and_digests_them_otherwise() {
+        let call = Call::bare(crate::call::Op::Barrier);
+        // Its headers differ, so the texts are compared...
+        assert_ne!(call.digest(WIRE), call.digest(WIRE + 1));
+        // ...where a build from before the check sends its call's digest in WIRE's place.
+        let older = [
+            Described::decode(&Described::encode(7, WIRE, "barrier")),
+            Described::decode(&Described::encode(
+                7,
+                crate::call::digest_of(&call),
+                "barrier",
+            )),
+        ];
+        assert_eq!(other_build(&older), Some(1));
     }
 }

@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use burn::backend::Flex;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::ZeroError;
@@ -64,7 +64,7 @@ impl<B: Backend> StateTensor<B> {
             Self::Device(t) => t.dims()[0],
             Self::Host(t) => t.dims()[0],
         };
-        Self::Host(Tensor::zeros([len], &Default::default()))
+        Self::Host(Tensor::zeros([len], (&Default::default(), DType::F32)))
     }
 
     /// The values in host memory.

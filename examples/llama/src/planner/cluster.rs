@@ -150,16 +150,17 @@ impl Cluster {
         }
     }
 
-    /// The link a ring collective over such a group crosses, at least `per_node` of whose
-    /// ranks share each machine it reaches. Across machines NCCL runs a ring per network
-    /// interface, each entering and leaving a machine through its own, so with an interface
-    /// per device, and no other group's traffic on them meanwhile, the group moves `per_node`
-    /// devices' network bandwidth, up to what the links within a machine carry.
-    pub fn ring(&self, stride: usize, size: usize, per_node: usize) -> Link {
-        if self.within_node(stride * size) {
+    /// The link a ring collective crosses over a group spanning `span` devices, at least
+    /// `per_node()` of whose ranks share each machine it reaches (asked only when it spans
+    /// machines). Across machines NCCL runs a ring per network interface, each entering and
+    /// leaving a machine through its own, so with an interface per device, and no other
+    /// group's traffic on them meanwhile, the group moves that many devices' network
+    /// bandwidth, up to what the links within a machine carry.
+    pub fn ring(&self, span: usize, per_node: impl FnOnce() -> usize) -> Link {
+        if self.within_node(span) {
             return self.intra_node;
         }
-        let bandwidth = per_node.max(1) as f64 * self.inter_node.bandwidth;
+        let bandwidth = per_node().max(1) as f64 * self.inter_node.bandwidth;
         Link {
             bandwidth: bandwidth.min(self.intra_node.bandwidth),
             ..self.inter_node
@@ -167,7 +168,7 @@ impl Cluster {
     }
 
     /// Whether `span` devices, starting at a multiple of `span`, lie in one machine.
-    pub(crate) fn within_node(&self, span: usize) -> bool {
+    fn within_node(&self, span: usize) -> bool {
         span <= self.devices_per_node && self.devices_per_node.is_multiple_of(span)
     }
 }

@@ -310,11 +310,7 @@ impl StepLayout {
     /// The link a ring collective over a group crosses: as [`Self::link`], with each of its
     /// ranks in a machine moving its share through its own network interface.
     fn ring(&self, cluster: &Cluster, dims: Dims) -> Link {
-        let span = self.span(dims);
-        match cluster.within_node(span) {
-            true => cluster.intra_node,
-            false => cluster.ring(span, 1, self.ranks_per_node(cluster, dims)),
-        }
+        cluster.ring(self.span(dims), || self.ranks_per_node(cluster, dims))
     }
 
     /// The mesh's dimensions, outermost first, each with whether the group spans it.

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use burn::tensor::DType;
+use burn::tensor::{DType, Shape};
 
 /// How values from the ranks are combined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -91,7 +91,8 @@ impl fmt::Display for PointToPoint {
 pub(crate) struct Call {
     pub op: Op,
     pub dtype: Option<DType>,
-    pub shape: Vec<usize>,
+    /// Held inline (up to five dimensions): a call is made and cloned on every collective.
+    pub shape: Shape,
 }
 
 impl Call {
@@ -99,7 +100,7 @@ impl Call {
         Self {
             op,
             dtype: Some(dtype),
-            shape: shape.to_vec(),
+            shape: Shape::from(shape),
         }
     }
 
@@ -116,7 +117,7 @@ impl Call {
         Self {
             op,
             dtype: None,
-            shape: Vec::new(),
+            shape: Shape::from([0usize; 0]),
         }
     }
 }
@@ -124,7 +125,7 @@ impl Call {
 impl fmt::Display for Call {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.dtype {
-            Some(dtype) => write!(f, "{} on {:?} {:?}", self.op, dtype, self.shape),
+            Some(dtype) => write!(f, "{} on {:?} {:?}", self.op, dtype, &self.shape[..]),
             None => write!(f, "{}", self.op),
         }
     }
@@ -134,23 +135,80 @@ impl fmt::Display for Call {
 #[cfg(any(feature = "mpi", test))]
 pub(crate) fn digest_of(value: &impl std::hash::Hash) -> u64 {
     use std::hash::Hasher;
-    let mut hasher = Fnv1a::new();
+    let mut hasher = WordHasher::new();
     value.hash(&mut hasher);
     hasher.finish()
 }
 
+/// The digests' hash: alike in every process, unlike std's default hasher, and a word a step,
+/// as a call's fields are words and every collective digests its call. Each step is a
+/// bijection of the state and of the word, so two inputs of one length that differ in one
+/// word never collide; the length is digested too.
+#[cfg(any(feature = "mpi", test))]
+struct WordHasher {
+    state: u64,
+    bytes: u64,
+}
+
+#[cfg(any(feature = "mpi", test))]
+impl WordHasher {
+    fn new() -> Self {
+        // Not zero, which the mixing keeps: leading zero words would leave no trace.
+        Self {
+            state: 0x243f_6a88_85a3_08d3,
+            bytes: 0,
+        }
+    }
+
+    fn mix(state: u64, word: u64) -> u64 {
+        let x = (state ^ word).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        x ^ (x >> 32)
+    }
+}
+
+#[cfg(any(feature = "mpi", test))]
+impl std::hash::Hasher for WordHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        self.bytes += bytes.len() as u64;
+        let mut words = bytes.chunks_exact(8);
+        for word in &mut words {
+            let word = u64::from_le_bytes(word.try_into().expect("eight bytes"));
+            self.state = Self::mix(self.state, word);
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
+            let mut word = [0u8; 8];
+            word[..rest.len()].copy_from_slice(rest);
+            // The count of bytes in the top byte, which they leave free.
+            let word = u64::from_le_bytes(word) | (rest.len() as u64) << 56;
+            self.state = Self::mix(self.state, word);
+        }
+    }
+
+    /// The length, then MurmurHash3's finaliser, so that every bit of the state moves every
+    /// bit of the digest.
+    fn finish(&self) -> u64 {
+        let mut h = Self::mix(self.state, self.bytes);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        h ^ (h >> 33)
+    }
+}
+
 /// The FNV-1a hash: unlike std's default hasher, it hashes alike in every process.
-#[cfg(any(feature = "mpi", feature = "cuda", test))]
+#[cfg(any(feature = "cuda", test))]
 pub(crate) struct Fnv1a(u64);
 
-#[cfg(any(feature = "mpi", feature = "cuda", test))]
+#[cfg(any(feature = "cuda", test))]
 impl Fnv1a {
     pub fn new() -> Self {
         Self(0xcbf2_9ce4_8422_2325)
     }
 }
 
-#[cfg(any(feature = "mpi", feature = "cuda", test))]
+#[cfg(any(feature = "cuda", test))]
 impl std::hash::Hasher for Fnv1a {
     fn write(&mut self, bytes: &[u8]) {
         for &byte in bytes {
@@ -185,6 +243,37 @@ mod tests {
         for other in others {
             assert_ne!(call.digest(0), other.digest(0), "{call} and {other}");
         }
+    }
+
+    #[test]
+    fn shapes_and_short_writes_have_digests_of_their_own() {
+        let mut seen = std::collections::HashSet::new();
+        for a in 0..48 {
+            for b in 0..48 {
+                for shape in [vec![a, b], vec![a, b, 1], vec![a * 48 + b]] {
+                    let call = Call::new(Op::AllReduce(ReduceOp::Sum), DType::F32, &shape);
+                    assert!(seen.insert(call.digest(0)), "{call}");
+                }
+            }
+        }
+        let bytes = |bytes: &[u8]| {
+            let mut hasher = WordHasher::new();
+            hasher.write(bytes);
+            hasher.finish()
+        };
+        assert_ne!(bytes(&[1, 2, 3]), bytes(&[1, 2, 3, 0]));
+        assert_ne!(bytes(&[0; 7]), bytes(&[0; 8]));
+        assert_ne!(bytes(&[]), bytes(&[0]));
+        // Leading zero words, and inputs that differ only in their length.
+        assert_ne!(bytes(&[0; 8]), bytes(&[0; 16]));
+        assert_ne!(bytes(&[]), bytes(&[0; 8]));
+        assert_ne!(
+            digest_of(&(DType::F64, [0usize])),
+            digest_of(&(DType::F32, [0usize; 0]))
+        );
+        let sum = Call::new(Op::AllReduce(ReduceOp::Sum), DType::F32, &[1, 5]);
+        let avg = Call::new(Op::AllReduce(ReduceOp::Avg), DType::Flex32, &[5]);
+        assert_ne!(sum.digest(0), avg.digest(0));
     }
 
     #[test]

@@ -13,7 +13,9 @@ use crate::call::{Call, Op, PointToPoint};
 use crate::kernels;
 use crate::stats::CommStats;
 use crate::sync::{lock, panic_message};
-use crate::transport::{Footprint, Memory, Payload, Retired, Stream, Transport, frees_inline};
+use crate::transport::{
+    Footprint, Memory, Payload, Retired, Stream, Transport, free, frees_inline,
+};
 use crate::{CommError, ReduceOp};
 
 /// What the worker thread is asked to do.
@@ -244,7 +246,7 @@ impl Communicator {
                 let (retired, largest) = stream.take_retired();
                 drop(stream);
                 transport.job_finished(rank);
-                if frees_inline(largest) {
+                if retired.is_empty() || frees_inline(largest) {
                     free(retired);
                 } else {
                     // Freeing it may unmap memory: the worker does it, off this thread.
@@ -648,11 +650,6 @@ impl Communicator {
         }
         Ok(())
     }
-}
-
-/// Frees what calls are done with. A backend's drop may panic too; the stream must outlive it.
-fn free(retired: Vec<Retired>) {
-    let _ = catch_unwind(AssertUnwindSafe(move || drop(retired)));
 }
 
 impl<B: Backend, const D: usize, K: BasicOps<B>> Footprint for Tensor<B, D, K> {

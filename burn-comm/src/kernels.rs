@@ -252,65 +252,84 @@ pub(crate) struct Region<'a, P> {
     pub start: &'a [usize],
 }
 
+/// Part `index` along `dim` of a row-major concatenation of equal parts: rows of `len` bytes,
+/// contiguous in the part and `stride` bytes apart in the whole, one per index of the
+/// dimensions before `dim`.
+struct PartRows {
+    count: usize,
+    len: usize,
+    stride: usize,
+    /// Where the part's first row starts in the whole.
+    first: usize,
+}
+
+impl PartRows {
+    fn of(part: &[usize], whole: &[usize], (dim, index): (usize, usize), elem_size: usize) -> Self {
+        debug_assert!(part.len() == whole.len() && dim < part.len());
+        debug_assert!((index + 1) * part[dim] <= whole[dim]);
+        debug_assert!((0..part.len()).all(|d| d == dim || part[d] == whole[d]));
+        let len = part[dim..].iter().product::<usize>() * elem_size;
+        Self {
+            count: part[..dim].iter().product(),
+            len,
+            stride: whole[dim..].iter().product::<usize>() * elem_size,
+            // The dimensions after `dim` are whole in both, so each part spans `len` of a row.
+            first: index * len,
+        }
+    }
+}
+
 /// Copies the whole row-major tensor of shape `part` at `src` into `dst`, of shape `whole`, as
 /// part `index` of the concatenation along `dim` that `whole` is.
 ///
 /// # Safety
-/// As [`copy_box`]: `src` holds a `part`, `dst` a `whole` that contains part `index`, and no
-/// other thread writes that part of `dst` during the call.
+/// `src` must hold a `part` and `dst` a `whole` that contains part `index`, and no other
+/// thread may write that part of `dst` during the call.
 pub(crate) unsafe fn copy_to_part(
     src: *const u8,
     part: &[usize],
     (dst, whole): (*mut u8, &[usize]),
-    (dim, index): (usize, usize),
+    at: (usize, usize),
     elem_size: usize,
 ) {
-    let zero = vec![0; part.len()];
-    let mut start = zero.clone();
-    start[dim] = index * part[dim];
-    let src = Region {
-        ptr: src,
-        shape: part,
-        start: &zero,
-    };
-    let dst = Region {
-        ptr: dst,
-        shape: whole,
-        start: &start,
-    };
-    // SAFETY: the caller's guarantees are copy_box's.
-    unsafe { copy_box(src, dst, part, elem_size) }
+    let rows = PartRows::of(part, whole, at, elem_size);
+    for row in 0..rows.count {
+        // SAFETY: row `row` lies inside both buffers, as the caller guarantees.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.add(row * rows.len),
+                dst.add(rows.first + row * rows.stride),
+                rows.len,
+            )
+        };
+    }
 }
 
 /// Copies part `index` along `dim` of the row-major `whole` at `src` into `dst`, which holds it
 /// whole, as a tensor of shape `part`.
 ///
 /// # Safety
-/// As [`copy_box`]: `src` holds a `whole` that contains part `index`, `dst` a `part`, and no
-/// other thread writes `dst` during the call.
+/// `src` must hold a `whole` that contains part `index` and `dst` a `part`, and no other
+/// thread may write `dst` during the call.
 #[cfg(feature = "mpi")]
 pub(crate) unsafe fn copy_from_part(
     (src, whole): (*const u8, &[usize]),
-    (dim, index): (usize, usize),
+    at: (usize, usize),
     dst: *mut u8,
     part: &[usize],
     elem_size: usize,
 ) {
-    let zero = vec![0; part.len()];
-    let mut start = zero.clone();
-    start[dim] = index * part[dim];
-    let src = Region {
-        ptr: src,
-        shape: whole,
-        start: &start,
-    };
-    let dst = Region {
-        ptr: dst,
-        shape: part,
-        start: &zero,
-    };
-    // SAFETY: the caller's guarantees are copy_box's.
-    unsafe { copy_box(src, dst, part, elem_size) }
+    let rows = PartRows::of(part, whole, at, elem_size);
+    for row in 0..rows.count {
+        // SAFETY: row `row` lies inside both buffers, as the caller guarantees.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.add(rows.first + row * rows.stride),
+                dst.add(row * rows.len),
+                rows.len,
+            )
+        };
+    }
 }
 
 /// Copies a box of shape `extent` between two row-major buffers of `elem_size`-byte elements.
@@ -417,6 +436,43 @@ mod tests {
             )
         };
         assert_eq!(dst, vec![99, 99, 99, 0, 1, 2, 99, 99, 99, 3, 4, 5]);
+    }
+
+    #[test]
+    fn parts_along_any_dim_concatenate_and_come_back() {
+        // Three parts of [2, p, 4] along each dimension in turn, as `cat` would lay them out.
+        for dim in 0..3 {
+            let mut part = vec![2, 2, 4];
+            part[dim] = 1 + dim;
+            let mut whole = part.clone();
+            whole[dim] *= 3;
+            let len: usize = part.iter().product();
+            let parts: Vec<Vec<u32>> = (0..3u32)
+                .map(|r| (0..len as u32).map(|i| 1000 * r + i).collect())
+                .collect();
+            let mut out = vec![0u32; 3 * len];
+            for (r, p) in parts.iter().enumerate() {
+                let dst = (out.as_mut_ptr() as *mut u8, whole.as_slice());
+                unsafe { copy_to_part(p.as_ptr() as *const u8, &part, dst, (dim, r), 4) };
+            }
+            // Element [i, j, k] of the whole is element [.., j - r * part[dim], ..] of part r.
+            let strides = |s: &[usize]| [s[1] * s[2], s[2], 1];
+            let (ws, ps) = (strides(&whole), strides(&part));
+            for (at, &v) in out.iter().enumerate() {
+                let mut index = [at / ws[0], at % ws[0] / ws[1], at % ws[1]];
+                let r = index[dim] / part[dim];
+                index[dim] %= part[dim];
+                let i: usize = (0..3).map(|d| index[d] * ps[d]).sum();
+                assert_eq!(v, parts[r][i], "dim {dim}, element {at}");
+            }
+            #[cfg(feature = "mpi")]
+            for (r, p) in parts.iter().enumerate() {
+                let mut back = vec![0u32; len];
+                let src = (out.as_ptr() as *const u8, whole.as_slice());
+                unsafe { copy_from_part(src, (dim, r), back.as_mut_ptr() as *mut u8, &part, 4) };
+                assert_eq!(&back, p, "dim {dim}, part {r}");
+            }
+        }
     }
 
     #[test]

@@ -517,7 +517,7 @@ impl Transport for Group {
         dim: usize,
     ) -> Result<Payload, CommError> {
         let data = data.into_host();
-        let (dtype, shape) = (data.dtype, data.shape.as_slice().to_vec());
+        let (dtype, shape) = (data.dtype, data.shape.clone());
         let mut out_shape = shape.clone();
         out_shape[dim] *= self.members.len();
         // Rank 0 provides the one output buffer; each rank writes its own part of it.
@@ -549,7 +549,7 @@ impl Transport for Group {
         dim: usize,
     ) -> Result<Payload, CommError> {
         let data = data.into_host();
-        let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
+        let (dtype, dims) = (data.dtype, data.shape.clone());
         let size = self.members.len();
         let mut out_shape = dims.clone();
         out_shape[dim] /= size;
@@ -609,7 +609,7 @@ impl Transport for Group {
         concat_dim: usize,
     ) -> Result<Payload, CommError> {
         let data = data.into_host();
-        let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
+        let (dtype, dims) = (data.dtype, data.shape.clone());
         let size = self.members.len();
         let mut part = dims.clone();
         part[split_dim] /= size;

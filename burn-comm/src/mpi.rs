@@ -63,8 +63,6 @@ const TAG_PAYLOAD: c_int = 2;
 /// peer's frame, sent in messages of at most [`EAGER`] bytes (the header in the first, so a
 /// call carrying up to `EAGER - HEADER` bytes takes one message a peer, as a bare header does).
 const CARRIED: usize = 2 * EAGER - HEADER;
-/// A peer's frame in a call's opening round: its header, then what it carries.
-const FRAME: usize = HEADER + CARRIED;
 /// The most a message of the opening round holds: what Open MPI sends at once, without waiting
 /// for its receiver, under its shared-memory transport's eager limit (4 KiB with MPI's own
 /// header, the smallest of its transports'). A 4 KiB message would wait for its receiver.
@@ -265,23 +263,37 @@ impl InFlight {
         });
     }
 
-    /// Tests every request once; whether all are complete.
+    /// Tests the requests once, as one (a single round of MPI's progress); whether all are
+    /// complete. Until they all are, none is freed.
     fn test(&mut self) -> bool {
+        let count = c_int::try_from(self.requests.len()).expect("a request per peer");
+        let mut flag: c_int = 0;
+        // SAFETY: live requests (or null ones, which MPI skips).
+        check(
+            unsafe {
+                ffi::MPI_Testall(
+                    count,
+                    self.requests.as_mut_ptr(),
+                    &mut flag,
+                    ffi::RSMPI_STATUSES_IGNORE,
+                )
+            },
+            "MPI_Testall",
+        );
+        flag != 0
+    }
+
+    /// Tests every request on its own, so that each one complete is freed.
+    fn test_each(&mut self) {
         let null = unsafe { ffi::RSMPI_REQUEST_NULL };
-        let mut all = true;
-        for request in &mut self.requests {
-            if *request == null {
-                continue;
-            }
+        for request in self.requests.iter_mut().filter(|r| **r != null) {
             let mut flag: c_int = 0;
             // SAFETY: a live request (MPI sets it to null once complete).
             check(
                 unsafe { ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE) },
                 "MPI_Test",
             );
-            all &= flag != 0;
         }
-        all
     }
 
     /// Blocks until every request is complete (MPI_Waitall), for a phase that must not
@@ -298,7 +310,8 @@ impl InFlight {
         }
     }
 
-    /// The peers of the requests not complete.
+    /// The peers of the requests not freed: not complete, or not yet found complete on their
+    /// own (see [`test_each`](Self::test_each)).
     fn pending(&self) -> Vec<usize> {
         let null = unsafe { ffi::RSMPI_REQUEST_NULL };
         let mut peers: Vec<usize> = self
@@ -313,16 +326,23 @@ impl InFlight {
     }
 
     /// Polls until every request is complete, or until `deadline()` has passed (it is asked
-    /// again at every poll): then the requests and their buffers are abandoned (MPI may still
-    /// use them) and the peers still pending are returned.
+    /// at every poll once the first spins are over, as most waits end before): then the
+    /// requests and their buffers are abandoned (MPI may still use them) and the peers still
+    /// pending are returned.
     fn wait(mut self, deadline: impl Fn() -> Instant) -> Result<(), Vec<usize>> {
         let mut backoff = Backoff::new();
         loop {
             if self.test() {
                 return Ok(());
             }
-            if Instant::now() >= deadline() {
-                return Err(self.pending());
+            if backoff.spun() && Instant::now() >= deadline() {
+                // The last requests may have completed since they were tested together.
+                self.test_each();
+                let pending = self.pending();
+                return match pending.is_empty() {
+                    true => Ok(()),
+                    false => Err(pending),
+                };
             }
             backoff.pause();
         }
@@ -343,23 +363,34 @@ impl Drop for InFlight {
 /// machine takes microseconds), then yields, then sleeps, so a long wait leaves the cores to the
 /// computation.
 struct Backoff {
-    start: Instant,
     spins: u32,
+    /// When the spins ended.
+    yielding_since: Option<Instant>,
 }
 
 impl Backoff {
+    const SPINS: u32 = 64;
+
     fn new() -> Self {
         Self {
-            start: Instant::now(),
             spins: 0,
+            yielding_since: None,
         }
     }
 
+    /// Whether the spins are over: the clock has not been read before.
+    fn spun(&self) -> bool {
+        self.spins >= Self::SPINS
+    }
+
     fn pause(&mut self) {
-        self.spins += 1;
-        if self.spins < 64 {
+        if !self.spun() {
+            self.spins += 1;
             std::hint::spin_loop();
-        } else if self.start.elapsed() < Duration::from_millis(2) {
+            return;
+        }
+        let since = *self.yielding_since.get_or_insert_with(Instant::now);
+        if since.elapsed() < Duration::from_millis(2) {
             std::thread::yield_now();
         } else {
             std::thread::sleep(Duration::from_micros(100));
@@ -445,52 +476,97 @@ impl Carriers {
     }
 }
 
-/// The bytes of the frame (see [`FRAME`]) that each message carries, when the frame's header
-/// is followed by `carried` bytes: [`EAGER`] bytes each but the last.
+/// The bytes of a peer's frame in a call's opening round (its header, then `carried` bytes)
+/// that each message carries: [`EAGER`] bytes each but the last.
 fn frame_messages(carried: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
     let len = HEADER + carried;
     (0..len.div_ceil(EAGER)).map(move |m| m * EAGER..len.min((m + 1) * EAGER))
 }
 
-/// A call every rank has joined: its number, and every peer's frame (its header, then what it
-/// carried) in its slot of [`FRAME`] bytes.
+/// Every rank's frame of a call's opening round, each in a slot of `slot` bytes: each peer's
+/// as it came (its header, then what it carried), and this rank's header, followed by what it
+/// carries when every peer gets the same bytes.
+struct Frames {
+    buffer: SharedBuffer,
+    slot: usize,
+}
+
+impl Frames {
+    fn header(&self, r: usize) -> [u8; HEADER] {
+        // SAFETY: slot `r` lies inside the buffer, its header written (by this rank, or by MPI
+        // once peer r's first message came).
+        unsafe { std::ptr::read_unaligned(self.buffer.ptr().add(r * self.slot).cast()) }
+    }
+
+    /// What rank `r` carried.
+    fn carried(&self, r: usize) -> *const u8 {
+        self.buffer
+            .ptr()
+            .wrapping_add(r * self.slot + HEADER)
+            .cast_const()
+    }
+}
+
+/// Bytes of a frame's slot, when at most `most` bytes are carried to or from a peer: room for
+/// a whole message of [`EAGER`] bytes at each message's start (a peer that made another call
+/// may send more than this call expects, which must not end the job in MPI), in whole
+/// multiples of 16 bytes, so that every slot's data is as aligned as the buffer.
+fn slot_for(most: usize) -> usize {
+    (HEADER + most).div_ceil(EAGER) * EAGER
+}
+
+/// A call every rank has joined: its number, and every rank's frame.
 struct Opened {
     seq: u64,
-    frames: SharedBuffer,
+    frames: Frames,
 }
 
 impl Opened {
-    /// Every rank's block in group-rank order: this rank's `own`, and what each peer carried.
-    /// The calls are the same, so each carried as many bytes as this rank's call expects.
+    /// Rank `r`'s block: this rank's `own`, or what peer `r` carried. The calls are the same,
+    /// so each carried as many bytes as this rank's call expects.
+    fn block(&self, r: usize, me: usize, own: *const u8) -> *const u8 {
+        match r == me {
+            true => own,
+            false => self.frames.carried(r),
+        }
+    }
+
+    /// Every rank's [`block`](Self::block), in group-rank order.
     fn blocks(&self, me: usize, own: *const u8) -> Vec<*const u8> {
-        (0..self.frames.len() / FRAME)
-            .map(|r| match r == me {
-                true => own,
-                false => self
-                    .frames
-                    .ptr()
-                    .wrapping_add(r * FRAME + HEADER)
-                    .cast_const(),
-            })
+        (0..self.frames.buffer.len() / self.frames.slot)
+            .map(|r| self.block(r, me, own))
             .collect()
     }
 }
 
-/// The rest of a call's opening round, possibly still in flight once the headers came: the
-/// frames' later messages. Dropped without [`complete`](Self::complete) (the calls differ, or
-/// an error came first), it gives the frames up: a peer may never send what was expected, so
-/// what MPI may still use is leaked.
+/// A call's opening round once every header came: the frames' later messages may still be in
+/// flight. Dropped without [`complete`](Self::complete) (the calls differ, or an error came
+/// first), it gives the frames up: a peer may never send what was expected, so what MPI may
+/// still use is leaked.
 struct CarriedInFlight {
     flight: Option<InFlight>,
-    /// This rank's frames: the caller's tensor may go while MPI still reads them.
+    /// This rank's frame for each peer, when each gets its own block: the caller's tensor may
+    /// go while MPI still reads them.
     outgoing: Option<SharedBuffer>,
-    frames: Option<SharedBuffer>,
+    frames: Option<Frames>,
 }
 
 impl CarriedInFlight {
+    fn frames(&self) -> &Frames {
+        self.frames.as_ref().expect("not yet completed")
+    }
+
+    /// Every rank's header, in group-rank order.
+    fn headers(&self) -> Vec<[u8; HEADER]> {
+        let frames = self.frames();
+        (0..frames.buffer.len() / frames.slot)
+            .map(|r| frames.header(r))
+            .collect()
+    }
+
     /// Waits for every peer's data (the headers matched: each sends what was expected); on a
     /// timeout, the peers that sent nothing.
-    fn complete(mut self, deadline: Instant) -> Result<SharedBuffer, Vec<usize>> {
+    fn complete(mut self, deadline: Instant) -> Result<Frames, Vec<usize>> {
         let flight = self.flight.take().expect("completed once");
         match flight.wait(|| deadline) {
             Ok(()) => Ok(self.frames.take().expect("completed once")),
@@ -686,14 +762,14 @@ impl MpiGroup {
         mine[8..].copy_from_slice(&digest.to_le_bytes());
         let deadline = self.deadline();
         let op_name = |phase: &str| format!("{call} (call {seq}{phase})");
-        let (headers, data) = self.swap_opening(mine, carry, carriers, deadline, || op_name(""))?;
+        let data = self.swap_opening(mine, carry, carriers, deadline, || op_name(""))?;
         let complete = |data: CarriedInFlight| {
             let frames = data
                 .complete(deadline)
                 .map_err(|missing| self.timeout_error(op_name(""), missing))?;
             Ok(Opened { seq, frames })
         };
-        if headers.iter().all(|h| *h == mine) {
+        if (0..self.size()).all(|r| data.frames().header(r) == mine) {
             return complete(data);
         }
         // Another call, or the same one digested otherwise (another build): the calls' text
@@ -715,7 +791,7 @@ impl MpiGroup {
                 ),
             }));
         }
-        let Some(other) = other_call(&headers, &texts) else {
+        let Some(other) = other_call(&data.headers(), &texts) else {
             return complete(data);
         };
         Err(self.break_with(CommError::Mismatch {
@@ -728,10 +804,10 @@ impl MpiGroup {
     }
 
     /// Sends every peer its frame: `header` and what `carry` gives it; and receives every
-    /// peer's frame into its slot of [`FRAME`] bytes (a header only, unless `carriers` include
-    /// it), on the control communicator. Returns every rank's header in group-rank order once
-    /// they all came (a peer whose header does not come by `deadline` is named in a timeout of
-    /// `op`), with the rest of the frames, which may still be in flight.
+    /// peer's frame into its slot (a header only, unless `carriers` include it), on the control
+    /// communicator. Returns once every peer's header came (a peer whose header does not come
+    /// by `deadline` is named in a timeout of `op`), with the rest of the frames, which may
+    /// still be in flight.
     fn swap_opening(
         &self,
         header: [u8; HEADER],
@@ -739,56 +815,64 @@ impl MpiGroup {
         carriers: Carriers,
         deadline: Instant,
         op: impl FnOnce() -> String,
-    ) -> Result<(Vec<[u8; HEADER]>, CarriedInFlight), CommError> {
-        let size = self.size();
+    ) -> Result<CarriedInFlight, CommError> {
+        let (size, me) = (self.size(), self.me);
         let (block, incoming) = (carry.per_peer(), carriers.bytes(carry));
         let most = block.max(incoming);
         assert!(
             most <= CARRIED,
             "{most} bytes carried to or from a peer, beyond {CARRIED}"
         );
-        // This rank's frames, one per peer only where each gets its own block: a copy, as the
-        // caller's tensor may go while MPI still reads them.
+        let slot = slot_for(most);
+        let frames = SharedBuffer::uninit(size * slot);
+        let own = frames.ptr().wrapping_add(me * slot);
         let frame = HEADER + block;
-        let (data, count) = match carry {
-            Carry::Nothing => (&[][..], 1),
-            Carry::Same(bytes) => (bytes, 1),
-            Carry::Blocks(bytes, _) => (bytes, size),
-        };
-        let outgoing = SharedBuffer::uninit(count * frame);
-        for f in 0..count {
-            let part = &data[f * block..(f + 1) * block];
-            // SAFETY: frame `f` lies inside `outgoing`, which is not shared yet.
-            unsafe {
-                let at = outgoing.ptr().add(f * frame);
-                std::ptr::copy_nonoverlapping(header.as_ptr(), at, HEADER);
-                std::ptr::copy_nonoverlapping(part.as_ptr(), at.add(HEADER), part.len());
+        // SAFETY: this rank's slot lies inside `frames`, which is not shared yet, and holds a
+        // frame; so does each peer's in `outgoing`.
+        let outgoing = unsafe {
+            std::ptr::copy_nonoverlapping(header.as_ptr(), own, HEADER);
+            match carry {
+                Carry::Nothing => None,
+                Carry::Same(bytes) => {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), own.add(HEADER), block);
+                    None
+                }
+                // A frame per peer, from a copy: the caller's tensor may go while MPI still
+                // reads them.
+                Carry::Blocks(bytes, _) => {
+                    let outgoing = SharedBuffer::uninit(size * frame);
+                    for peer in (0..size).filter(|&p| p != me) {
+                        let at = outgoing.ptr().add(peer * frame);
+                        std::ptr::copy_nonoverlapping(header.as_ptr(), at, HEADER);
+                        let part = bytes[peer * block..].as_ptr();
+                        std::ptr::copy_nonoverlapping(part, at.add(HEADER), block);
+                    }
+                    Some(outgoing)
+                }
             }
-        }
-        let frames = SharedBuffer::uninit(size * FRAME);
+        };
         let (mut first, mut rest) = (InFlight::new(), InFlight::new());
-        for peer in (0..size).filter(|&p| p != self.me) {
+        for peer in (0..size).filter(|&p| p != me) {
             let on = |m: usize| match m {
                 0 => (TAG_CALL, self.control),
                 _ => (TAG_CARRIED, self.control),
             };
             let expected = if carriers.include(peer) { incoming } else { 0 };
-            let mine = outgoing.ptr().wrapping_add(match carry {
-                Carry::Blocks(..) => peer * frame,
-                _ => 0,
-            });
+            let sent = match &outgoing {
+                Some(outgoing) => outgoing.ptr().wrapping_add(peer * frame),
+                None => own,
+            };
             // SAFETY: every message lies inside its frame, in `frames` or `outgoing`, neither of
             // which is freed until its requests complete (they are leaked with them otherwise).
             unsafe {
                 for (m, message) in frame_messages(expected).enumerate() {
-                    let into = frames.ptr().add(peer * FRAME + message.start);
+                    let into = frames.ptr().add(peer * slot + message.start);
                     let flight = if m == 0 { &mut first } else { &mut rest };
-                    // Room for a whole message each: a peer that made another call may send
-                    // more than this call expects, which must not end the job in MPI.
+                    // Room for a whole message each (see `slot`).
                     flight.irecv(peer, (into, EAGER as c_int, byte()), on(m));
                 }
                 for (m, message) in frame_messages(block).enumerate() {
-                    let from = mine.add(message.start).cast_const();
+                    let from = sent.add(message.start).cast_const();
                     let flight = if m == 0 { &mut first } else { &mut rest };
                     flight.isend(peer, (from, message.len() as c_int, byte()), on(m));
                 }
@@ -796,24 +880,18 @@ impl MpiGroup {
         }
         let frames_in_flight = CarriedInFlight {
             flight: Some(rest),
-            outgoing: Some(outgoing),
-            frames: Some(frames.clone()),
+            outgoing,
+            frames: Some(Frames {
+                buffer: frames,
+                slot,
+            }),
         };
         if let Err(missing) = first.wait(|| deadline) {
             // The headers' requests use the frames too.
-            std::mem::forget((frames_in_flight, frames));
+            std::mem::forget(frames_in_flight);
             return Err(self.timeout_error(op(), missing));
         }
-        let headers = (0..size)
-            .map(|r| match r == self.me {
-                true => header,
-                // SAFETY: peer r's header came into the start of its frame.
-                false => unsafe {
-                    std::ptr::read_unaligned(frames.ptr().add(r * FRAME).cast::<[u8; HEADER]>())
-                },
-            })
-            .collect();
-        Ok((headers, frames_in_flight))
+        Ok(frames_in_flight)
     }
 
     /// Sends `mine` to every peer on the control communicator, tagged `tag`, and returns every
@@ -1251,20 +1329,20 @@ impl Transport for MpiGroup {
         dim: usize,
     ) -> Result<Payload, CommError> {
         let data = data.into_host();
-        let (dtype, shape) = (data.dtype, data.shape.as_slice().to_vec());
+        let (dtype, shape) = (data.dtype, data.shape.clone());
         let size = self.size();
         let bytes = data.bytes.len();
         let mut out_shape = shape.clone();
         out_shape[dim] *= size;
         let elem = dtype.size();
         let len = data.num_elements();
-        // Rank r's tensor as part r of the output.
-        let place = |blocks: &[*const u8]| {
+        // Rank r's tensor, `block(r)`, as part r of the output.
+        let place = |block: &dyn Fn(usize) -> *const u8| {
             let out = SharedBuffer::uninit(size * bytes);
-            for (r, &block) in blocks.iter().enumerate() {
-                // SAFETY: `block` holds rank r's tensor; part r lies inside `out`.
+            for r in 0..size {
+                // SAFETY: `block(r)` holds rank r's tensor; part r lies inside `out`.
                 unsafe {
-                    kernels::copy_to_part(block, &shape, (out.ptr(), &out_shape), (dim, r), elem)
+                    kernels::copy_to_part(block(r), &shape, (out.ptr(), &out_shape), (dim, r), elem)
                 };
             }
             out
@@ -1273,7 +1351,7 @@ impl Transport for MpiGroup {
             // The tensor goes with the header.
             let opened =
                 self.open_carrying(stream, &call, Carry::Same(&data.bytes), Carriers::All)?;
-            let out = place(&opened.blocks(self.me, data.bytes.as_ptr()));
+            let out = place(&|r| opened.block(r, self.me, data.bytes.as_ptr()));
             return Ok(out.view(out_shape, dtype).into());
         }
         let seq = self.open(stream, &call)?;
@@ -1284,10 +1362,7 @@ impl Transport for MpiGroup {
             // Rank blocks are already the concatenation along `dim`.
             return Ok(gathered.view(out_shape, dtype).into());
         }
-        let blocks: Vec<*const u8> = (0..size)
-            .map(|r| gathered.ptr().wrapping_add(r * bytes).cast_const())
-            .collect();
-        let out = place(&blocks);
+        let out = place(&|r| gathered.ptr().wrapping_add(r * bytes).cast_const());
         stream.retire(gathered);
         Ok(out.view(out_shape, dtype).into())
     }
@@ -1302,7 +1377,7 @@ impl Transport for MpiGroup {
         dim: usize,
     ) -> Result<Payload, CommError> {
         let data = data.into_host();
-        let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
+        let (dtype, dims) = (data.dtype, data.shape.clone());
         let (size, elem) = (self.size(), dtype.size());
         let mut out_shape = dims.clone();
         out_shape[dim] /= size;
@@ -1421,7 +1496,7 @@ impl Transport for MpiGroup {
         concat_dim: usize,
     ) -> Result<Payload, CommError> {
         let data = data.into_host();
-        let (dtype, dims) = (data.dtype, data.shape.as_slice().to_vec());
+        let (dtype, dims) = (data.dtype, data.shape.clone());
         let (size, elem) = (self.size(), dtype.size());
         let mut part = dims.clone();
         part[split_dim] /= size;
@@ -1461,9 +1536,9 @@ impl Transport for MpiGroup {
             let blocks = unsafe { std::slice::from_raw_parts(sent, size * block) };
             let opened =
                 self.open_carrying(stream, &call, Carry::Blocks(blocks, block), Carriers::All)?;
-            let received = opened.blocks(self.me, sent.wrapping_add(self.me * block));
-            for (r, &from) in received.iter().enumerate() {
-                let dst = (out.ptr(), out_shape.as_slice());
+            for r in 0..size {
+                let from = opened.block(r, self.me, sent.wrapping_add(self.me * block));
+                let dst = (out.ptr(), &out_shape[..]);
                 // SAFETY: `from` holds rank r's part; part r lies inside `out`.
                 unsafe { kernels::copy_to_part(from, &part, dst, (concat_dim, r), elem) };
             }
@@ -1772,9 +1847,20 @@ mod tests {
         );
         assert_eq!(messages(EAGER), [(0, EAGER), (EAGER, EAGER + HEADER)]);
         assert_eq!(messages(4096), [(0, EAGER), (EAGER, HEADER + 4096)]);
-        assert_eq!(messages(CARRIED - 1), [(0, EAGER), (EAGER, FRAME - 1)]);
-        assert_eq!(messages(CARRIED), [(0, EAGER), (EAGER, FRAME)]);
-        assert_eq!(FRAME, 2 * EAGER);
+        assert_eq!(messages(CARRIED - 1), [(0, EAGER), (EAGER, 2 * EAGER - 1)]);
+        assert_eq!(messages(CARRIED), [(0, EAGER), (EAGER, 2 * EAGER)]);
+    }
+
+    #[test]
+    fn a_slot_has_room_for_a_whole_message_at_each_message_start() {
+        for most in [0, 1, EAGER - HEADER, EAGER - HEADER + 1, EAGER, CARRIED] {
+            let slot = slot_for(most);
+            assert!(
+                frame_messages(most).all(|m| m.start + EAGER <= slot),
+                "{most}"
+            );
+            assert!(slot <= 2 * EAGER && slot.is_multiple_of(16), "{most}");
+        }
     }
 
     #[test]

@@ -56,19 +56,36 @@ type Words = Box<[MaybeUninit<u128>]>;
 /// Freed result buffers kept for reuse, as a caching allocator does: training repeats the same
 /// sizes every step, and fresh large allocations cost a page fault per page (and `munmap` on
 /// free), which is slower than the copy itself.
-static POOL: Mutex<Vec<Words>> = Mutex::new(Vec::new());
+static POOL: Mutex<Pool> = Mutex::new(Pool {
+    buffers: Vec::new(),
+    bytes: 0,
+});
 /// At most this many bytes are kept.
 const POOL_BYTES: usize = 1 << 30;
 
+struct Pool {
+    buffers: Vec<Words>,
+    /// Bytes of `buffers`, kept so that a return does not add them up.
+    bytes: usize,
+}
+
 fn take_words(words: usize) -> Words {
     let mut pool = lock(&POOL);
+    let buffers = &pool.buffers;
     // The smallest kept buffer that fits without wasting more than half of it.
-    let best = (0..pool.len())
-        .filter(|&i| pool[i].len() >= words && pool[i].len() <= 2 * words.max(1))
-        .min_by_key(|&i| pool[i].len());
+    let best = (0..buffers.len())
+        .filter(|&i| buffers[i].len() >= words && buffers[i].len() <= 2 * words.max(1))
+        .min_by_key(|&i| buffers[i].len());
     match best {
-        Some(i) => pool.swap_remove(i),
-        None => Box::new_uninit_slice(words),
+        Some(i) => {
+            let taken = pool.buffers.swap_remove(i);
+            pool.bytes -= taken.len() * 16;
+            taken
+        }
+        None => {
+            drop(pool);
+            Box::new_uninit_slice(words)
+        }
     }
 }
 
@@ -77,9 +94,9 @@ impl Drop for Fresh {
         // SAFETY: `words` came from `Box::leak` and is not used after this.
         let words = unsafe { Box::from_raw(self.words.as_ptr()) };
         let mut pool = lock(&POOL);
-        let kept: usize = pool.iter().map(|w| w.len() * 16).sum();
-        if kept + words.len() * 16 <= POOL_BYTES {
-            pool.push(words);
+        if pool.bytes + words.len() * 16 <= POOL_BYTES {
+            pool.bytes += words.len() * 16;
+            pool.buffers.push(words);
         }
     }
 }
@@ -151,7 +168,7 @@ impl SharedBuffer {
     }
 
     /// One rank's view of the result, once every byte of it has been written.
-    pub fn view(&self, shape: Vec<usize>, dtype: DType) -> TensorData {
+    pub fn view(&self, shape: impl Into<burn::tensor::Shape>, dtype: DType) -> TensorData {
         let shared = bytes::Bytes::from_owner(View(self.memory.clone()));
         let bytes = Bytes::from_shared(shared, AllocationProperty::Native);
         TensorData::from_bytes(bytes, shape, dtype)

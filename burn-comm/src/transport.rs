@@ -8,6 +8,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -69,8 +70,14 @@ impl From<CudaTensor> for Payload {
     }
 }
 
-/// Something a call is done with, freed after its caller has the result.
+/// Something a call is done with, freed after its caller has the result (see
+/// [`Stream::retire`]).
 pub(crate) type Retired = Box<dyn Any + Send>;
+
+/// Frees what calls are done with. A backend's drop may panic too; the stream must outlive it.
+pub(crate) fn free(value: impl Send) {
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(value)));
+}
 
 /// Whether a blocking call frees the buffers it retired itself, the largest of `largest` bytes;
 /// else the stream's worker frees them, off the caller's thread. Waking the worker cost about
@@ -158,9 +165,16 @@ impl Stream {
     }
 
     /// Frees `data` once the call's caller has its result: off the caller's thread when the
-    /// call's retired buffers are large (freeing a large buffer unmaps it).
+    /// call's retired buffers are large (freeing a large buffer unmaps it). One below malloc's
+    /// default mmap threshold goes at once, which costs less than keeping it (a small call's
+    /// time goes to its allocations).
     pub fn retire(&mut self, data: impl Footprint + Send + 'static) {
-        self.largest_retired = self.largest_retired.max(data.footprint());
+        let bytes = data.footprint();
+        if bytes < BELOW_DEFAULT_THRESHOLD {
+            free(data);
+            return;
+        }
+        self.largest_retired = self.largest_retired.max(bytes);
         self.retired.push(Box::new(data));
     }
 }

@@ -277,6 +277,11 @@ impl PartRows {
             first: index * len,
         }
     }
+
+    /// Each row's offset in the part and in the whole.
+    fn offsets(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..self.count).map(|row| (row * self.len, self.first + row * self.stride))
+    }
 }
 
 /// Copies the whole row-major tensor of shape `part` at `src` into `dst`, of shape `whole`, as
@@ -293,15 +298,9 @@ pub(crate) unsafe fn copy_to_part(
     elem_size: usize,
 ) {
     let rows = PartRows::of(part, whole, at, elem_size);
-    for row in 0..rows.count {
-        // SAFETY: row `row` lies inside both buffers, as the caller guarantees.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                src.add(row * rows.len),
-                dst.add(rows.first + row * rows.stride),
-                rows.len,
-            )
-        };
+    for (in_part, in_whole) in rows.offsets() {
+        // SAFETY: each row lies inside both buffers, as the caller guarantees.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(in_part), dst.add(in_whole), rows.len) };
     }
 }
 
@@ -320,15 +319,9 @@ pub(crate) unsafe fn copy_from_part(
     elem_size: usize,
 ) {
     let rows = PartRows::of(part, whole, at, elem_size);
-    for row in 0..rows.count {
-        // SAFETY: row `row` lies inside both buffers, as the caller guarantees.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                src.add(rows.first + row * rows.stride),
-                dst.add(row * rows.len),
-                rows.len,
-            )
-        };
+    for (in_part, in_whole) in rows.offsets() {
+        // SAFETY: each row lies inside both buffers, as the caller guarantees.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(in_whole), dst.add(in_part), rows.len) };
     }
 }
 

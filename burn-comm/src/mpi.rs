@@ -492,6 +492,11 @@ struct Frames {
 }
 
 impl Frames {
+    /// The group's ranks, a slot each.
+    fn ranks(&self) -> usize {
+        self.buffer.len() / self.slot
+    }
+
     fn header(&self, r: usize) -> [u8; HEADER] {
         // SAFETY: slot `r` lies inside the buffer, its header written (by this rank, or by MPI
         // once peer r's first message came).
@@ -533,7 +538,7 @@ impl Opened {
 
     /// Every rank's [`block`](Self::block), in group-rank order.
     fn blocks(&self, me: usize, own: *const u8) -> Vec<*const u8> {
-        (0..self.frames.buffer.len() / self.frames.slot)
+        (0..self.frames.ranks())
             .map(|r| self.block(r, me, own))
             .collect()
     }
@@ -559,9 +564,7 @@ impl CarriedInFlight {
     /// Every rank's header, in group-rank order.
     fn headers(&self) -> Vec<[u8; HEADER]> {
         let frames = self.frames();
-        (0..frames.buffer.len() / frames.slot)
-            .map(|r| frames.header(r))
-            .collect()
+        (0..frames.ranks()).map(|r| frames.header(r)).collect()
     }
 
     /// Waits for every peer's data (the headers matched: each sends what was expected); on a

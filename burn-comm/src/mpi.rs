@@ -22,12 +22,14 @@ use std::any::Any;
 use std::ffi::c_int;
 use std::fmt;
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use mpi::ffi;
+use smallvec::SmallVec;
 
 use crate::call::{Call, PointToPoint};
 use crate::kernels;
@@ -205,11 +207,15 @@ fn byte() -> ffi::MPI_Datatype {
 
 /// Requests in flight and the buffers they use, which must outlive them.
 struct InFlight {
-    requests: Vec<ffi::MPI_Request>,
+    requests: SmallVec<[ffi::MPI_Request; INLINE_REQUESTS]>,
     /// Which peer (group rank) each request waits for, to name it on a timeout.
-    peers: Vec<usize>,
+    peers: SmallVec<[usize; INLINE_REQUESTS]>,
     buffers: Vec<Box<dyn Any + Send>>,
 }
+
+/// Requests an [`InFlight`] holds without allocating: a small call's opening round at up to 3
+/// ranks (a message each way per peer).
+const INLINE_REQUESTS: usize = 4;
 
 // SAFETY: requests are plain handles; only one thread tests them at a time.
 unsafe impl Send for InFlight {}
@@ -217,8 +223,8 @@ unsafe impl Send for InFlight {}
 impl InFlight {
     fn new() -> Self {
         Self {
-            requests: Vec::new(),
-            peers: Vec::new(),
+            requests: SmallVec::new(),
+            peers: SmallVec::new(),
             buffers: Vec::new(),
         }
     }
@@ -404,6 +410,26 @@ fn parts_are_blocks(dims: &[usize], dim: usize) -> bool {
     dims[..dim].iter().all(|&d| d == 1)
 }
 
+/// A call's deadline: its timeout counted from when a wait first asks for it, once that wait's
+/// first spins are over. Most calls end before, and never read the clock for it.
+struct Deadline {
+    timeout: Duration,
+    at: std::cell::OnceCell<Instant>,
+}
+
+impl Deadline {
+    fn new(timeout: Duration) -> Self {
+        Self {
+            timeout,
+            at: std::cell::OnceCell::new(),
+        }
+    }
+
+    fn get(&self) -> Instant {
+        *self.at.get_or_init(|| deadline_after(self.timeout))
+    }
+}
+
 /// Now plus `timeout`, or a year from now for a timeout too long to represent.
 fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
@@ -569,9 +595,9 @@ impl CarriedInFlight {
 
     /// Waits for every peer's data (the headers matched: each sends what was expected); on a
     /// timeout, the peers that sent nothing.
-    fn complete(mut self, deadline: Instant) -> Result<Frames, Vec<usize>> {
+    fn complete(mut self, deadline: &Deadline) -> Result<Frames, Vec<usize>> {
         let flight = self.flight.take().expect("completed once");
-        match flight.wait(|| deadline) {
+        match flight.wait(|| deadline.get()) {
             Ok(()) => Ok(self.frames.take().expect("completed once")),
             Err(missing) => {
                 std::mem::forget((self.outgoing.take(), self.frames.take()));
@@ -607,12 +633,33 @@ pub(crate) struct MpiGroup {
     timeout: Duration,
     /// The first failure; every later call fails with it.
     broken: Mutex<Option<CommError>>,
+    /// Whether `broken` holds one: every call reads it, the lock only then.
+    is_broken: AtomicBool,
     /// The thread that completes this group's sends MPI did not finish at once, started by the
     /// first such.
     sender: Mutex<Option<Sender>>,
     /// Small sends MPI has not finished (see [`DEFERRED`]), completed by this group's next
     /// call or by the send thread's sweep, rather than by waking that thread for each.
-    deferred: Arc<Mutex<Deferred>>,
+    deferred: Arc<DeferredSends>,
+}
+
+/// A group's deferred sends, shared with its send thread.
+#[derive(Default)]
+struct DeferredSends {
+    sends: Mutex<Deferred>,
+    /// Whether `sends` holds any: every call reads it, the lock only then. Written under the
+    /// lock; a stale `false` only leaves the sends to the next call or the sweep.
+    any: AtomicBool,
+}
+
+impl DeferredSends {
+    /// Runs `f` on the sends under their lock, and brings `any` up to date.
+    fn with<R>(&self, f: impl FnOnce(&mut Deferred) -> R) -> R {
+        let mut sends = lock(&self.sends);
+        let result = f(&mut sends);
+        self.any.store(!sends.flights.is_empty(), Ordering::Release);
+        result
+    }
 }
 
 /// A group's deferred sends.
@@ -670,6 +717,7 @@ impl MpiGroup {
             data,
             timeout,
             broken: Mutex::new(None),
+            is_broken: AtomicBool::new(false),
             sender: Mutex::new(None),
             deferred: Arc::default(),
         }
@@ -684,22 +732,22 @@ impl MpiGroup {
         self.members.len()
     }
 
-    fn deadline(&self) -> Instant {
-        deadline_after(self.timeout)
+    fn deadline(&self) -> Deadline {
+        Deadline::new(self.timeout)
     }
 
     /// Keeps `flight` among the deferred sends, unless there are too many; has the send thread
     /// sweep them if it was not.
     fn defer(&self, flight: InFlight) -> Result<(), InFlight> {
-        let mut deferred = lock(&self.deferred);
-        if deferred.flights.len() >= DEFERRED_COUNT {
-            return Err(flight);
-        }
-        deferred
-            .flights
-            .push((flight, deadline_after(self.timeout)));
-        if !std::mem::replace(&mut deferred.swept, true) {
-            drop(deferred);
+        let until = deadline_after(self.timeout);
+        let wake = self.deferred.with(|deferred| {
+            if deferred.flights.len() >= DEFERRED_COUNT {
+                return Err(flight);
+            }
+            deferred.flights.push((flight, until));
+            Ok(!std::mem::replace(&mut deferred.swept, true))
+        })?;
+        if wake {
             // The thread sweeps until it finds none left: one wake-up for a run of sends.
             let _ = self.sender().send(ToSend::Sweep);
         }
@@ -708,10 +756,15 @@ impl MpiGroup {
 
     /// Frees the deferred sends MPI has finished.
     fn complete_deferred(&self) {
-        sweep(&mut lock(&self.deferred));
+        if self.deferred.any.load(Ordering::Acquire) {
+            self.deferred.with(sweep);
+        }
     }
 
     fn broken(&self) -> Result<(), CommError> {
+        if !self.is_broken.load(Ordering::Acquire) {
+            return Ok(());
+        }
         match &*lock(&self.broken) {
             Some(cause) => Err(CommError::GroupBroken {
                 group: self.name.clone(),
@@ -724,6 +777,7 @@ impl MpiGroup {
     /// Records `error` as the group's failure and returns it.
     fn break_with(&self, error: CommError) -> CommError {
         lock(&self.broken).get_or_insert_with(|| error.clone());
+        self.is_broken.store(true, Ordering::Release);
         error
     }
 
@@ -765,10 +819,10 @@ impl MpiGroup {
         mine[8..].copy_from_slice(&digest.to_le_bytes());
         let deadline = self.deadline();
         let op_name = |phase: &str| format!("{call} (call {seq}{phase})");
-        let data = self.swap_opening(mine, carry, carriers, deadline, || op_name(""))?;
+        let data = self.swap_opening(mine, carry, carriers, &deadline, || op_name(""))?;
         let complete = |data: CarriedInFlight| {
             let frames = data
-                .complete(deadline)
+                .complete(&deadline)
                 .map_err(|missing| self.timeout_error(op_name(""), missing))?;
             Ok(Opened { seq, frames })
         };
@@ -778,7 +832,7 @@ impl MpiGroup {
         // Another call, or the same one digested otherwise (another build): the calls' text
         // tells, within what is left of the timeout.
         let text = Described::encode(seq, WIRE, &call.to_string());
-        let texts = self.swap(text, TAG_CALL_TEXT, deadline, || {
+        let texts = self.swap(text, TAG_CALL_TEXT, &deadline, || {
             op_name(", comparing calls")
         });
         // On an error or a mismatch, `data` is given up as it drops.
@@ -816,7 +870,7 @@ impl MpiGroup {
         header: [u8; HEADER],
         carry: Carry,
         carriers: Carriers,
-        deadline: Instant,
+        deadline: &Deadline,
         op: impl FnOnce() -> String,
     ) -> Result<CarriedInFlight, CommError> {
         let (size, me) = (self.size(), self.me);
@@ -889,7 +943,7 @@ impl MpiGroup {
                 slot,
             }),
         };
-        if let Err(missing) = first.wait(|| deadline) {
+        if let Err(missing) = first.wait(|| deadline.get()) {
             // The headers' requests use the frames too.
             std::mem::forget(frames_in_flight);
             return Err(self.timeout_error(op(), missing));
@@ -904,7 +958,7 @@ impl MpiGroup {
         &self,
         mine: [u8; N],
         tag: c_int,
-        deadline: Instant,
+        deadline: &Deadline,
         op: impl FnOnce() -> String,
     ) -> Result<Vec<[u8; N]>, CommError> {
         // Boxed: on a timeout they are leaked with the requests that use them.
@@ -925,7 +979,7 @@ impl MpiGroup {
                 )
             };
         }
-        if let Err(missing) = flight.wait(|| deadline) {
+        if let Err(missing) = flight.wait(|| deadline.get()) {
             std::mem::forget(mine);
             std::mem::forget(all);
             return Err(self.timeout_error(op(), missing));
@@ -962,7 +1016,7 @@ impl MpiGroup {
             format!("rank {} ends the job: {error}", members[me])
         };
         check(
-            watchdog::watch(self.deadline(), Box::new(message), run),
+            watchdog::watch(deadline_after(self.timeout), Box::new(message), run),
             "an MPI collective",
         );
         Ok(())
@@ -1044,7 +1098,7 @@ fn complete_sends(
     inbox: mpsc::Receiver<ToSend>,
     timeout: Duration,
     drain: &OnceLock<Instant>,
-    deferred: &Mutex<Deferred>,
+    deferred: &DeferredSends,
 ) {
     let mut sweeping = false;
     loop {
@@ -1061,11 +1115,12 @@ fn complete_sends(
                 continue;
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                let mut deferred = lock(deferred);
-                sweep(&mut deferred);
-                // None left: stop until a deferred send wakes this thread again.
-                deferred.swept = !deferred.flights.is_empty();
-                sweeping = deferred.swept;
+                sweeping = deferred.with(|deferred| {
+                    sweep(deferred);
+                    // None left: stop until a deferred send wakes this thread again.
+                    deferred.swept = !deferred.flights.is_empty();
+                    deferred.swept
+                });
                 continue;
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => return,
@@ -1106,7 +1161,9 @@ impl Drop for MpiGroup {
         // Deliver what is queued, deferred sends last, before the communicators go, within
         // one timeout in all. A deferred send started the thread, so it is there to take them
         // (dropped otherwise, a pending flight leaks its buffers).
-        let deferred = std::mem::take(&mut lock(&self.deferred).flights);
+        let deferred = self
+            .deferred
+            .with(|deferred| std::mem::take(&mut deferred.flights));
         if let Some(sender) = lock(&self.sender).take() {
             let _ = sender.drain.set(deadline_after(self.timeout));
             for (flight, _) in deferred {
@@ -1653,7 +1710,7 @@ impl Transport for MpiGroup {
         // SAFETY: `head` outlives the request (leaked with it on a timeout).
         unsafe { flight.irecv(from, (buf, TEXT as c_int, byte()), (TAG_HEADER, self.p2p)) };
         let deadline = self.deadline();
-        if let Err(missing) = flight.wait(|| deadline) {
+        if let Err(missing) = flight.wait(|| deadline.get()) {
             std::mem::forget(head);
             return Err(self.timeout_error(op.to_string(), missing));
         }
@@ -1682,7 +1739,7 @@ impl Transport for MpiGroup {
                 (TAG_PAYLOAD, self.p2p),
             )
         };
-        if let Err(missing) = flight.wait(|| deadline) {
+        if let Err(missing) = flight.wait(|| deadline.get()) {
             std::mem::forget(payload);
             return Err(self.timeout_error(op.to_string(), missing));
         }

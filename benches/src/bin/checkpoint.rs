@@ -374,13 +374,11 @@ fn report(r: &Results) {
         r.stall_s,
         r.step_s,
     );
+    // Not a row: it is a share of the neighbouring steps, not of the base step.
     let [low, mid, high] = r.paired_stall;
     println!(
-        "{:<44} {:>9} {mid:>9.3}",
-        "a checkpoint's stall, against its neighbours", ""
-    );
-    println!(
-        "  quartiles over the checkpoints: {:.1}% to {:.1}% of their neighbours' step",
+        "a checkpoint's stall, against its neighbours: {:.1}% of their step (median; quartiles {:.1}% to {:.1}%)",
+        100.0 * mid,
         100.0 * low,
         100.0 * high
     );

@@ -830,7 +830,8 @@ impl MpiGroup {
             return complete(data);
         }
         // Another call, or the same one digested otherwise (another build): the calls' text
-        // tells, within what is left of the timeout.
+        // tells, within what is left of the call's deadline (a whole timeout if no wait has
+        // asked for it yet).
         let text = Described::encode(seq, WIRE, &call.to_string());
         let texts = self.swap(text, TAG_CALL_TEXT, &deadline, || {
             op_name(", comparing calls")

@@ -1520,7 +1520,7 @@ impl Transport for MpiGroup {
                 return Ok(data.into());
             }
             let out = SharedBuffer::uninit(bytes);
-            let from = opened.blocks(self.me, std::ptr::null())[root];
+            let from = opened.frames.carried(root);
             // SAFETY: the root carried its `bytes` bytes; `out` holds as many.
             unsafe { std::ptr::copy_nonoverlapping(from, out.ptr(), bytes) };
             return Ok(out.view(shape, dtype).into());

@@ -3,7 +3,8 @@
 //! --nocapture`). The hardware figures are the cluster presets' (stated in `cluster.rs`), not
 //! fitted here; what differs between the systems (fused kernels, FlashAttention, how gradients
 //! are reduced) is each system's, as its paper or repository states it. One figure is fitted:
-//! how much of its overlapped communication MosaicML's FSDP runs pay (`mosaicml_mpt_h100`).
+//! how much of its overlapped communication MosaicML's FSDP runs pay (`mosaicml_mpt_h100`);
+//! torchtitan's is derived from its own runs with and without async TP (`torchtitan_llama3_h100`).
 
 use burn_pipeline::ScheduleKind;
 use burn_zero::ZeroStage;
@@ -295,19 +296,24 @@ fn korthikanti_one_block_table_4() {
 /// FlashAttention-2, which reaches 35 % of an H100's peak (Shah et al. 2024, FlashAttention-3,
 /// abstract).
 ///
-/// Not yet within 15 %: the model predicts these 15-32 % faster than measured (five of the six
-/// beyond 15 %). The 8B FSDP runs are further off with `torch.compile` (+28-32 %) than
-/// without (+21-25 %), so the gap is not only in the elementwise kernels the compiler fuses:
-/// the products run slower than modelled, or compiled code makes more than one pass. The same
-/// preset predicts MosaicML's H100 runs within 14 % (`mosaicml_mpt_h100`) once their FSDP pays
-/// 0.8 of its overlapped communication; FSDP2's share is not measured by any run of this table
-/// and is taken as 0 here (at 0.8 these runs come out +9 to +22 %, four of the six beyond
-/// 15 %). Not modelled: the hosts' 500 W power limit (the clocks it costs), the overheads of
-/// eager PyTorch and DTensor. FlashAttention-2's own rates
-/// on an H100 (Shah et al. 2024, Figures 5 and 6, head dimension 128, 8k tokens: 333 TFLOP/s
-/// forward with the causal mask, 318 backward without, of 989) are within 10 % of the 35 %
-/// taken here. The bound
-/// below holds the model to what it does today, so that a change making it worse fails.
+/// What a step pays for the communication it overlaps is derived from the table's own pairs
+/// of runs that differ only in overlap: async TP (its tensor-parallel collectives run behind
+/// the products) against the same run waiting for them ("We used the default 500W power
+/// limit" there too). The model gives the published speed-ups of 1.10 (8B) and 1.09 (70B) when
+/// a step pays 0.73 and 0.64 of what it overlaps: their mean, 0.69, is taken for every run's
+/// overlapped communication, FSDP's too (MosaicML's FSDP on H100s fits 0.8). Taking it as 0,
+/// async TP would come out 1.33-1.52x.
+///
+/// Not yet within 15 %: the model predicts these 9-24 % faster than measured (six of the
+/// eight beyond 15 %, the 8B runs +15 to +24 %, the 70B runs +9 and +10 %). The 8B FSDP runs
+/// are further off with `torch.compile` (+21-24 %) than without (+15-18 %), so the gap is not
+/// only in the elementwise kernels the compiler fuses: the products run slower than modelled,
+/// or compiled code makes more than one pass. Not modelled: the hosts' 500 W power limit (the
+/// clocks it costs; no published rate of an H100's bf16 products at 500 W was found), the
+/// overheads of eager PyTorch and DTensor. FlashAttention-2's own rates on an H100 (Shah et
+/// al. 2024, Figures 5 and 6, head dimension 128, 8k tokens: 333 TFLOP/s forward with the
+/// causal mask, 318 backward without, of 989) are within 10 % of the 35 % taken here. The
+/// bound below holds the model to what it does today, so that a change making it worse fails.
 #[test]
 fn torchtitan_llama3_h100() {
     let cluster = |gpus: usize| Cluster {
@@ -317,7 +323,7 @@ fn torchtitan_llama3_h100() {
         memory_bandwidth: 2.4e12,
         ..Cluster::preset("h100", gpus.div_ceil(8)).unwrap()
     };
-    let engine = |compiled: bool| Engine {
+    let engine = |compiled: bool, async_tp: bool, overlap_cost: f64| Engine {
         compute_bytes: 2.0,
         grad_bytes: 4.0,
         flash_attention: Some(0.35),
@@ -325,11 +331,11 @@ fn torchtitan_llama3_h100() {
         elementwise_passes: if compiled { 1.0 } else { 3.0 },
         dropout: false,
         overlap_grad_reduce: true,
-        overlap_tp: false,
+        overlap_tp: async_tp,
         split_pipeline_messages: false,
         // FSDP's backward gathers the weights again instead of running the forward again.
         zero3_forward_twice: false,
-        overlap_cost: 0.0,
+        overlap_cost,
     };
     let llama3 = |hidden, ffn, layers, heads| Shape {
         hidden,
@@ -346,7 +352,7 @@ fn torchtitan_llama3_h100() {
         llama3(4096.0, 14_336.0, 32, 32.0),
         llama3(8192.0, 28_672.0, 80, 64.0),
     );
-    // name, shape, GPUs, tp, local batch, recompute, compiled, tokens/s per GPU.
+    // name, shape, GPUs, tp, local batch, recompute, compiled (and async TP), tokens/s per GPU.
     let table = [
         (
             "8B FSDP 8, selective AC",
@@ -355,7 +361,7 @@ fn torchtitan_llama3_h100() {
             1,
             2,
             Recompute::EverySecondMatmul,
-            false,
+            (false, false),
             5762.0,
         ),
         (
@@ -365,7 +371,7 @@ fn torchtitan_llama3_h100() {
             1,
             2,
             Recompute::EverySecondMatmul,
-            false,
+            (false, false),
             5605.0,
         ),
         (
@@ -375,7 +381,7 @@ fn torchtitan_llama3_h100() {
             1,
             2,
             Recompute::EverySecondMatmul,
-            true,
+            (true, false),
             6667.0,
         ),
         (
@@ -385,7 +391,7 @@ fn torchtitan_llama3_h100() {
             1,
             2,
             Recompute::EverySecondMatmul,
-            true,
+            (true, false),
             6514.0,
         ),
         (
@@ -395,8 +401,18 @@ fn torchtitan_llama3_h100() {
             8,
             12,
             Recompute::EverySecondMatmul,
-            true,
+            (true, false),
             4378.0,
+        ),
+        (
+            "8B FSDP 8 TP 8, selective AC, compiled, async TP",
+            l8,
+            64,
+            8,
+            12,
+            Recompute::EverySecondMatmul,
+            (true, true),
+            4809.4,
         ),
         (
             "70B FSDP 32 TP 8, full AC, compiled",
@@ -405,35 +421,81 @@ fn torchtitan_llama3_h100() {
             8,
             16,
             Recompute::Full,
-            true,
+            (true, false),
             597.3,
         ),
+        (
+            "70B FSDP 32 TP 8, full AC, compiled, async TP",
+            l70,
+            256,
+            8,
+            16,
+            Recompute::Full,
+            (true, true),
+            652.4,
+        ),
     ];
-    let cases: Vec<Case> = table
-        .into_iter()
-        .map(
-            |(name, shape, gpus, tp, local, recompute, compiled, published)| {
-                let layout = StepLayout {
-                    tp,
-                    sp: tp > 1,
-                    zero: ZeroStage::Parameters,
-                    recompute,
-                    ..StepLayout::data_parallel(gpus / tp, local, 1, 8192)
-                };
-                let time = step_time(&shape, &cluster(gpus), &engine(compiled), &layout).unwrap();
-                let tokens = (layout.global_batch() * layout.seq_len) as f64;
-                Case {
-                    name: name.into(),
-                    published,
-                    predicted: tokens / time.total / gpus as f64,
+    // Tokens per second per GPU of a row, with the step paying `overlap_cost` of what it overlaps.
+    let predict = |row: usize, overlap_cost: f64| {
+        let (_, shape, gpus, tp, local, recompute, (compiled, async_tp), _) = table[row];
+        let layout = StepLayout {
+            tp,
+            sp: tp > 1,
+            zero: ZeroStage::Parameters,
+            recompute,
+            ..StepLayout::data_parallel(gpus / tp, local, 1, 8192)
+        };
+        let engine = engine(compiled, async_tp, overlap_cost);
+        let time = step_time(&shape, &cluster(gpus), &engine, &layout).unwrap();
+        let tokens = (layout.global_batch() * layout.seq_len) as f64;
+        tokens / time.total / gpus as f64
+    };
+    // What overlapping costs, from the runs that differ only in it: async TP against the same
+    // run with its tensor-parallel collectives waited for. The share at which the model gives
+    // the published speed-up (it falls as the share grows), by bisection.
+    let pairs = [(4, 5), (6, 7)];
+    let shares: Vec<f64> = pairs
+        .iter()
+        .map(|&(waited, overlapped)| {
+            let published = table[overlapped].7 / table[waited].7;
+            let speedup = |c: f64| predict(overlapped, c) / predict(waited, c);
+            assert!(
+                speedup(0.0) > published && speedup(1.0) < published,
+                "{}: the published speed-up of async TP ({published:.3}) lies outside the model's",
+                table[overlapped].0
+            );
+            let (mut low, mut high) = (0.0, 1.0);
+            for _ in 0..40 {
+                let mid = (low + high) / 2.0;
+                match speedup(mid) > published {
+                    true => low = mid,
+                    false => high = mid,
                 }
-            },
-        )
+            }
+            println!(
+                "{}: async TP {published:.3}x published; the model gives it when a step pays {low:.2} of what it overlaps",
+                table[overlapped].0
+            );
+            low
+        })
+        .collect();
+    // The two runs agree on it, and on MosaicML's H100s (0.8, fitted to their runs).
+    assert!(
+        (shares[0] - shares[1]).abs() < 0.15,
+        "the async-TP pairs give different shares: {shares:?}"
+    );
+    let overlap_cost = shares.iter().sum::<f64>() / shares.len() as f64;
+    let cases: Vec<Case> = (0..table.len())
+        .map(|row| Case {
+            name: table[row].0.into(),
+            published: table[row].7,
+            predicted: predict(row, overlap_cost),
+        })
         .collect();
     check_within(
         "torchtitan, Llama 3.1 on H100 (tokens/s per GPU)",
         "tokens/s",
-        0.35,
+        0.25,
         &cases,
     );
 }

@@ -216,7 +216,7 @@ pub struct Engine {
     /// The share of the communication it runs behind computation that a step pays anyway: the
     /// collectives' kernels take the device's multiprocessors and memory bandwidth, and a
     /// system may hold its prefetches back (0: hidden entirely). Tensor-parallel collectives
-    /// overlapped with the linears (`overlap_tp`) are taken as hidden entirely.
+    /// overlapped with the linears (`overlap_tp`) pay it too.
     pub overlap_cost: f64,
 }
 
@@ -684,16 +684,16 @@ fn micro_batch(
         Recompute::EverySecondMatmul => 2.0,
         _ => 0.0,
     };
-    let layer_tp = if layout.tp > 1 && !engine.overlap_tp {
-        pair * (1.0 + backward_share + recomputed / 2.0)
-    } else {
-        0.0
+    // Overlapped (async TP), each pass's collectives run behind that pass's products.
+    let tp_paid = |comm: f64, products: f64| match (layout.tp > 1, engine.overlap_tp) {
+        (false, _) => 0.0,
+        (true, false) => comm,
+        (true, true) => engine.behind(comm, products),
     };
-    let forward_tp = if layout.tp > 1 && !engine.overlap_tp {
-        pair
-    } else {
-        0.0
-    };
+    let forward_tp = tp_paid(pair, linears);
+    let layer_tp = forward_tp
+        + tp_paid(pair * backward_share, 2.0 * linears)
+        + tp_paid(pair * recomputed / 2.0, linears * recomputed / 2.0);
 
     let layer_cp = cp_forward
         + cp_backward
@@ -927,6 +927,57 @@ mod tests {
         // Only stage 3 gathers weights per unit and runs the forward again.
         let first = stage(ZeroStage::OptimizerState, true);
         assert_eq!(first.backward, once.backward);
+    }
+
+    #[test]
+    fn overlapped_tensor_parallel_collectives_pay_what_their_products_do_not_hide() {
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap());
+        let cluster = Cluster::preset("a100", 1).unwrap();
+        let tp = |overlap_tp, overlap_cost| {
+            let engine = Engine {
+                overlap_tp,
+                overlap_cost,
+                ..engine()
+            };
+            micro_batch(
+                &shape,
+                &cluster,
+                &engine,
+                &layout(1, 8, 1, ScheduleKind::OneFOneB, 1),
+            )
+            .tp_comm
+        };
+        let waited = tp(false, 0.0);
+        assert!(waited > 0.0);
+        // Over NVLink a block's collectives are shorter than its products: hidden entirely,
+        // or paying the engine's share of what they overlap.
+        assert_eq!(tp(true, 0.0), 0.0);
+        assert!((tp(true, 0.25) - 0.25 * waited).abs() < 1e-12 * waited);
+        // Over a slow link they outlast the products, and the rest is waited for.
+        let slow = Cluster {
+            intra_node: Link {
+                bandwidth: cluster.intra_node.bandwidth / 1000.0,
+                ..cluster.intra_node
+            },
+            ..cluster.clone()
+        };
+        let on = |overlap_tp| {
+            let engine = Engine {
+                overlap_tp,
+                ..engine()
+            };
+            micro_batch(
+                &shape,
+                &slow,
+                &engine,
+                &layout(1, 8, 1, ScheduleKind::OneFOneB, 1),
+            )
+        };
+        let (hidden, waited) = (on(true), on(false));
+        assert!(hidden.tp_comm > 0.0 && hidden.tp_comm < waited.tp_comm);
+        // The products themselves take as long either way.
+        let compute = |m: &MicroBatch| m.forward + m.backward - m.tp_comm;
+        assert!((compute(&hidden) - compute(&waited)).abs() < 1e-9 * compute(&waited));
     }
 
     #[test]

@@ -3,8 +3,10 @@
 //! --nocapture`). The hardware figures are the cluster presets' (stated in `cluster.rs`), not
 //! fitted here; what differs between the systems (fused kernels, FlashAttention, how gradients
 //! are reduced) is each system's, as its paper or repository states it. One figure is fitted:
-//! how much of its overlapped communication MosaicML's FSDP runs pay (`mosaicml_mpt_h100`);
-//! torchtitan's is derived from its own runs with and without async TP (`torchtitan_llama3_h100`).
+//! how much of its overlapped communication MosaicML's FSDP runs pay (`mosaicml_mpt_h100`).
+//! Two are derived from three of torchtitan's runs, and its other runs predicted with them
+//! (`torchtitan_llama3_h100`): that share, and the rate of its power-limited H100s, which
+//! torchtitan does not know itself.
 
 use burn_pipeline::ScheduleKind;
 use burn_zero::ZeroStage;
@@ -56,6 +58,25 @@ fn check_within(title: &str, unit: &str, tolerance: f64, cases: &[Case]) {
         "{title}: off by more than {:.0} % ({unit}): {off:?}",
         100.0 * tolerance
     );
+}
+
+/// Where the monotonic `f` reaches `target` between `low` and `high`, by bisection; `None`
+/// where it does not within them.
+fn crossing(low: f64, high: f64, target: f64, f: impl Fn(f64) -> f64) -> Option<f64> {
+    let below = |x: f64| f(x) < target;
+    if below(low) == below(high) {
+        return None;
+    }
+    let (mut low, mut high) = (low, high);
+    let low_below = below(low);
+    for _ in 0..60 {
+        let mid = (low + high) / 2.0;
+        match below(mid) == low_below {
+            true => low = mid,
+            false => high = mid,
+        }
+    }
+    Some((low + high) / 2.0)
 }
 
 /// Megatron-LM as the 2021 and 2022 papers ran it: fused kernels (bias-GeLU, scale-mask-softmax,
@@ -286,40 +307,43 @@ fn korthikanti_one_block_table_4() {
 
 /// torchtitan's H100 runs (pytorch/torchtitan, `benchmarks/llama3_h100_202412_torchtitan.md`
 /// and `benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`): Llama 3.1 in bf16 on Grand
-/// Teton hosts, 8 H100s of 96 GB HBM2e (2.4 TB/s, a lower TDP: "the actual peak TFLOPs number is
-/// between SXM and NVL", taken here as their midpoint, 912 TFLOP/s) over NVLink, 400 Gb/s RDMA
-/// per GPU; sequences of 8192 tokens (the configs' `seq_len` at the runs' commit). FSDP (ZeRO-3,
-/// fp32 gradient reduction) overlapped with compute; eager elementwise kernels unfused (three
-/// passes), `torch.compile`'s fused (one). Their selective checkpointing is per op
-/// (`selective_ac_option = 'op'` in `train_configs/llama3_8b.toml`; the policy in
-/// `parallelize_llama.py` keeps attention's and every odd `mm`'s output). Attention is
-/// FlashAttention-2, which reaches 35 % of an H100's peak (Shah et al. 2024, FlashAttention-3,
-/// abstract).
+/// Teton hosts, 8 H100s of 96 GB HBM2e (2.4 TB/s) held to 500 W ("We used the default 500W
+/// power limit") over NVLink, 400 Gb/s RDMA per GPU; sequences of 8192 tokens (the configs'
+/// `seq_len` at the runs' commit). FSDP (ZeRO-3, fp32 gradient reduction) overlapped with
+/// compute; eager elementwise kernels unfused (three passes), `torch.compile`'s fused (one).
+/// Their selective checkpointing is per op (`selective_ac_option = 'op'` in
+/// `train_configs/llama3_8b.toml`; the policy in `parallelize_llama.py` keeps attention's and
+/// every odd `mm`'s output). Attention is FlashAttention-2, which reaches 35 % of an H100's
+/// peak (Shah et al. 2024, FlashAttention-3, abstract; its Figures 5 and 6 at head dimension
+/// 128 and 8k tokens: 333 TFLOP/s forward with the causal mask, 318 backward without, of 989).
 ///
-/// What a step pays for the communication it overlaps is derived from the table's own pairs
-/// of runs that differ only in overlap: async TP (its tensor-parallel collectives run behind
-/// the products) against the same run waiting for them ("We used the default 500W power
-/// limit" there too). The model gives the published speed-ups of 1.10 (8B) and 1.09 (70B) when
-/// a step pays 0.73 and 0.64 of what it overlaps: their mean, 0.69, is taken for every run's
-/// overlapped communication, FSDP's too (MosaicML's FSDP on H100s fits 0.8). Taking it as 0,
-/// async TP would come out 1.33-1.52x.
+/// Two figures are derived from the table's own runs, and every other run is predicted with
+/// them:
+/// - The device's rate. torchtitan does not know it ("the actual peak TFLOPs number is between
+///   SXM and NVL"), and no published rate of an H100's bf16 products at 500 W was found. The
+///   test finds the peak at which the model gives the table's first run (8B on one machine,
+///   eager, no tensor parallelism), the products reaching 70 % of it and FlashAttention-2 35 %
+///   as in the `h100` preset. It must lie between an SXM's 989 TFLOP/s at 700 W and 500/700 of
+///   that (a device's speed falls less than its power). It comes out 744 (75 %), below even
+///   the NVL's 835; at the SXM's and NVL's midpoint, the 8B runs came out 15-24 % fast.
+///   Derived from either other 8B run without tensor parallelism instead, it is 716-726 and
+///   every other run stays within 9 %.
+/// - What a step pays for the communication it overlaps, from the table's pairs of runs that
+///   differ only in overlap: async TP (its tensor-parallel collectives run behind the
+///   products) against the same run waiting for them. The model gives the published speed-ups
+///   of 1.10 (8B) and 1.09 (70B) when a step pays 0.69 and 0.59 of what it overlaps (with
+///   nothing paid, 1.43 and 1.27): their mean, 0.64, is taken for every run's overlapped
+///   communication, FSDP's too (MosaicML's FSDP on H100s fits 0.8).
 ///
-/// Not yet within 15 %: the model predicts these 9-24 % faster than measured (six of the
-/// eight beyond 15 %, the 8B runs +15 to +24 %, the 70B runs +9 and +10 %). The 8B FSDP runs
-/// are further off with `torch.compile` (+21-24 %) than without (+15-18 %), so the gap is not
-/// only in the elementwise kernels the compiler fuses: the products run slower than modelled,
-/// or compiled code makes more than one pass. Not modelled: the hosts' 500 W power limit (the
-/// clocks it costs; no published rate of an H100's bf16 products at 500 W was found), the
-/// overheads of eager PyTorch and DTensor. FlashAttention-2's own rates on an H100 (Shah et
-/// al. 2024, Figures 5 and 6, head dimension 128, 8k tokens: 333 TFLOP/s forward with the
-/// causal mask, 318 backward without, of 989) are within 10 % of the 35 % taken here. The
-/// bound below holds the model to what it does today, so that a change making it worse fails.
+/// The first run is then no check, and the async-TP runs are checked in their rate only, not
+/// in their speed-up. The rest are predictions: 128 GPUs, compiled, tensor parallel, and the
+/// 70B on 256 GPUs with full recompute.
 #[test]
 fn torchtitan_llama3_h100() {
-    let cluster = |gpus: usize| Cluster {
+    let cluster = |gpus: usize, peak_flops: f64| Cluster {
         name: "Grand Teton H100 96GB".into(),
         memory: 96_000_000_000,
-        peak_flops: 912e12,
+        peak_flops,
         memory_bandwidth: 2.4e12,
         ..Cluster::preset("h100", gpus.div_ceil(8)).unwrap()
     };
@@ -436,7 +460,7 @@ fn torchtitan_llama3_h100() {
         ),
     ];
     // Tokens per second per GPU of a row, with the step paying `overlap_cost` of what it overlaps.
-    let predict = |row: usize, overlap_cost: f64| {
+    let predict = |row: usize, peak: f64, overlap_cost: f64| {
         let (_, shape, gpus, tp, local, recompute, (compiled, async_tp), _) = table[row];
         let layout = StepLayout {
             tp,
@@ -446,56 +470,88 @@ fn torchtitan_llama3_h100() {
             ..StepLayout::data_parallel(gpus / tp, local, 1, 8192)
         };
         let engine = engine(compiled, async_tp, overlap_cost);
-        let time = step_time(&shape, &cluster(gpus), &engine, &layout).unwrap();
+        let time = step_time(&shape, &cluster(gpus, peak), &engine, &layout).unwrap();
         let tokens = (layout.global_batch() * layout.seq_len) as f64;
         tokens / time.total / gpus as f64
     };
     // What overlapping costs, from the runs that differ only in it: async TP against the same
-    // run with its tensor-parallel collectives waited for. The share at which the model gives
-    // the published speed-up (it falls as the share grows), by bisection.
+    // run with its tensor-parallel collectives waited for. The share of what it overlaps a step
+    // must pay for the model to give the published speed-up.
     let pairs = [(4, 5), (6, 7)];
-    let shares: Vec<f64> = pairs
-        .iter()
-        .map(|&(waited, overlapped)| {
-            let published = table[overlapped].7 / table[waited].7;
-            let speedup = |c: f64| predict(overlapped, c) / predict(waited, c);
-            assert!(
-                speedup(0.0) > published && speedup(1.0) < published,
-                "{}: the published speed-up of async TP ({published:.3}) lies outside the model's",
-                table[overlapped].0
-            );
-            let (mut low, mut high) = (0.0, 1.0);
-            for _ in 0..40 {
-                let mid = (low + high) / 2.0;
-                match speedup(mid) > published {
-                    true => low = mid,
-                    false => high = mid,
+    let shares = |peak: f64, print: bool| -> Vec<f64> {
+        pairs
+            .iter()
+            .map(|&(waited, overlapped)| {
+                let published = table[overlapped].7 / table[waited].7;
+                let speedup = |c: f64| predict(overlapped, peak, c) / predict(waited, peak, c);
+                let share = crossing(0.0, 1.0, published, speedup).unwrap_or_else(|| {
+                    panic!(
+                        "{}: the published speed-up of async TP ({published:.3}) lies outside the model's",
+                        table[overlapped].0
+                    )
+                });
+                if print {
+                    println!(
+                        "{}: {published:.3}x published, {:.3}x modelled with what it overlaps free; a step pays {share:.2} of it",
+                        table[overlapped].0,
+                        speedup(0.0)
+                    );
                 }
-            }
-            println!(
-                "{}: async TP {published:.3}x published; the model gives it when a step pays {low:.2} of what it overlaps",
-                table[overlapped].0
-            );
-            low
+                share
+            })
+            .collect()
+    };
+    // The rate of the power-limited device, from the table's first run (one machine, eager
+    // PyTorch, no tensor parallelism): no faster than an SXM at 700 W, and slowed by no more
+    // than the power it lost (a device's speed falls less than its power). Each derived figure
+    // depends a little on the other: taken in turns until both settle.
+    let (sxm, reference) = (989e12, 0);
+    let (mut peak, mut overlap_cost) = (sxm, f64::NAN);
+    for round in 0.. {
+        let previous = (peak, overlap_cost);
+        let derived = shares(peak, false);
+        // The two runs agree on it (MosaicML's FSDP on H100s fits 0.8).
+        assert!(
+            (derived[0] - derived[1]).abs() < 0.15,
+            "the async-TP pairs give different shares: {derived:?}"
+        );
+        overlap_cost = derived.iter().sum::<f64>() / derived.len() as f64;
+        peak = crossing(sxm * 500.0 / 700.0, sxm, table[reference].7, |p| {
+            predict(reference, p, overlap_cost)
         })
-        .collect();
-    // The two runs agree on it, and on MosaicML's H100s (0.8, fitted to their runs).
-    assert!(
-        (shares[0] - shares[1]).abs() < 0.15,
-        "the async-TP pairs give different shares: {shares:?}"
+        .unwrap_or_else(|| {
+            panic!(
+                "{}: no rate between 500/700 of an SXM's and an SXM's gives the published {}",
+                table[reference].0, table[reference].7
+            )
+        });
+        if (peak / previous.0 - 1.0).abs() < 1e-9 && (overlap_cost - previous.1).abs() < 1e-9 {
+            break;
+        }
+        assert!(
+            round < 20,
+            "the device's rate and the overlap share do not settle"
+        );
+    }
+    shares(peak, true);
+    println!(
+        "{}: {:.0} TFLOP/s ({:.0} % of an SXM's) gives its published {}",
+        table[reference].0,
+        peak / 1e12,
+        100.0 * peak / sxm,
+        table[reference].7
     );
-    let overlap_cost = shares.iter().sum::<f64>() / shares.len() as f64;
     let cases: Vec<Case> = (0..table.len())
+        .filter(|&row| row != reference)
         .map(|row| Case {
             name: table[row].0.into(),
             published: table[row].7,
-            predicted: predict(row, overlap_cost),
+            predicted: predict(row, peak, overlap_cost),
         })
         .collect();
-    check_within(
+    check(
         "torchtitan, Llama 3.1 on H100 (tokens/s per GPU)",
         "tokens/s",
-        0.25,
         &cases,
     );
 }

@@ -1,12 +1,13 @@
 //! The planner's step-time model against published measured runs, each within 15 %, with
 //! every case's error printed (`cargo test --release -p llama --test planner_validation --
 //! --nocapture`). The hardware figures are the cluster presets' (stated in `cluster.rs`), not
-//! fitted here; what differs between the systems (fused kernels, FlashAttention, how gradients
-//! are reduced) is each system's, as its paper or repository states it. One figure is fitted:
+//! fitted here, but for torchtitan's power-limited H100s, whose rate torchtitan does not know
+//! itself; what differs between the systems (fused kernels, FlashAttention, how gradients are
+//! reduced) is each system's, as its paper or repository states it. One figure is fitted:
 //! how much of its overlapped communication MosaicML's FSDP runs pay (`mosaicml_mpt_h100`).
-//! Two are derived from three of torchtitan's runs, and its other runs predicted with them
-//! (`torchtitan_llama3_h100`): that share, and the rate of its power-limited H100s, which
-//! torchtitan does not know itself.
+//! Two are derived from torchtitan's table, from its first run and its two async-TP
+//! speed-ups, and its other runs predicted with them (`torchtitan_llama3_h100`): that share,
+//! and its devices' rate.
 
 use burn_pipeline::ScheduleKind;
 use burn_zero::ZeroStage;
@@ -30,11 +31,6 @@ impl Case {
 
 /// Prints every case, then fails naming those past the tolerance.
 fn check(title: &str, unit: &str, cases: &[Case]) {
-    check_within(title, unit, TOLERANCE, cases);
-}
-
-/// Prints every case, then fails naming those past `tolerance`.
-fn check_within(title: &str, unit: &str, tolerance: f64, cases: &[Case]) {
     println!(
         "\n{title}\n{:<44} {:>12} {:>12} {:>8}",
         "case", "published", "predicted", "error"
@@ -50,13 +46,13 @@ fn check_within(title: &str, unit: &str, tolerance: f64, cases: &[Case]) {
     }
     let off: Vec<String> = cases
         .iter()
-        .filter(|c| c.error().abs() > tolerance)
+        .filter(|c| c.error().abs() > TOLERANCE)
         .map(|c| format!("{} ({:+.1} %)", c.name, 100.0 * c.error()))
         .collect();
     assert!(
         off.is_empty(),
         "{title}: off by more than {:.0} % ({unit}): {off:?}",
-        100.0 * tolerance
+        100.0 * TOLERANCE
     );
 }
 
@@ -323,11 +319,14 @@ fn korthikanti_one_block_table_4() {
 ///   SXM and NVL"), and no published rate of an H100's bf16 products at 500 W was found. The
 ///   test finds the peak at which the model gives the table's first run (8B on one machine,
 ///   eager, no tensor parallelism), the products reaching 70 % of it and FlashAttention-2 35 %
-///   as in the `h100` preset. It must lie between an SXM's 989 TFLOP/s at 700 W and 500/700 of
-///   that (a device's speed falls less than its power). It comes out 744 (75 %), below even
-///   the NVL's 835; at the SXM's and NVL's midpoint, the 8B runs came out 15-24 % fast.
-///   Derived from either other 8B run without tensor parallelism instead, it is 716-726 and
-///   every other run stays within 9 %.
+///   as in the `h100` preset. It is taken to lie between an SXM's 989 TFLOP/s at 700 W and
+///   500/700 of that (assuming a device's speed falls less than its power). It comes out 744
+///   (75 %), below the NVL's 835 and even the 350 W PCIe card's 756: a fitted scale of the
+///   compute rather than the chip's own peak, taking up whatever else the model gets wrong
+///   about that run (eager PyTorch's and DTensor's overheads, the products' and attention's
+///   efficiencies). At the SXM's and NVL's midpoint the 8B runs came out 15-24 % fast.
+///   Derived from the second, third or fourth run instead it is 716, 726 or 707 (just above the
+///   floor), and every other run stays within 9 %.
 /// - What a step pays for the communication it overlaps, from the table's pairs of runs that
 ///   differ only in overlap: async TP (its tensor-parallel collectives run behind the
 ///   products) against the same run waiting for them. The model gives the published speed-ups
@@ -336,8 +335,10 @@ fn korthikanti_one_block_table_4() {
 ///   communication, FSDP's too (MosaicML's FSDP on H100s fits 0.8).
 ///
 /// The first run is then no check, and the async-TP runs are checked in their rate only, not
-/// in their speed-up. The rest are predictions: 128 GPUs, compiled, tensor parallel, and the
-/// 70B on 256 GPUs with full recompute.
+/// in their speed-up: of the seven rows checked, five are independent. What they check is the
+/// model's scaling, from 8 GPUs to 128, eager to compiled, FSDP to FSDP x TP, and the 8B to
+/// the 70B on 256 GPUs with full recompute; an error common to every run's compute (an
+/// efficiency taken wrong) is taken up by the fitted rate, and the other sources check that.
 #[test]
 fn torchtitan_llama3_h100() {
     let cluster = |gpus: usize, peak_flops: f64| Cluster {
@@ -502,19 +503,14 @@ fn torchtitan_llama3_h100() {
             .collect()
     };
     // The rate of the power-limited device, from the table's first run (one machine, eager
-    // PyTorch, no tensor parallelism): no faster than an SXM at 700 W, and slowed by no more
-    // than the power it lost (a device's speed falls less than its power). Each derived figure
-    // depends a little on the other: taken in turns until both settle.
+    // PyTorch, no tensor parallelism): no faster than an SXM at 700 W, and taken to be slowed
+    // by no more than the power it lost. Each derived figure depends a little on the other:
+    // taken in turns until both settle.
     let (sxm, reference) = (989e12, 0);
     let (mut peak, mut overlap_cost) = (sxm, f64::NAN);
     for round in 0.. {
         let previous = (peak, overlap_cost);
         let derived = shares(peak, false);
-        // The two runs agree on it (MosaicML's FSDP on H100s fits 0.8).
-        assert!(
-            (derived[0] - derived[1]).abs() < 0.15,
-            "the async-TP pairs give different shares: {derived:?}"
-        );
         overlap_cost = derived.iter().sum::<f64>() / derived.len() as f64;
         peak = crossing(sxm * 500.0 / 700.0, sxm, table[reference].7, |p| {
             predict(reference, p, overlap_cost)
@@ -533,7 +529,12 @@ fn torchtitan_llama3_h100() {
             "the device's rate and the overlap share do not settle"
         );
     }
-    shares(peak, true);
+    // The two pairs agree on it at that rate (MosaicML's FSDP on H100s fits 0.8).
+    let derived = shares(peak, true);
+    assert!(
+        (derived[0] - derived[1]).abs() < 0.15,
+        "the async-TP pairs give different shares: {derived:?}"
+    );
     println!(
         "{}: {:.0} TFLOP/s ({:.0} % of an SXM's) gives its published {}",
         table[reference].0,

@@ -649,18 +649,23 @@ fn micro_batch(
         });
     let layer_forward = linears + attention_forward + elementwise + fixed / 3.0;
     let layer_backward = 2.0 * (layer_forward - attention_forward) + attention_backward;
-    let layer_recompute = match layout.recompute {
-        Recompute::None => 0.0,
-        Recompute::Selective => attention_forward,
-        Recompute::Full => layer_forward,
+    // The products a recomputed forward runs again: all of them, or torchtitan's 2nd, 4th and
+    // 6th (keys, output projection, one MLP matrix).
+    let recomputed_linears = match layout.recompute {
+        Recompute::None | Recompute::Selective => 0.0,
+        Recompute::Full => linears,
         Recompute::EverySecondMatmul => {
             let matrices = if shape.gated { 3.0 } else { 2.0 };
             cluster.matmul(1.0, tokens, kv_rank, h)
                 + cluster.matmul(1.0, tokens, h, h / t)
                 + mlp / matrices
-                + elementwise
-                + fixed / 3.0
         }
+    };
+    let layer_recompute = match layout.recompute {
+        Recompute::None => 0.0,
+        Recompute::Selective => attention_forward,
+        Recompute::Full => layer_forward,
+        Recompute::EverySecondMatmul => recomputed_linears + elementwise + fixed / 3.0,
     };
 
     // Tensor parallelism: two all-reduces forward, of attention's output and the MLP's (of
@@ -693,7 +698,7 @@ fn micro_batch(
     let forward_tp = tp_paid(pair, linears);
     let layer_tp = forward_tp
         + tp_paid(pair * backward_share, 2.0 * linears)
-        + tp_paid(pair * recomputed / 2.0, linears * recomputed / 2.0);
+        + tp_paid(pair * recomputed / 2.0, recomputed_linears);
 
     let layer_cp = cp_forward
         + cp_backward
@@ -978,6 +983,38 @@ mod tests {
         // The products themselves take as long either way.
         let compute = |m: &MicroBatch| m.forward + m.backward - m.tp_comm;
         assert!((compute(&hidden) - compute(&waited)).abs() < 1e-9 * compute(&waited));
+    }
+
+    #[test]
+    fn a_recompute_of_fewer_products_hides_less_of_its_collectives() {
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap());
+        let cluster = Cluster::preset("a100", 1).unwrap();
+        // A link slow enough that every pass's collectives outlast its products.
+        let slow = Cluster {
+            intra_node: Link {
+                bandwidth: cluster.intra_node.bandwidth / 1000.0,
+                ..cluster.intra_node
+            },
+            ..cluster
+        };
+        let paid = |overlap_tp, recompute| {
+            let engine = Engine {
+                overlap_tp,
+                ..engine()
+            };
+            let layout = StepLayout {
+                sp: false,
+                recompute,
+                ..layout(1, 8, 1, ScheduleKind::OneFOneB, 1)
+            };
+            micro_batch(&shape, &slow, &engine, &layout).tp_comm
+        };
+        let (per_op, full) = (Recompute::EverySecondMatmul, Recompute::Full);
+        // Waited for, the recomputed forward's collectives are a whole forward's either way.
+        assert!((paid(false, per_op) - paid(false, full)).abs() < 1e-9 * paid(false, full));
+        // Overlapped, they hide behind the products run again: a third of them per op.
+        assert!(paid(true, per_op) > paid(true, full));
+        assert!(paid(true, per_op) < paid(false, per_op));
     }
 
     #[test]

@@ -320,18 +320,18 @@ fn korthikanti_one_block_table_4() {
 ///   test finds the peak at which the model gives the table's first run (8B on one machine,
 ///   eager, no tensor parallelism), the products reaching 70 % of it and FlashAttention-2 35 %
 ///   as in the `h100` preset. It is taken to lie between an SXM's 989 TFLOP/s at 700 W and
-///   500/700 of that (assuming a device's speed falls less than its power). It comes out 744
+///   500/700 of that (assuming a device's speed falls less than its power). It comes out 741
 ///   (75 %), below the NVL's 835 and even the 350 W PCIe card's 756: a fitted scale of the
 ///   compute rather than the chip's own peak, taking up whatever else the model gets wrong
 ///   about that run (eager PyTorch's and DTensor's overheads, the products' and attention's
 ///   efficiencies). At the SXM's and NVL's midpoint the 8B runs came out 15-24 % fast.
-///   Derived from the second, third or fourth run instead it is 716, 726 or 707 (just above the
-///   floor), and every other run stays within 9 %.
+///   Derived from the second or third run instead it is 714 or 724, and every other run stays
+///   within 8 %; the fourth would need a rate just below the floor.
 /// - What a step pays for the communication it overlaps, from the table's pairs of runs that
 ///   differ only in overlap: async TP (its tensor-parallel collectives run behind the
 ///   products) against the same run waiting for them. The model gives the published speed-ups
-///   of 1.10 (8B) and 1.09 (70B) when a step pays 0.69 and 0.59 of what it overlaps (with
-///   nothing paid, 1.43 and 1.27): their mean, 0.64, is taken for every run's overlapped
+///   of 1.10 (8B) and 1.09 (70B) when a step pays 0.61 and 0.58 of what it overlaps (with
+///   nothing paid, 1.31 and 1.26): their mean, 0.59, is taken for every run's overlapped
 ///   communication, FSDP's too (MosaicML's FSDP on H100s fits 0.8).
 ///
 /// The first run is then no check, and the async-TP runs are checked in their rate only, not

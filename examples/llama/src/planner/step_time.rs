@@ -205,7 +205,9 @@ pub struct Engine {
     pub dropout: bool,
     /// Data-parallel gradient reduction overlaps the last micro-batch's backward.
     pub overlap_grad_reduce: bool,
-    /// Tensor-parallel collectives overlap the linears' multiplications.
+    /// Tensor-parallel collectives overlap the linears' multiplications, each the product it
+    /// is fused with (async TP; under sequence parallelism only, whose all-gathers and
+    /// reduce-scatters it splits).
     pub overlap_tp: bool,
     /// A pipeline message is split over the tensor-parallel ranks (Megatron's scatter-gather).
     pub split_pipeline_messages: bool,
@@ -383,7 +385,8 @@ pub struct StepTime {
     /// Multiplications and elementwise work of the busiest rank (its blocks, recompute and,
     /// on the last stage, the head).
     pub compute: f64,
-    /// Tensor-parallel collectives the computation waits for, on that rank.
+    /// What the step pays for its tensor-parallel collectives, on that rank: those waited
+    /// for, and the share of overlapped ones the engine pays.
     pub tp_comm: f64,
     /// Context-parallel attention's keys and values (and their gradients) the computation
     /// waits for.
@@ -538,16 +541,18 @@ fn micro_batch(
     let p = engine.compute_bytes;
     let heads = shape.heads / t;
     let kv_rank = shape.kv_width_per_rank(t);
-    // `times` MLPs (or experts) on `rows` rows each.
+    // `times` MLPs (or experts) on `rows` rows each: their products into the wide layer (two
+    // when gated) and out of it.
     let mlps = |times: f64, rows: f64| {
         let up = if shape.gated { 2.0 } else { 1.0 };
-        times
-            * (up * cluster.matmul(1.0, rows, shape.ffn / t, h)
-                + cluster.matmul(1.0, rows, h, shape.ffn / t))
+        (
+            times * up * cluster.matmul(1.0, rows, shape.ffn / t, h),
+            times * cluster.matmul(1.0, rows, h, shape.ffn / t),
+        )
     };
     // The MLP; or the router, and this rank's experts on the copies they receive: evenly
     // routed, `tokens x top-k` in all over its `experts / ep`.
-    let (copies, router, mlp) = match shape.experts {
+    let (copies, router, (mlp_up, mlp_down)) = match shape.experts {
         None => (1.0, 0.0, mlps(1.0, tokens)),
         Some(e) => {
             let local = e.count / layout.ep as f64;
@@ -555,10 +560,12 @@ fn micro_batch(
             (e.top_k, router, mlps(local, tokens * e.top_k / local))
         }
     };
-    let linears = cluster.matmul(1.0, tokens, h / t + 2.0 * kv_rank, h)
-        + cluster.matmul(1.0, tokens, h, h / t)
-        + router
-        + mlp;
+    let mlp = mlp_up + mlp_down;
+    let (qkv, out) = (
+        cluster.matmul(1.0, tokens, h / t + 2.0 * kv_rank, h),
+        cluster.matmul(1.0, tokens, h, h / t),
+    );
+    let linears = qkv + out + router + mlp;
     // Elementwise work, in elements per token: on the whole residual stream (two norms, two
     // residual additions, dropouts), which sequence parallelism splits over tp, and on split
     // activations (the heads' reshapes, rotary, the MLP's activation).
@@ -649,23 +656,18 @@ fn micro_batch(
         });
     let layer_forward = linears + attention_forward + elementwise + fixed / 3.0;
     let layer_backward = 2.0 * (layer_forward - attention_forward) + attention_backward;
-    // The products a recomputed forward runs again: all of them, or torchtitan's 2nd, 4th and
-    // 6th (keys, output projection, one MLP matrix).
-    let recomputed_linears = match layout.recompute {
-        Recompute::None | Recompute::Selective => 0.0,
-        Recompute::Full => linears,
-        Recompute::EverySecondMatmul => {
-            let matrices = if shape.gated { 3.0 } else { 2.0 };
-            cluster.matmul(1.0, tokens, kv_rank, h)
-                + cluster.matmul(1.0, tokens, h, h / t)
-                + mlp / matrices
-        }
-    };
     let layer_recompute = match layout.recompute {
         Recompute::None => 0.0,
         Recompute::Selective => attention_forward,
         Recompute::Full => layer_forward,
-        Recompute::EverySecondMatmul => recomputed_linears + elementwise + fixed / 3.0,
+        Recompute::EverySecondMatmul => {
+            let matrices = if shape.gated { 3.0 } else { 2.0 };
+            cluster.matmul(1.0, tokens, kv_rank, h)
+                + out
+                + mlp / matrices
+                + elementwise
+                + fixed / 3.0
+        }
     };
 
     // Tensor parallelism: two all-reduces forward, of attention's output and the MLP's (of
@@ -679,8 +681,14 @@ fn micro_batch(
             ..Dims::NONE
         },
     );
-    let pair = tp_link.all_reduce(tokens * h * p, layout.tp)
-        + tp_link.all_reduce(tokens * copies * h * p, layout.tp);
+    let (attention_ar, mlp_ar) = match layout.tp {
+        1 => (0.0, 0.0),
+        tp => (
+            tp_link.all_reduce(tokens * h * p, tp),
+            tp_link.all_reduce(tokens * copies * h * p, tp),
+        ),
+    };
+    let pair = attention_ar + mlp_ar;
     let backward_share = if layout.sp { 1.5 } else { 1.0 };
     let recomputed = match layout.recompute {
         Recompute::Full => 2.0,
@@ -689,16 +697,37 @@ fn micro_batch(
         Recompute::EverySecondMatmul => 2.0,
         _ => 0.0,
     };
-    // Overlapped (async TP), each pass's collectives run behind that pass's products.
-    let tp_paid = |comm: f64, products: f64| match (layout.tp > 1, engine.overlap_tp) {
-        (false, _) => 0.0,
-        (true, false) => comm,
-        (true, true) => engine.behind(comm, products),
-    };
-    let forward_tp = tp_paid(pair, linears);
-    let layer_tp = forward_tp
-        + tp_paid(pair * backward_share, 2.0 * linears)
-        + tp_paid(pair * recomputed / 2.0, recomputed_linears);
+    // Overlapped (async TP, which needs sequence parallelism's all-gathers and
+    // reduce-scatters, and a device computing on its own), each collective runs behind the
+    // product it is fused with: attention's all-gather behind the query, key and value
+    // product, its reduce-scatter behind the output projection, the MLP's behind its products
+    // into and out of the wide layer; backward, each behind that product's two.
+    let (forward_tp, layer_tp) =
+        match engine.overlap_tp && layout.sp && cluster.shared_cores.is_none() {
+            false => (pair, pair * (1.0 + backward_share + recomputed / 2.0)),
+            true => {
+                let (a, m) = (attention_ar / 2.0, mlp_ar / 2.0);
+                let fused = |times: f64, scale: f64| {
+                    engine.behind(times * a, scale * qkv)
+                        + engine.behind(times * a, scale * out)
+                        + engine.behind(times * m, scale * (router + mlp_up))
+                        + engine.behind(times * m, scale * mlp_down)
+                };
+                let recompute = match layout.recompute {
+                    Recompute::Full => fused(1.0, 1.0),
+                    // The all-gathers run again, each before the one product recomputed after
+                    // it: the keys, and the MLP's (gated, one of the two into the wide layer).
+                    Recompute::EverySecondMatmul => {
+                        let one = if shape.gated { mlp_up / 2.0 } else { mlp_down };
+                        engine.behind(a, cluster.matmul(1.0, tokens, kv_rank, h))
+                            + engine.behind(m, one)
+                    }
+                    Recompute::None | Recompute::Selective => 0.0,
+                };
+                let forward = fused(1.0, 1.0);
+                (forward, forward + fused(backward_share, 2.0) + recompute)
+            }
+        };
 
     let layer_cp = cp_forward
         + cp_backward
@@ -934,87 +963,93 @@ mod tests {
         assert_eq!(first.backward, once.backward);
     }
 
+    /// `cluster` with its links within a node `factor` times faster.
+    fn links_faster(cluster: &Cluster, factor: f64) -> Cluster {
+        Cluster {
+            intra_node: Link {
+                bandwidth: cluster.intra_node.bandwidth * factor,
+                ..cluster.intra_node
+            },
+            ..cluster.clone()
+        }
+    }
+
     #[test]
     fn overlapped_tensor_parallel_collectives_pay_what_their_products_do_not_hide() {
         let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap());
-        let cluster = Cluster::preset("a100", 1).unwrap();
-        let tp = |overlap_tp, overlap_cost| {
+        let nvlink = Cluster::preset("a100", 1).unwrap();
+        let on = |cluster: &Cluster, overlap_tp, overlap_cost| {
             let engine = Engine {
                 overlap_tp,
                 overlap_cost,
                 ..engine()
             };
-            micro_batch(
-                &shape,
-                &cluster,
-                &engine,
-                &layout(1, 8, 1, ScheduleKind::OneFOneB, 1),
-            )
-            .tp_comm
+            let layout = layout(1, 8, 1, ScheduleKind::OneFOneB, 1);
+            micro_batch(&shape, cluster, &engine, &layout)
         };
-        let waited = tp(false, 0.0);
+        // Over a link fast enough, every collective is shorter than its product: hidden
+        // entirely, or paying the engine's share of what it overlaps.
+        let fast = links_faster(&nvlink, 100.0);
+        let waited = on(&fast, false, 0.0).tp_comm;
         assert!(waited > 0.0);
-        // Over NVLink a block's collectives are shorter than its products: hidden entirely,
-        // or paying the engine's share of what they overlap.
-        assert_eq!(tp(true, 0.0), 0.0);
-        assert!((tp(true, 0.25) - 0.25 * waited).abs() < 1e-12 * waited);
-        // Over a slow link they outlast the products, and the rest is waited for.
-        let slow = Cluster {
-            intra_node: Link {
-                bandwidth: cluster.intra_node.bandwidth / 1000.0,
-                ..cluster.intra_node
-            },
-            ..cluster.clone()
-        };
-        let on = |overlap_tp| {
-            let engine = Engine {
-                overlap_tp,
-                ..engine()
-            };
-            micro_batch(
-                &shape,
-                &slow,
-                &engine,
-                &layout(1, 8, 1, ScheduleKind::OneFOneB, 1),
-            )
-        };
-        let (hidden, waited) = (on(true), on(false));
+        assert_eq!(on(&fast, true, 0.0).tp_comm, 0.0);
+        let share = on(&fast, true, 0.25).tp_comm;
+        assert!((share - 0.25 * waited).abs() < 1e-12 * waited);
+        // Over NVLink a forward's products outlast its collectives together, but the output
+        // projection's reduce-scatter outlasts that one product: it is partly waited for.
+        let (a100, gathered) = (on(&nvlink, true, 0.0), on(&nvlink, false, 0.0));
+        assert!(a100.tp_comm > 0.0 && a100.tp_comm < gathered.tp_comm);
+        // Over a slow link every collective outlasts its product, and the rest is waited for.
+        let slow = links_faster(&nvlink, 1e-3);
+        let (hidden, waited) = (on(&slow, true, 0.0), on(&slow, false, 0.0));
         assert!(hidden.tp_comm > 0.0 && hidden.tp_comm < waited.tp_comm);
         // The products themselves take as long either way.
         let compute = |m: &MicroBatch| m.forward + m.backward - m.tp_comm;
         assert!((compute(&hidden) - compute(&waited)).abs() < 1e-9 * compute(&waited));
-    }
-
-    #[test]
-    fn a_recompute_of_fewer_products_hides_less_of_its_collectives() {
-        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap());
-        let cluster = Cluster::preset("a100", 1).unwrap();
-        // A link slow enough that every pass's collectives outlast its products.
-        let slow = Cluster {
-            intra_node: Link {
-                bandwidth: cluster.intra_node.bandwidth / 1000.0,
-                ..cluster.intra_node
-            },
-            ..cluster
-        };
-        let paid = |overlap_tp, recompute| {
+        // Without sequence parallelism the collectives are all-reduces, which async TP does
+        // not overlap.
+        let all_reduces = |overlap_tp| {
             let engine = Engine {
                 overlap_tp,
                 ..engine()
             };
             let layout = StepLayout {
                 sp: false,
+                ..layout(1, 8, 1, ScheduleKind::OneFOneB, 1)
+            };
+            micro_batch(&shape, &slow, &engine, &layout).tp_comm
+        };
+        assert_eq!(all_reduces(true), all_reduces(false));
+    }
+
+    #[test]
+    fn a_recompute_of_fewer_products_hides_less_of_its_collectives() {
+        let shape = Shape::llama(&LlamaConfig::preset("llama-7b").unwrap());
+        // A link slow enough that every collective outlasts its product.
+        let slow = links_faster(&Cluster::preset("a100", 1).unwrap(), 1e-3);
+        let paid = |overlap_tp, recompute| {
+            let engine = Engine {
+                overlap_tp,
+                ..engine()
+            };
+            let layout = StepLayout {
                 recompute,
                 ..layout(1, 8, 1, ScheduleKind::OneFOneB, 1)
             };
             micro_batch(&shape, &slow, &engine, &layout).tp_comm
         };
-        let (per_op, full) = (Recompute::EverySecondMatmul, Recompute::Full);
-        // Waited for, the recomputed forward's collectives are a whole forward's either way.
-        assert!((paid(false, per_op) - paid(false, full)).abs() < 1e-9 * paid(false, full));
-        // Overlapped, they hide behind the products run again: a third of them per op.
-        assert!(paid(true, per_op) > paid(true, full));
-        assert!(paid(true, per_op) < paid(false, per_op));
+        // What overlapping hides, beyond what it hides without recompute.
+        let hidden = |recompute| {
+            let none = paid(false, Recompute::None) - paid(true, Recompute::None);
+            paid(false, recompute) - paid(true, recompute) - none
+        };
+        // A recomputed forward's all-gathers hide behind the products run again after them:
+        // every product under full recompute, the keys and one MLP matrix per op.
+        let (per_op, full) = (
+            hidden(Recompute::EverySecondMatmul),
+            hidden(Recompute::Full),
+        );
+        assert!(per_op > 0.0 && per_op < full, "{per_op} {full}");
     }
 
     #[test]

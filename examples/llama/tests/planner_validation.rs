@@ -485,6 +485,14 @@ fn torchtitan_llama3_h100() {
             .map(|&(waited, overlapped)| {
                 let published = table[overlapped].7 / table[waited].7;
                 let speedup = |c: f64| predict(overlapped, peak, c) / predict(waited, peak, c);
+                // Both runs pay the share on FSDP's collectives: the speed-up must still fall as
+                // it grows, for the crossing to be the only one.
+                let grid: Vec<f64> = (0..=10).map(|i| speedup(i as f64 / 10.0)).collect();
+                assert!(
+                    grid.windows(2).all(|w| w[1] <= w[0]),
+                    "{}: the modelled speed-up of async TP does not fall as the share paid grows: {grid:?}",
+                    table[overlapped].0
+                );
                 let share = crossing(0.0, 1.0, published, speedup).unwrap_or_else(|| {
                     panic!(
                         "{}: the published speed-up of async TP ({published:.3}) lies outside the model's",

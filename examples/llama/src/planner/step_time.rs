@@ -205,9 +205,9 @@ pub struct Engine {
     pub dropout: bool,
     /// Data-parallel gradient reduction overlaps the last micro-batch's backward.
     pub overlap_grad_reduce: bool,
-    /// Tensor-parallel collectives overlap the linears' multiplications, each the product it
-    /// is fused with (async TP; under sequence parallelism only, whose all-gathers and
-    /// reduce-scatters it splits).
+    /// Tensor-parallel collectives overlap the linears' multiplications, each behind the
+    /// product it is fused with (async TP: under sequence parallelism only, whose all-gathers
+    /// and reduce-scatters it splits, and on devices computing on their own).
     pub overlap_tp: bool,
     /// A pipeline message is split over the tensor-parallel ranks (Megatron's scatter-gather).
     pub split_pipeline_messages: bool,
@@ -701,31 +701,37 @@ fn micro_batch(
     // reduce-scatters, and a device computing on its own), each collective runs behind the
     // product it is fused with: attention's all-gather behind the query, key and value
     // product, its reduce-scatter behind the output projection, the MLP's behind its products
-    // into and out of the wide layer; backward, each behind that product's two.
+    // into and out of the wide layer. Backward, the incoming gradient is gathered once before
+    // the output projection's two products (and the MLP's out of the wide layer), and the
+    // first product's two run behind the reduce-scatter of its input's gradient and the
+    // gather of its input again. A mixture's are taken as a dense MLP's, which is optimistic:
+    // only the router reads the gathered tokens, the experts their dispatched copies.
     let (forward_tp, layer_tp) =
         match engine.overlap_tp && layout.sp && cluster.shared_cores.is_none() {
             false => (pair, pair * (1.0 + backward_share + recomputed / 2.0)),
             true => {
                 let (a, m) = (attention_ar / 2.0, mlp_ar / 2.0);
-                let fused = |times: f64, scale: f64| {
-                    engine.behind(times * a, scale * qkv)
-                        + engine.behind(times * a, scale * out)
-                        + engine.behind(times * m, scale * (router + mlp_up))
-                        + engine.behind(times * m, scale * mlp_down)
-                };
+                let forward = engine.behind(a, qkv)
+                    + engine.behind(a, out)
+                    + engine.behind(m, router + mlp_up)
+                    + engine.behind(m, mlp_down);
+                let backward = engine.behind(2.0 * a, 2.0 * qkv)
+                    + engine.behind(a, 2.0 * out)
+                    + engine.behind(2.0 * m, 2.0 * (router + mlp_up))
+                    + engine.behind(m, 2.0 * mlp_down);
                 let recompute = match layout.recompute {
-                    Recompute::Full => fused(1.0, 1.0),
+                    Recompute::Full => forward,
                     // The all-gathers run again, each before the one product recomputed after
-                    // it: the keys, and the MLP's (gated, one of the two into the wide layer).
+                    // it: the keys, and a gated MLP's one of its two into the wide layer (a
+                    // plain MLP keeps that product, and its gather is waited for).
                     Recompute::EverySecondMatmul => {
-                        let one = if shape.gated { mlp_up / 2.0 } else { mlp_down };
+                        let one = if shape.gated { mlp_up / 2.0 } else { 0.0 };
                         engine.behind(a, cluster.matmul(1.0, tokens, kv_rank, h))
                             + engine.behind(m, one)
                     }
                     Recompute::None | Recompute::Selective => 0.0,
                 };
-                let forward = fused(1.0, 1.0);
-                (forward, forward + fused(backward_share, 2.0) + recompute)
+                (forward, forward + backward + recompute)
             }
         };
 
@@ -963,12 +969,12 @@ mod tests {
         assert_eq!(first.backward, once.backward);
     }
 
-    /// `cluster` with its links within a node `factor` times faster.
+    /// `cluster` with its links within a node `factor` times faster, in bandwidth and latency.
     fn links_faster(cluster: &Cluster, factor: f64) -> Cluster {
         Cluster {
             intra_node: Link {
                 bandwidth: cluster.intra_node.bandwidth * factor,
-                ..cluster.intra_node
+                latency: cluster.intra_node.latency / factor,
             },
             ..cluster.clone()
         }
@@ -995,8 +1001,8 @@ mod tests {
         assert_eq!(on(&fast, true, 0.0).tp_comm, 0.0);
         let share = on(&fast, true, 0.25).tp_comm;
         assert!((share - 0.25 * waited).abs() < 1e-12 * waited);
-        // Over NVLink a forward's products outlast its collectives together, but the output
-        // projection's reduce-scatter outlasts that one product: it is partly waited for.
+        // Over NVLink a forward's products outlast its collectives together, but the
+        // reduce-scatters outlast their single products: they are partly waited for.
         let (a100, gathered) = (on(&nvlink, true, 0.0), on(&nvlink, false, 0.0));
         assert!(a100.tp_comm > 0.0 && a100.tp_comm < gathered.tp_comm);
         // Over a slow link every collective outlasts its product, and the rest is waited for.

@@ -561,8 +561,11 @@ fn micro_batch(
         }
     };
     let mlp = mlp_up + mlp_down;
-    let (qkv, out) = (
+    // One of the MLP's matrices (they cost alike): what torchtitan's per-op recompute runs again.
+    let mlp_matrix = mlp / if shape.gated { 3.0 } else { 2.0 };
+    let (qkv, keys, out) = (
         cluster.matmul(1.0, tokens, h / t + 2.0 * kv_rank, h),
+        cluster.matmul(1.0, tokens, kv_rank, h),
         cluster.matmul(1.0, tokens, h, h / t),
     );
     let linears = qkv + out + router + mlp;
@@ -660,14 +663,7 @@ fn micro_batch(
         Recompute::None => 0.0,
         Recompute::Selective => attention_forward,
         Recompute::Full => layer_forward,
-        Recompute::EverySecondMatmul => {
-            let matrices = if shape.gated { 3.0 } else { 2.0 };
-            cluster.matmul(1.0, tokens, kv_rank, h)
-                + out
-                + mlp / matrices
-                + elementwise
-                + fixed / 3.0
-        }
+        Recompute::EverySecondMatmul => keys + out + mlp_matrix + elementwise + fixed / 3.0,
     };
 
     // Tensor parallelism: two all-reduces forward, of attention's output and the MLP's (of
@@ -725,9 +721,8 @@ fn micro_batch(
                     // it: the keys, and a gated MLP's one of its two into the wide layer (a
                     // plain MLP keeps that product, and its gather is waited for).
                     Recompute::EverySecondMatmul => {
-                        let one = if shape.gated { mlp_up / 2.0 } else { 0.0 };
-                        engine.behind(a, cluster.matmul(1.0, tokens, kv_rank, h))
-                            + engine.behind(m, one)
+                        let after = if shape.gated { mlp_matrix } else { 0.0 };
+                        engine.behind(a, keys) + engine.behind(m, after)
                     }
                     Recompute::None | Recompute::Selective => 0.0,
                 };

@@ -6,14 +6,18 @@
 //! - [`calibrate`]: this machine measured, as a cluster of thread ranks;
 //! - [`step_time`]: the cost model of one step, which the published runs validate
 //!   (`tests/planner_validation.rs`);
-//! - [`search`]: the layouts, sized by `llama plan`'s memory estimate and ranked.
+//! - [`search`]: the layouts, sized by `llama plan`'s memory estimate and ranked;
+//! - [`torch_memory`]: a PyTorch FSDP2 run's peak memory, which holds the memory side to
+//!   published runs of torchtitan.
 
 pub mod calibrate;
 pub mod cluster;
 pub mod search;
 pub mod step_time;
+pub mod torch_memory;
 
 pub use calibrate::{Calibration, calibrate};
 pub use cluster::{CLUSTER_PRESETS, Cluster, Link};
 pub use search::{Candidate, Dtype, Found, Request, burn_parallel, search};
 pub use step_time::{Engine, Recompute, Shape, StepLayout, StepTime, step_time};
+pub use torch_memory::{FsdpRun, TorchMemory, fsdp_peak_memory};

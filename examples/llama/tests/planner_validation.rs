@@ -1,4 +1,4 @@
-//! The planner's step-time model against published measured runs, each within 15 %, and its
+//! The planner's step-time model against published measured runs, each within 15 %, and a
 //! model of a PyTorch run's memory within 10 % (`torchtitan_llama3_memory`), with every
 //! case's error printed (`cargo test --release -p llama --test planner_validation --
 //! --nocapture`). The hardware figures are the cluster presets' (stated in `cluster.rs`), not
@@ -590,8 +590,9 @@ fn torchtitan_llama3_h100() {
 /// 3, the eager FSDP rows): Llama 3.1 8B, 2 sequences of 8192 tokens a GPU, per-op selective
 /// checkpointing, sharded over 8 and over 128 GPUs. Its "Memory(GiB)" is the caching
 /// allocator's peak reserved bytes (`max_reserved_gib` in `train.py` and `metrics.py` at the
-/// runs' commit 9dec370), which the model predicts from what eager PyTorch, FSDP2 and the
-/// allocator's per-stream pools hold (`planner/torch_memory.rs`); nothing is fitted.
+/// runs' commit 9dec370), which a model of what eager PyTorch, FSDP2 and the allocator's
+/// per-stream pools hold predicts (`planner/torch_memory.rs`, a model of its own: burn's
+/// estimate is checked against this repository's runs); nothing is fitted.
 ///
 /// Not checked: the compiled rows (77.0 and 62.0 GiB), whose kernels Inductor fuses and whose
 /// saved tensors its partitioner chooses, and the Float8, tensor-, pipeline- and
@@ -599,7 +600,12 @@ fn torchtitan_llama3_h100() {
 #[test]
 fn torchtitan_llama3_memory() {
     const GIB: f64 = (1u64 << 30) as f64;
-    let cases: Vec<Case> = [("8B FSDP 8, selective AC", 8, 82.4), ("8B FSDP 128, selective AC", 128, 67.0)]
+    // name, GPUs the state is sharded over, published GiB.
+    let table = [
+        ("8B FSDP 8, selective AC", 8, 82.4),
+        ("8B FSDP 128, selective AC", 128, 67.0),
+    ];
+    let cases: Vec<Case> = table
         .into_iter()
         .map(|(name, shards, published)| {
             let run = FsdpRun {
@@ -611,7 +617,8 @@ fn torchtitan_llama3_memory() {
             };
             let memory = fsdp_peak_memory(&run).unwrap();
             println!(
-                "{name}: model state {:.1}, gathered {:.1}, activations {:.1}, transient {:.1}, all-gather pool {:.1}, reduce-scatter pool {:.1} GiB",
+                "{name}: model state {:.1}, gathered {:.1}, activations {:.1}, transient {:.1}, \
+                 all-gather pool {:.1}, reduce-scatter pool {:.1} GiB",
                 memory.model_state / GIB,
                 memory.gathered / GIB,
                 memory.activations / GIB,

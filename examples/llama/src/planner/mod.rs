@@ -7,8 +7,8 @@
 //! - [`step_time`]: the cost model of one step, which the published runs validate
 //!   (`tests/planner_validation.rs`);
 //! - [`search`]: the layouts, sized by `llama plan`'s memory estimate and ranked;
-//! - [`torch_memory`]: a PyTorch FSDP2 run's peak memory, which holds the memory side to
-//!   published runs of torchtitan.
+//! - [`torch_memory`]: a PyTorch FSDP2 run's peak memory, a model of its own that published
+//!   torchtitan runs check (burn's estimate is checked against this repository's runs).
 
 pub mod calibrate;
 pub mod cluster;

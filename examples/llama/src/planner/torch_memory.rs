@@ -1,12 +1,13 @@
 //! The device memory a PyTorch training step reserves at its peak, as torchtitan trains a
 //! Llama model with FSDP2: what eager PyTorch keeps for the backward, where FSDP2 allocates,
-//! and the caching allocator's pools, one for each CUDA stream that allocates. `llama plan`
-//! sizes burn's runs (`plan::run_bytes`, from what burn's autodiff keeps); this is how the
-//! memory side of the planner is held to published runs of another system
-//! (`tests/planner_validation.rs`).
+//! and the caching allocator's pools, one for each CUDA stream that allocates. It is a model
+//! of its own, beside `llama plan`'s estimate of burn's runs (`plan::run_bytes`, from what
+//! burn's autodiff keeps, checked against this repository's runs): published runs of PyTorch
+//! can be checked only against a model of what PyTorch holds (`tests/planner_validation.rs`).
 //!
 //! The run it describes (torchtitan at the end of 2024, `parallelize_llama.py` and `train.py`,
-//! on PyTorch 2.6's FSDP2): every block and the root module (embedding, final norm, head)
+//! on a PyTorch nightly of 2024-12-23, 1963fc8; its FSDP2 was read in the 2.6 release of the
+//! same weeks): every block and the root module (embedding, final norm, head)
 //! `fully_shard`ed over the data-parallel ranks, parameters kept in fp32 and gathered in bf16,
 //! gradients reduced in fp32, AdamW with `foreach` kernels, gradients set to `None` before each
 //! step, and the loss `cross_entropy(logits.float())` on the whole vocabulary. The allocator
@@ -46,10 +47,12 @@ pub struct TorchMemory {
     /// What the backward keeps of the blocks and the head, at the peak.
     pub activations: f64,
     /// The working set of the moment of the peak (the loss's backward, a block's, or the
-    /// optimizer's step), with the free range the loss's forward leaves too small for it.
+    /// optimizer's step; none at the root's reduction), with, in the loss's, the free range
+    /// its forward leaves too small for it.
     pub transient: f64,
     /// The all-gathers' pool (their copy-in stream's): the root's output, kept until the
-    /// first block's is waited for, that block's, and the root's shard copied in.
+    /// first block's is waited for, that block's, and the range the root's bf16 shard (its
+    /// input) leaves, which the block's output does not fit in.
     pub gather_pool: f64,
     /// The reduce-scatters' pool: their outputs, which the fp32 gradient shards are views of.
     pub reduce_pool: f64,
@@ -67,9 +70,23 @@ impl TorchMemory {
     }
 }
 
+/// What the default stream's pool holds beside the model state at one moment of a step.
+#[derive(Debug, Clone, Copy)]
+struct Moment {
+    gathered: f64,
+    activations: f64,
+    transient: f64,
+}
+
+impl Moment {
+    fn total(&self) -> f64 {
+        self.gathered + self.activations + self.transient
+    }
+}
+
 /// The peak memory reserved on each device by one step of `run`.
 ///
-/// The default stream's pool peaks at the largest of four moments:
+/// The default stream's pool peaks at the largest of five moments:
 /// - the loss's backward: every block's kept activations, the final norm's, and three fp32
 ///   copies of the logits (the log-softmax the loss keeps, its gradient, and the gradient of
 ///   its input), with the root and the last block gathered (neither is resharded after its
@@ -78,11 +95,14 @@ impl TorchMemory {
 ///   second, finding no range as large, extends the segment, so the logits' size is reserved
 ///   unused;
 /// - the last block's backward: the other blocks' kept activations, this block's whole
-///   (recomputed) and three of its MLP-wide gradients at once, gathered with the block before
-///   it (prefetched) and the root, and the unreduced bf16 gradients of this block and of the
-///   head (the root group is reduced last, after the embedding's gradient);
+///   (recomputed) with three MLP-wide gradients at once (the product's, and from it the
+///   gate's and the up projection's; the product itself freed by then), gathered with the
+///   block before it (prefetched) and the root, and the unreduced bf16 gradients of the MLP's
+///   output matrix and of the head (the root group is reduced last);
 /// - the backward of the block before it: one block's activations fewer, the last block's
 ///   fp32 reduce-scatter input more (FSDP2 frees it at the next group's reduction);
+/// - the root's reduction, at the backward's end: its bf16 gradients, their fp32 copy to be
+///   reduced, and the first block's reduce-scatter input;
 /// - the optimizer's step: AdamW's `foreach` kernels' square root of the second moment.
 pub fn fsdp_peak_memory(run: &FsdpRun) -> Result<TorchMemory, String> {
     let shape = &run.shape;
@@ -92,11 +112,16 @@ pub fn fsdp_peak_memory(run: &FsdpRun) -> Result<TorchMemory, String> {
     if !shape.gated {
         return Err("the PyTorch memory model covers Llama's gated MLP only".into());
     }
-    if run.shards == 0 || run.local_batch == 0 || run.seq_len == 0 || shape.layers < 2 {
+    if run.shards == 0 || run.local_batch == 0 || run.seq_len == 0 {
         return Err(format!(
-            "shards ({}), local batch ({}) and sequence length ({}) must be positive, with \
-             at least two blocks ({})",
-            run.shards, run.local_batch, run.seq_len, shape.layers
+            "shards ({}), local batch ({}) and sequence length ({}) must be positive",
+            run.shards, run.local_batch, run.seq_len
+        ));
+    }
+    if shape.layers < 2 {
+        return Err(format!(
+            "the PyTorch memory model needs at least two blocks, not {}",
+            shape.layers
         ));
     }
     let (h, f, v, a) = (shape.hidden, shape.ffn, shape.vocab, shape.heads);
@@ -110,21 +135,23 @@ pub fn fsdp_peak_memory(run: &FsdpRun) -> Result<TorchMemory, String> {
     let root = params - layers * block;
 
     // Per token, what eager PyTorch keeps of one block when nothing is recomputed: each
-    // RMSNorm its fp32 input, its normed value and its output (`8h`); attention the rotated
-    // queries, the keys and values repeated for every query head, FlashAttention's output and
-    // log-sum-exp, and that output made contiguous for the projection (`10h + 4a`; RoPE's
-    // fp32 products keep only the table); the MLP its gate, the gate's SiLU, the up
-    // projection and their product (`8f`).
-    let whole_block = 2.0 * 8.0 * h + 10.0 * h + FP32 * a + 4.0 * BF16 * f;
-    let kept_block = match run.recompute {
-        Recompute::None => whole_block,
-        // The block's input, and the outputs the policy saves: the 1st, 3rd, 5th and 7th
-        // products (queries, values, the gate, the MLP's output) and FlashAttention's.
+    // RMSNorm its fp32 input, its normed value and its output; attention the rotated queries,
+    // the keys and values repeated for every query head, and FlashAttention's output (which
+    // the projection reads as it is: made contiguous, FlashAttention's layout needs no copy)
+    // and log-sum-exp (RoPE's fp32 products keep only the table); the MLP its gate, the
+    // gate's SiLU, the up projection and their product.
+    let norm = (FP32 + BF16 + BF16) * h;
+    let whole_block = 2.0 * norm + BF16 * 4.0 * h + FP32 * a + BF16 * 4.0 * f;
+    // Under checkpointing, what a block keeps includes its input, which its recompute reads.
+    let (kept_block, input) = match run.recompute {
+        Recompute::None => (whole_block, 0.0),
+        // The input, and the outputs the policy saves: the 1st, 3rd, 5th and 7th products
+        // (queries, values, the gate, the MLP's output) and FlashAttention's.
         Recompute::EverySecondMatmul => {
             let products = h + kv + f + h;
-            BF16 * (h + products + h) + FP32 * a
+            (BF16 * (h + products + h) + FP32 * a, BF16 * h)
         }
-        Recompute::Full => BF16 * h,
+        Recompute::Full => (BF16 * h, BF16 * h),
         Recompute::Selective => {
             return Err(
                 "torchtitan has no selective recompute of attention alone; use \
@@ -133,40 +160,46 @@ pub fn fsdp_peak_memory(run: &FsdpRun) -> Result<TorchMemory, String> {
             );
         }
     };
-    // The final norm's three (its output is the head's input).
-    let head_norm = 8.0 * h;
+    let recomputed_block = whole_block + input;
 
-    let model_state = (FP32 + 2.0 * FP32) * params / shards;
-    let loss = (
-        BF16 * (root + block),
-        tokens * (layers * kept_block + head_norm),
-        tokens * (3.0 * FP32 * v + BF16 * v),
-    );
-    // A block's backward: the root, this block and the one before it gathered, this block's
-    // and the head's gradients unreduced.
-    let in_a_block = BF16 * (root + 2.0 * block) + BF16 * (block + v * h);
-    let block_transient = tokens * 3.0 * BF16 * f;
-    let last_block = (
-        in_a_block,
-        tokens * ((layers - 1.0) * kept_block + whole_block),
-        block_transient,
-    );
-    let block_before = (
-        in_a_block + FP32 * block,
-        tokens * ((layers - 2.0) * kept_block + whole_block),
-        block_transient,
-    );
-    let optimizer = (0.0, 0.0, FP32 * params / shards);
-    let (gathered, activations, transient) = [loss, last_block, block_before, optimizer]
+    let loss = Moment {
+        gathered: BF16 * (root + block),
+        // The final norm keeps what each of a block's norms keeps.
+        activations: tokens * (layers * kept_block + norm),
+        transient: tokens * (3.0 * FP32 * v + BF16 * v),
+    };
+    let in_a_block = BF16 * (root + 2.0 * block) + BF16 * (h * f + v * h);
+    let block_working_set = tokens * BF16 * (3.0 * f - f);
+    let last_block = Moment {
+        gathered: in_a_block,
+        activations: tokens * ((layers - 1.0) * kept_block + recomputed_block),
+        transient: block_working_set,
+    };
+    let block_before = Moment {
+        gathered: in_a_block + FP32 * block,
+        activations: tokens * ((layers - 2.0) * kept_block + recomputed_block),
+        transient: block_working_set,
+    };
+    let root_reduction = Moment {
+        gathered: (BF16 + FP32) * root + FP32 * block,
+        activations: 0.0,
+        transient: 0.0,
+    };
+    let optimizer = Moment {
+        gathered: 0.0,
+        activations: 0.0,
+        transient: FP32 * params / shards,
+    };
+    let peak = [loss, last_block, block_before, root_reduction, optimizer]
         .into_iter()
-        .max_by(|x, y| (x.0 + x.1 + x.2).total_cmp(&(y.0 + y.1 + y.2)))
-        .expect("four moments");
+        .max_by(|x, y| x.total().total_cmp(&y.total()))
+        .expect("five moments");
 
     Ok(TorchMemory {
-        model_state,
-        gathered,
-        activations,
-        transient,
+        model_state: (FP32 + 2.0 * FP32) * params / shards,
+        gathered: peak.gathered,
+        activations: peak.activations,
+        transient: peak.transient,
         gather_pool: BF16 * (root + block + root / shards),
         reduce_pool: FP32 * params / shards,
     })
@@ -234,7 +267,9 @@ mod tests {
 
     #[test]
     fn without_the_logits_a_block_s_backward_is_the_peak() {
-        // A small vocabulary: a block's backward outweighs the loss's.
+        // A small vocabulary: a block's backward outweighs the loss's, and the one before the
+        // last, holding the last one's reduce-scatter input, outweighs the last's (whose one
+        // more kept input is smaller).
         let shape = Shape {
             vocab: 1000.0,
             ..llama_8b()
@@ -244,13 +279,63 @@ mod tests {
             ..run(8, Recompute::Full)
         })
         .unwrap();
-        assert_eq!(memory.transient, 16_384.0 * 6.0 * 14_336.0);
+        let root = shape.params() - 32.0 * shape.block_params();
+        let gathered = 2.0 * (root + 2.0 * shape.block_params())
+            + 2.0 * (4096.0 * 14_336.0 + 1000.0 * 4096.0)
+            + 4.0 * shape.block_params();
+        assert_eq!(memory.gathered, gathered);
+        assert_eq!(memory.transient, 16_384.0 * 2.0 * 2.0 * 14_336.0);
+    }
+
+    #[test]
+    fn without_checkpointing_every_block_keeps_all_it_computed() {
+        let memory = fsdp_peak_memory(&run(8, Recompute::None)).unwrap();
+        // Per token: two norms' fp32 input, normed value and output; queries, repeated keys
+        // and values, attention's output; its log-sum-exp; gate, SiLU, up projection, product.
+        let block = 2.0 * (4.0 + 2.0 + 2.0) * 4096.0
+            + 4.0 * 2.0 * 4096.0
+            + 32.0 * 4.0
+            + 4.0 * 2.0 * 14_336.0;
+        let final_norm = 8.0 * 4096.0;
+        assert_eq!(memory.activations, 16_384.0 * (32.0 * block + final_norm));
+    }
+
+    #[test]
+    fn a_few_tokens_peak_at_the_root_s_reduction_or_the_optimizer_s_step() {
+        let few = |shards| FsdpRun {
+            local_batch: 1,
+            seq_len: 16,
+            ..run(shards, Recompute::EverySecondMatmul)
+        };
+        let shape = llama_8b();
+        let root = shape.params() - 32.0 * shape.block_params();
+        // The root's bf16 gradients and their fp32 copy, and the first block's fp32 input.
+        let reduction = fsdp_peak_memory(&few(8)).unwrap();
+        assert_eq!(
+            (
+                reduction.gathered,
+                reduction.activations,
+                reduction.transient
+            ),
+            (6.0 * root + 4.0 * shape.block_params(), 0.0, 0.0)
+        );
+        // Unsharded, the square root of the second moment is larger.
+        let step = fsdp_peak_memory(&few(1)).unwrap();
+        assert_eq!((step.gathered, step.transient), (0.0, 4.0 * shape.params()));
     }
 
     #[test]
     fn what_it_does_not_model_is_refused() {
         assert!(fsdp_peak_memory(&run(8, Recompute::Selective)).is_err());
         assert!(fsdp_peak_memory(&run(0, Recompute::Full)).is_err());
+        let one_block = FsdpRun {
+            shape: Shape {
+                layers: 1,
+                ..llama_8b()
+            },
+            ..run(8, Recompute::Full)
+        };
+        assert!(fsdp_peak_memory(&one_block).is_err());
         let moe = FsdpRun {
             shape: Shape {
                 experts: Some(crate::planner::step_time::Experts {

@@ -7,14 +7,17 @@
 # `rope_scaling`), and with the head tied to the embedding; and `tiny-moe`, trained with its
 # experts split over 2 ranks, as Mixtral.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
 # CI passes the binary its test command built (`LLAMA_BIN`): `cargo run` would build llama
 # again with other features, and the next test run would build it back.
-if [ -n "${LLAMA_BIN:-}" ] && [ ! -x "$LLAMA_BIN" ]; then
-    echo "error: LLAMA_BIN=$LLAMA_BIN is not an executable llama binary" >&2
-    exit 1
+if [ -n "${LLAMA_BIN:-}" ]; then
+    LLAMA_BIN=$(realpath -m -- "$LLAMA_BIN")
+    if [ ! -f "$LLAMA_BIN" ] || [ ! -x "$LLAMA_BIN" ]; then
+        echo "error: LLAMA_BIN=$LLAMA_BIN is not an executable llama binary" >&2
+        exit 1
+    fi
 fi
+cd "$(dirname "$0")/.."
+python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
 llama() {
     if [ -n "${LLAMA_BIN:-}" ]; then
         "$LLAMA_BIN" "$@"

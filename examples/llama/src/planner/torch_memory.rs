@@ -6,8 +6,8 @@
 //! can be checked only against a model of what PyTorch holds (`tests/planner_validation.rs`).
 //!
 //! The run it describes (torchtitan at the end of 2024, `parallelize_llama.py` and `train.py`,
-//! on a PyTorch nightly of 2024-12-23, 1963fc8; its FSDP2 was read in the 2.6 release of the
-//! same weeks): every block and the root module (embedding, final norm, head)
+//! on a PyTorch nightly of 2024-12-23, 1963fc8; its FSDP2 was read in the 2.6.0 release):
+//! every block and the root module (embedding, final norm, head)
 //! `fully_shard`ed over the data-parallel ranks, parameters kept in fp32 and gathered in bf16,
 //! gradients reduced in fp32, AdamW with `foreach` kernels, gradients set to `None` before each
 //! step, and the loss `cross_entropy(logits.float())` on the whole vocabulary. The allocator
@@ -95,14 +95,16 @@ impl Moment {
 ///   second, finding no range as large, extends the segment, so the logits' size is reserved
 ///   unused;
 /// - the last block's backward: the other blocks' kept activations, this block's whole
-///   (recomputed) with three MLP-wide gradients at once (the product's, and from it the
-///   gate's and the up projection's; the product itself freed by then), gathered with the
+///   (recomputed, with its kept input under checkpointing) and three MLP-wide gradients at
+///   once (the product's, and from it the SiLU's and the up projection's; the product itself
+///   freed by then), gathered with the
 ///   block before it (prefetched) and the root, and the unreduced bf16 gradients of the MLP's
 ///   output matrix and of the head (the root group is reduced last);
 /// - the backward of the block before it: one block's activations fewer, the last block's
 ///   fp32 reduce-scatter input more (FSDP2 frees it at the next group's reduction);
-/// - the root's reduction, at the backward's end: its bf16 gradients, their fp32 copy to be
-///   reduced, and the first block's reduce-scatter input;
+/// - the root's reduction, at the backward's end: its bf16 gradients and their fp32 copy to
+///   be reduced (its parameters are resharded and the first block's reduce-scatter input
+///   freed just before; the free ranges they leave are not counted);
 /// - the optimizer's step: AdamW's `foreach` kernels' square root of the second moment.
 pub fn fsdp_peak_memory(run: &FsdpRun) -> Result<TorchMemory, String> {
     let shape = &run.shape;
@@ -168,6 +170,9 @@ pub fn fsdp_peak_memory(run: &FsdpRun) -> Result<TorchMemory, String> {
         activations: tokens * (layers * kept_block + norm),
         transient: tokens * (3.0 * FP32 * v + BF16 * v),
     };
+    // In a block's backward: the root, this block and the one before it gathered, the
+    // gradients of the MLP's output matrix and of the head unreduced; three MLP-wide
+    // gradients, less the product they free.
     let in_a_block = BF16 * (root + 2.0 * block) + BF16 * (h * f + v * h);
     let block_working_set = tokens * BF16 * (3.0 * f - f);
     let last_block = Moment {
@@ -181,7 +186,7 @@ pub fn fsdp_peak_memory(run: &FsdpRun) -> Result<TorchMemory, String> {
         transient: block_working_set,
     };
     let root_reduction = Moment {
-        gathered: (BF16 + FP32) * root + FP32 * block,
+        gathered: (BF16 + FP32) * root,
         activations: 0.0,
         transient: 0.0,
     };
@@ -309,7 +314,7 @@ mod tests {
         };
         let shape = llama_8b();
         let root = shape.params() - 32.0 * shape.block_params();
-        // The root's bf16 gradients and their fp32 copy, and the first block's fp32 input.
+        // The root's bf16 gradients and their fp32 copy.
         let reduction = fsdp_peak_memory(&few(8)).unwrap();
         assert_eq!(
             (
@@ -317,7 +322,7 @@ mod tests {
                 reduction.activations,
                 reduction.transient
             ),
-            (6.0 * root + 4.0 * shape.block_params(), 0.0, 0.0)
+            (6.0 * root, 0.0, 0.0)
         );
         // Unsharded, the square root of the second moment is larger.
         let step = fsdp_peak_memory(&few(1)).unwrap();

@@ -97,9 +97,9 @@ impl Moment {
 /// - the last block's backward: the other blocks' kept activations, this block's whole
 ///   (recomputed, with its kept input under checkpointing) and three MLP-wide gradients at
 ///   once (the product's, and from it the SiLU's and the up projection's; the product itself
-///   freed by then), gathered with the
-///   block before it (prefetched) and the root, and the unreduced bf16 gradients of the MLP's
-///   output matrix and of the head (the root group is reduced last);
+///   freed by then), gathered with the block before it (prefetched) and the root, and the
+///   unreduced bf16 gradients of the MLP's output matrix and of the head (the root group is
+///   reduced last);
 /// - the backward of the block before it: one block's activations fewer, the last block's
 ///   fp32 reduce-scatter input more (FSDP2 frees it at the next group's reduction);
 /// - the root's reduction, at the backward's end: its bf16 gradients and their fp32 copy to

@@ -12,6 +12,7 @@
 
 use burn_pipeline::ScheduleKind;
 use burn_zero::ZeroStage;
+use llama::LlamaConfig;
 use llama::planner::{
     Cluster, Engine, FsdpRun, Recompute, Shape, StepLayout, StepTime, fsdp_peak_memory, step_time,
 };
@@ -310,29 +311,9 @@ fn korthikanti_one_block_table_4() {
     );
 }
 
-/// Llama 3.1 8B (`torchtitan/models/llama/__init__.py`).
-fn llama3_8b() -> Shape {
-    llama3(4096.0, 14_336.0, 32, 32.0)
-}
-
-/// Llama 3.1 70B.
-fn llama3_70b() -> Shape {
-    llama3(8192.0, 28_672.0, 80, 64.0)
-}
-
-/// A Llama 3 shape: 8 key/value heads, 128,256 tokens, an untied head.
-fn llama3(hidden: f64, ffn: f64, layers: usize, heads: f64) -> Shape {
-    Shape {
-        hidden,
-        ffn,
-        gated: true,
-        heads,
-        kv_heads: 8.0,
-        layers,
-        vocab: 128_256.0,
-        tied_embeddings: false,
-        experts: None,
-    }
+/// The shape of one of `llama plan`'s presets (Llama 3.1's are torchtitan's).
+fn preset(name: &str) -> Shape {
+    Shape::llama(&LlamaConfig::preset(name).expect("a preset"))
 }
 
 /// torchtitan's H100 runs (pytorch/torchtitan, `benchmarks/llama3_h100_202412_torchtitan.md`
@@ -396,7 +377,7 @@ fn torchtitan_llama3_h100() {
         zero3_forward_twice: false,
         overlap_cost,
     };
-    let (l8, l70) = (llama3_8b(), llama3_70b());
+    let (l8, l70) = (preset("llama3-8b"), preset("llama3-70b"));
     // name, shape, GPUs, tp, local batch, recompute, compiled (and async TP), tokens/s per GPU.
     let table = [
         (
@@ -609,7 +590,7 @@ fn torchtitan_llama3_memory() {
         .into_iter()
         .map(|(name, shards, published)| {
             let run = FsdpRun {
-                shape: llama3_8b(),
+                shape: preset("llama3-8b"),
                 shards,
                 local_batch: 2,
                 seq_len: 8192,

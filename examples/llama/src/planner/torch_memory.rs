@@ -213,19 +213,10 @@ pub fn fsdp_peak_memory(run: &FsdpRun) -> Result<TorchMemory, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::LlamaConfig;
 
     fn llama_8b() -> Shape {
-        Shape {
-            hidden: 4096.0,
-            ffn: 14_336.0,
-            gated: true,
-            heads: 32.0,
-            kv_heads: 8.0,
-            layers: 32,
-            vocab: 128_256.0,
-            tied_embeddings: false,
-            experts: None,
-        }
+        Shape::llama(&LlamaConfig::preset("llama3-8b").unwrap())
     }
 
     fn run(shards: usize, recompute: Recompute) -> FsdpRun {

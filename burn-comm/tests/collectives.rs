@@ -502,7 +502,7 @@ fn ints_and_bools_are_sent_as_they_are() {
 }
 
 #[test]
-fn async_calls_overlap_and_complete_in_issue_order() {
+fn async_calls_complete_in_issue_order() {
     for world in [1, 2, 4] {
         let xs = inputs(9, world, [64, 8], DType::F32);
         let expected_sum = reduce_reference(&xs, ReduceOp::Sum).into_data();
@@ -523,6 +523,28 @@ fn async_calls_overlap_and_complete_in_issue_order() {
             assert_bits_eq(gather, &expected_gather, "async all_gather");
         }
     }
+}
+
+#[test]
+fn an_async_call_returns_before_its_peers_join() {
+    // Rank 0 starts an all-reduce, then meets the others on a second group; they join the
+    // all-reduce only after that meeting. A call that waited for its peers before returning
+    // would leave both sides waiting until the timeout.
+    let results = run(3, |ctx| {
+        let comm = ctx.world();
+        let side = comm.split("side", 0)?;
+        let x = Tensor::<B, 1>::from_floats([ctx.rank() as f32 + 1.0], &Default::default());
+        let sum = if ctx.rank() == 0 {
+            let pending = comm.all_reduce_async(x, ReduceOp::Sum);
+            side.barrier()?;
+            pending.wait()?
+        } else {
+            side.barrier()?;
+            comm.all_reduce(x, ReduceOp::Sum)?
+        };
+        Ok(sum.into_scalar())
+    });
+    assert_eq!(results, vec![6.0; 3]);
 }
 
 #[test]

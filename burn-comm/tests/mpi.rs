@@ -59,7 +59,7 @@ fn orchestrate() {
     let _ = std::fs::remove_file(&hostfile);
     assert_ok(&out, "collectives at 3 processes placed by a hostfile");
     println!("collectives at 3 processes placed by a hostfile: ok");
-    let faults: [(&str, &[&str]); 8] = [
+    let faults: [(&str, &[&str]); 9] = [
         ("panic", &["rank 1 panicked: rank 1 gives up"]),
         (
             "error",
@@ -76,7 +76,16 @@ fn orchestrate() {
             "mismatch",
             &[
                 "mismatched calls on group 'world'",
+                "all_reduce(sum) on F32 [4]",
                 "all_gather(dim 0) on F32 [4]",
+            ],
+        ),
+        (
+            "mismatch-dtype",
+            &[
+                "mismatched calls on group 'world'",
+                "all_reduce(sum) on F32 [4]",
+                "all_reduce(sum) on I32 [4]",
             ],
         ),
         // One call's data goes in the round of its header, the other's is too large to.
@@ -110,12 +119,12 @@ fn orchestrate() {
     ];
     for (case, expected) in faults {
         let begun = Instant::now();
-        // Only the stall needs the watchdog; elsewhere a short one could fire first on a busy
-        // machine (a panicking rank prints its backtrace before it aborts) and hide the cause.
+        // Only the stall and the freeze need the watchdog. Elsewhere it is set far beyond the
+        // bound below, so that a job ended by it, not by the failing rank, fails the test.
         let timeout = if matches!(case, "stall" | "frozen") {
             "2"
         } else {
-            "20"
+            "120"
         };
         let mut env = vec![("BURN_COMM_TIMEOUT_SECS", timeout)];
         if case == "frozen" {
@@ -131,8 +140,9 @@ fn orchestrate() {
                 "the {case} job did not say {sentence:?}:\n{text}"
             );
         }
+        // "Within seconds": these jobs end in 0.3-2.5 s here.
         assert!(
-            took < Duration::from_secs(30),
+            took < Duration::from_secs(15),
             "the {case} job took {took:?} to end:\n{text}"
         );
         println!("{case}: ended in {took:.1?}");
@@ -195,6 +205,13 @@ fn rank_case(case: &str, ctx: RankContext) -> Result<(), CommError> {
                 world.all_reduce(x, ReduceOp::Sum).map(drop)
             } else {
                 world.all_gather(x, 0).map(drop)
+            }
+        }
+        "mismatch-dtype" => {
+            if ctx.rank() == 0 {
+                world.all_reduce(x, ReduceOp::Sum).map(drop)
+            } else {
+                world.all_reduce(x.int(), ReduceOp::Sum).map(drop)
             }
         }
         "quiet-sender" => {
@@ -432,6 +449,26 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
         let (a, b, s, d) = (a.wait()?, b.wait()?, s.wait()?, d.wait()?);
         Ok(Tensor::cat(vec![a, b, s, d], 1).into_data())
     })?;
+    // An async call returns while its peers have yet to join it: rank 0 then meets the others
+    // on a second group, which they do before they join. A call that waited for its peers
+    // before returning would leave both sides waiting until the timeout.
+    same_as_threads(
+        ctx,
+        "an async call returns before its peers join",
+        |c, r| {
+            let side = c.split("side", 0)?;
+            let x = input(20, r, [2, 3], DType::F32);
+            let reduced = if r == 0 {
+                let pending = c.all_reduce_async(x, ReduceOp::Sum);
+                side.barrier()?;
+                pending.wait()?
+            } else {
+                side.barrier()?;
+                c.all_reduce(x, ReduceOp::Sum)?
+            };
+            Ok(reduced.into_data())
+        },
+    )?;
     // An all-to-all of uneven parts, some empty (zero-byte messages over MPI).
     same_as_threads(ctx, "all_to_all_split", |c, r| {
         let rows = |from: usize, to: usize| (from + 2 * to) % 3;

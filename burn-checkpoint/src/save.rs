@@ -12,8 +12,6 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use burn::backend::Flex;
-use burn::tensor::{Int, Tensor, TensorData};
 use burn_comm::Communicator;
 use serde::{Deserialize, Serialize};
 
@@ -427,48 +425,13 @@ fn agree(comm: Option<&Communicator>, outcome: Result<(), String>) -> Result<(),
     Ok(())
 }
 
-/// Every rank's bytes, in rank order: lengths first, then the bytes packed four to an int.
+/// Every rank's bytes, in rank order (this process's alone without a communicator).
 fn gather_bytes(
     comm: Option<&Communicator>,
     bytes: Vec<u8>,
 ) -> Result<Vec<Vec<u8>>, CheckpointError> {
-    let Some(comm) = comm else {
-        return Ok(vec![bytes]);
-    };
-    let device = Default::default();
-    let ints = |values: Vec<i32>| {
-        let n = values.len();
-        Tensor::<Flex, 1, Int>::from_data(TensorData::new(values, [n]), &device)
-    };
-    let values = |tensor: Tensor<Flex, 1, Int>| -> Vec<i64> {
-        tensor.into_data().convert::<i64>().to_vec().expect("ints")
-    };
-    let lengths = values(comm.all_gather(ints(vec![bytes.len() as i32]), 0)?);
-    let words = lengths
-        .iter()
-        .map(|&l| (l as usize).div_ceil(4))
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    let mut packed: Vec<i32> = bytes
-        .chunks(4)
-        .map(|c| {
-            let mut word = [0u8; 4];
-            word[..c.len()].copy_from_slice(c);
-            i32::from_le_bytes(word)
-        })
-        .collect();
-    packed.resize(words, 0);
-    let all = values(comm.all_gather(ints(packed), 0)?);
-    Ok(lengths
-        .iter()
-        .enumerate()
-        .map(|(r, &len)| {
-            all[r * words..(r + 1) * words]
-                .iter()
-                .flat_map(|&w| (w as i32).to_le_bytes())
-                .take(len as usize)
-                .collect()
-        })
-        .collect())
+    match comm {
+        Some(comm) => Ok(comm.all_gather_bytes(&bytes)?),
+        None => Ok(vec![bytes]),
+    }
 }

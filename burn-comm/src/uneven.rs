@@ -1,10 +1,11 @@
 //! Reduce-scatter and all-gather with parts of any size (PyTorch's `reduce_scatter` and
-//! `all_gather` over lists of unequal tensors): rank `r`'s part along a dimension has
-//! `splits[r]` rows. The transports take equal blocks (MPI's `Reduce_scatter_block`, NCCL), so
+//! `all_gather` over lists of unequal tensors, and its `all_gather_object` for bytes): rank
+//! `r`'s part along a dimension has `splits[r]` rows. The transports take equal blocks (MPI's `Reduce_scatter_block`, NCCL), so
 //! every part travels padded to the largest and the padding is cut off on arrival; the ranks
 //! first agree on the sizes, so sizes that differ between ranks fail on every rank with a
 //! sentence instead of scattering the wrong rows.
 
+use burn::backend::Flex;
 use burn::tensor::backend::Backend;
 use burn::tensor::{BasicOps, Int, Tensor, TensorData};
 
@@ -110,6 +111,66 @@ impl Communicator {
             .map(|(r, &rows)| gathered.clone().narrow(dim, r * widest, rows))
             .collect();
         Ok(Tensor::cat(parts, dim))
+    }
+
+    /// Every rank's `bytes`, in rank order, whatever their lengths (PyTorch's
+    /// `all_gather_object`, for bytes a caller serialised): the lengths first, then the bytes
+    /// padded to the longest, four to a word. They travel in host memory: on this group, or for
+    /// a group on NCCL on the host group it was made from ([`Communicator::host`]).
+    pub fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        let invalid = |reason: String| CommError::InvalidArgument {
+            op: format!("all_gather_bytes of {} bytes", bytes.len()),
+            group: self.group_name().to_string(),
+            reason,
+        };
+        let host = self.host().ok_or_else(|| {
+            invalid(
+                "bytes travel in host memory, and this group on NCCL was not made from a host group; call it on the group `nccl` was called on".into(),
+            )
+        })?;
+        let device = Default::default();
+        let words = |values: Vec<i32>| {
+            let n = values.len();
+            Tensor::<Flex, 1, Int>::from_data(TensorData::new(values, [n]), &device)
+        };
+        let values = |tensor: Tensor<Flex, 1, Int>| -> Vec<i32> {
+            let data = tensor.into_data().convert::<i32>();
+            data.to_vec().expect("converted to i32")
+        };
+        // A length no word holds travels as -1, so that every rank fails alike.
+        let length = i32::try_from(bytes.len()).unwrap_or(-1);
+        let lengths = values(host.all_gather(words(vec![length]), 0)?);
+        let too_long: Vec<usize> = (0..lengths.len()).filter(|&r| lengths[r] < 0).collect();
+        if !too_long.is_empty() {
+            return Err(invalid(format!(
+                "ranks {too_long:?} passed more than {} bytes, which one call cannot carry",
+                i32::MAX
+            )));
+        }
+        let longest = lengths.iter().map(|&l| l as usize).max().unwrap_or(0);
+        // One word at least: no rank's part of the all-gather is empty.
+        let per_rank = longest.div_ceil(4).max(1);
+        let mut packed: Vec<i32> = bytes
+            .chunks(4)
+            .map(|c| {
+                let mut word = [0u8; 4];
+                word[..c.len()].copy_from_slice(c);
+                i32::from_le_bytes(word)
+            })
+            .collect();
+        packed.resize(per_rank, 0);
+        let all = values(host.all_gather(words(packed), 0)?);
+        Ok(lengths
+            .iter()
+            .enumerate()
+            .map(|(r, &len)| {
+                all[r * per_rank..(r + 1) * per_rank]
+                    .iter()
+                    .flat_map(|w| w.to_le_bytes())
+                    .take(len as usize)
+                    .collect()
+            })
+            .collect())
     }
 
     /// Every rank's `splits` and whether its own arguments are valid (`mine`), shared with

@@ -19,6 +19,7 @@
 
 mod error;
 pub mod executor;
+mod gather;
 pub mod gradients;
 pub mod schedule;
 pub mod simulate;

@@ -738,10 +738,11 @@ impl ClusterOverrides {
 /// one process per rank, of which rank 0 alone prints and writes files.
 fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), Ended> {
     let lead = process.as_ref().is_none_or(|ctx| ctx.rank() == 0);
+    // The others keep `--schedule-svg`: every rank takes part in gathering the timeline that
+    // rank 0 alone writes.
     if !lead {
         args.save = None;
         args.metrics = None;
-        args.schedule_svg = None;
     }
     let name = args.model.clone().unwrap_or_else(|| "tiny".into());
     let mut model = preset(&name)?;
@@ -888,7 +889,9 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
     if args.nccl && args.device == Device::Cpu {
         return Err("--nccl moves CUDA tensors between GPUs; use it with --device cuda".into());
     }
-    check_outputs(&args)?;
+    if lead {
+        check_outputs(&args)?;
+    }
 
     let data: Box<dyn Dataset> = match &args.data {
         Some(path) => match &tokenizer {

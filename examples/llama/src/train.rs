@@ -470,21 +470,16 @@ pub fn train<B: TrainBackend>(
     }
     let results = launch_ranks(config, dims.ranks(), on_step, |world, forward| {
         let finished = train_rank::<B>(config, data, Some(world), &weights, device, forward)?;
+        let timeline = match config.schedule_svg {
+            Some(_) => measured_timeline(config, &dims, world, &finished.spans)?,
+            None => None,
+        };
         // Threads keep rank 0's model only; a process keeps its own.
         let keep = world.rank() == 0 || config.process.is_some();
-        let model = keep.then_some(finished.model);
-        Ok((dims.is_first_copy(world.rank()), finished.spans, model))
+        Ok((keep.then_some(finished.model), timeline))
     })?;
-    if let Some(path) = &config.schedule_svg {
-        // Ranks come back in order: the first copy's in stage order.
-        let timeline = burn_pipeline::Timeline {
-            ranks: results
-                .iter()
-                .filter(|(first_copy, _, _)| *first_copy)
-                .map(|(_, spans, _)| spans.clone())
-                .collect(),
-            virtual_stages: config.virtual_stages,
-        };
+    let (model, timeline) = results.into_iter().next().expect("one result per rank");
+    if let (Some(path), Some(timeline)) = (&config.schedule_svg, timeline) {
         let title = format!(
             "{} measured, pp {}, {} micro-batches, {} chunk(s) per rank{}",
             config.schedule,
@@ -496,8 +491,34 @@ pub fn train<B: TrainBackend>(
         std::fs::write(path, timeline.to_svg(&title))
             .map_err(|e| TrainError::Config(format!("cannot write {}: {e}", path.display())))?;
     }
-    let (_, _, model) = results.into_iter().next().expect("one result per rank");
     Ok(model.expect("the first result is rank 0's, or this process's"))
+}
+
+/// The last step's timeline of the pipeline's first copy (the stages' ranks of the first
+/// replica, and the first of their context- and tensor-parallel peers), in stage order, on
+/// rank 0; `None` on the other ranks. Every rank calls it: the ranks may be processes, which
+/// hold their own spans only.
+fn measured_timeline(
+    config: &TrainConfig,
+    dims: &ParallelDims,
+    world: &Communicator,
+    spans: &[burn_pipeline::Span],
+) -> Result<Option<burn_pipeline::Timeline>, TrainError> {
+    // The spans travel in host memory: beside a world on NCCL, on the ranks' host group.
+    let world = world.host().ok_or_else(|| {
+        TrainError::Config("--schedule-svg needs the ranks' host group beside NCCL".into())
+    })?;
+    let first = dims.is_first_copy(world.rank());
+    // The first copy's ranks, in world order: stage order, rank 0 first.
+    let group = world.split("timeline", usize::from(!first))?;
+    match first {
+        true => Ok(burn_pipeline::Timeline::gather(
+            &group,
+            spans,
+            config.virtual_stages,
+        )?),
+        false => Ok(None),
+    }
 }
 
 /// Reads the newest checkpoint of the run `config` resumes into `config`'s layout, every rank

@@ -527,22 +527,9 @@ fn async_calls_complete_in_issue_order() {
 
 #[test]
 fn an_async_call_returns_before_its_peers_join() {
-    // Rank 0 starts an all-reduce, then meets the others on a second group; they join the
-    // all-reduce only after that meeting. A call that waited for its peers before returning
-    // would leave both sides waiting until the timeout.
     let results = run(3, |ctx| {
-        let comm = ctx.world();
-        let side = comm.split("side", 0)?;
         let x = Tensor::<B, 1>::from_floats([ctx.rank() as f32 + 1.0], &Default::default());
-        let sum = if ctx.rank() == 0 {
-            let pending = comm.all_reduce_async(x, ReduceOp::Sum);
-            side.barrier()?;
-            pending.wait()?
-        } else {
-            side.barrier()?;
-            comm.all_reduce(x, ReduceOp::Sum)?
-        };
-        Ok(sum.into_scalar())
+        Ok(sum_joined_after_an_async_start(ctx.world(), x)?.into_scalar())
     });
     assert_eq!(results, vec![6.0; 3]);
 }

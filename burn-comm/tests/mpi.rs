@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_comm::{CommError, Communicator, Launcher, Process, RankContext, ReduceOp, launch};
-use common::{B, random_magnitudes};
+use common::{B, random_magnitudes, sum_joined_after_an_async_start};
 
 fn main() {
     match Launcher::from_env() {
@@ -449,24 +449,13 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
         let (a, b, s, d) = (a.wait()?, b.wait()?, s.wait()?, d.wait()?);
         Ok(Tensor::cat(vec![a, b, s, d], 1).into_data())
     })?;
-    // An async call returns while its peers have yet to join it: rank 0 then meets the others
-    // on a second group, which they do before they join. A call that waited for its peers
-    // before returning would leave both sides waiting until the timeout.
+    // An async call returns while its peers have yet to join it.
     same_as_threads(
         ctx,
         "an async call returns before its peers join",
         |c, r| {
-            let side = c.split("side", 0)?;
             let x = input(20, r, [2, 3], DType::F32);
-            let reduced = if r == 0 {
-                let pending = c.all_reduce_async(x, ReduceOp::Sum);
-                side.barrier()?;
-                pending.wait()?
-            } else {
-                side.barrier()?;
-                c.all_reduce(x, ReduceOp::Sum)?
-            };
-            Ok(reduced.into_data())
+            Ok(sum_joined_after_an_async_start(c, x)?.into_data())
         },
     )?;
     // An all-to-all of uneven parts, some empty (zero-byte messages over MPI).

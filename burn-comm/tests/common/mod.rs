@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use burn::backend::Flex;
 use burn::tensor::{DType, Tensor, TensorData};
-use burn_comm::{LaunchConfig, RankContext, RankError, launch_with};
+use burn_comm::{
+    CommError, Communicator, LaunchConfig, RankContext, RankError, ReduceOp, launch_with,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -80,3 +82,22 @@ pub fn assert_bits_eq(actual: &TensorData, expected: &TensorData, what: &str) {
 }
 
 pub const WORLD_SIZES: [usize; 5] = [1, 2, 3, 4, 8];
+
+/// The sum of every rank's `x`, with rank 0's all-reduce started asynchronously before it meets
+/// the others on a second group, which they do before they join the all-reduce: an async call
+/// that waited for its peers before returning would leave both sides waiting until the
+/// timeout.
+pub fn sum_joined_after_an_async_start<const D: usize>(
+    comm: &Communicator,
+    x: Tensor<B, D>,
+) -> Result<Tensor<B, D>, CommError> {
+    let side = comm.split("side", 0)?;
+    if comm.rank() == 0 {
+        let pending = comm.all_reduce_async(x, ReduceOp::Sum);
+        side.barrier()?;
+        pending.wait()
+    } else {
+        side.barrier()?;
+        comm.all_reduce(x, ReduceOp::Sum)
+    }
+}

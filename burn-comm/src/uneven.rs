@@ -1,6 +1,7 @@
-//! Reduce-scatter and all-gather with parts of any size (PyTorch's `reduce_scatter` and
-//! `all_gather` over lists of unequal tensors, and its `all_gather_object` for bytes): rank
-//! `r`'s part along a dimension has `splits[r]` rows. The transports take equal blocks (MPI's `Reduce_scatter_block`, NCCL), so
+//! Collectives of parts of any size. Reduce-scatter and all-gather as PyTorch's
+//! `reduce_scatter` and `all_gather` over lists of unequal tensors: rank `r`'s part along a
+//! dimension has `splits[r]` rows. And every rank's bytes, as PyTorch's `all_gather_object`
+//! gathers what it pickled. The transports take equal blocks (MPI's `Reduce_scatter_block`, NCCL), so
 //! every part travels padded to the largest and the padding is cut off on arrival; the ranks
 //! first agree on the sizes, so sizes that differ between ranks fail on every rank with a
 //! sentence instead of scattering the wrong rows.
@@ -116,7 +117,8 @@ impl Communicator {
     /// Every rank's `bytes`, in rank order, whatever their lengths (PyTorch's
     /// `all_gather_object`, for bytes a caller serialised): the lengths first, then the bytes
     /// padded to the longest, four to a word. They travel in host memory: on this group, or for
-    /// a group on NCCL on the host group it was made from ([`Communicator::host`]).
+    /// a group on NCCL on the host group it was made from ([`Communicator::host`]), which no
+    /// other thread may use meanwhile (the ranks would pair its calls differently).
     pub fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
         let invalid = |reason: String| CommError::InvalidArgument {
             op: format!("all_gather_bytes of {} bytes", bytes.len()),
@@ -129,7 +131,7 @@ impl Communicator {
             )
         })?;
         let device = Default::default();
-        let words = |values: Vec<i32>| {
+        let int_tensor = |values: Vec<i32>| {
             let n = values.len();
             Tensor::<Flex, 1, Int>::from_data(TensorData::new(values, [n]), &device)
         };
@@ -139,7 +141,7 @@ impl Communicator {
         };
         // A length no word holds travels as -1, so that every rank fails alike.
         let length = i32::try_from(bytes.len()).unwrap_or(-1);
-        let lengths = values(host.all_gather(words(vec![length]), 0)?);
+        let lengths = values(host.all_gather(int_tensor(vec![length]), 0)?);
         let too_long: Vec<usize> = (0..lengths.len()).filter(|&r| lengths[r] < 0).collect();
         if !too_long.is_empty() {
             return Err(invalid(format!(
@@ -159,7 +161,7 @@ impl Communicator {
             })
             .collect();
         packed.resize(per_rank, 0);
-        let all = values(host.all_gather(words(packed), 0)?);
+        let all = values(host.all_gather(int_tensor(packed), 0)?);
         Ok(lengths
             .iter()
             .enumerate()

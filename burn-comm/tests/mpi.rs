@@ -140,9 +140,10 @@ fn orchestrate() {
                 "the {case} job did not say {sentence:?}:\n{text}"
             );
         }
-        // "Within seconds": these jobs end in 0.3-2.5 s here.
+        // Well before the 120 s watchdog of the cases it does not end: they end in 0.3-2.5 s
+        // here, and a loaded machine starts mpirun and prints backtraces slower.
         assert!(
-            took < Duration::from_secs(15),
+            took < Duration::from_secs(60),
             "the {case} job took {took:?} to end:\n{text}"
         );
         println!("{case}: ended in {took:.1?}");

@@ -12,7 +12,7 @@ use crate::simulate::{Span, Timeline};
 /// A span as it travels: its times as their bits, since a float written as JSON text need not
 /// read back the same.
 #[derive(Serialize, Deserialize)]
-struct Sent {
+struct SentSpan {
     action: Action,
     start: u64,
     end: u64,
@@ -28,9 +28,9 @@ impl Timeline {
         spans: &[Span],
         virtual_stages: usize,
     ) -> Result<Option<Timeline>, PipelineError> {
-        let sent: Vec<Sent> = spans
+        let sent: Vec<SentSpan> = spans
             .iter()
-            .map(|s| Sent {
+            .map(|s| SentSpan {
                 action: s.action,
                 start: s.start.to_bits(),
                 end: s.end.to_bits(),
@@ -44,7 +44,7 @@ impl Timeline {
         let ranks = all
             .iter()
             .map(|bytes| {
-                let sent: Vec<Sent> =
+                let sent: Vec<SentSpan> =
                     serde_json::from_slice(bytes).expect("every rank sends its spans as these");
                 sent.into_iter()
                     .map(|s| Span {

@@ -243,7 +243,9 @@ const BANDWIDTH_SHARE: f64 = 0.9;
 /// with the ratio's range, judged against the targets.
 fn summarise(rows: &[Row], rounds: u64) {
     println!(
-        "\nmedian of {rounds} rounds (range); targets: below 64 KiB mpi/raw latency <= {LATENCY_FACTOR}x, from 1 MiB mpi/raw bus bandwidth >= {BANDWIDTH_SHARE}"
+        "\nmedian of {rounds} rounds (range); targets: below {} mpi/raw latency <= {LATENCY_FACTOR}x, from {} mpi/raw bus bandwidth >= {BANDWIDTH_SHARE}",
+        human(LATENCY_BELOW),
+        human(BANDWIDTH_FROM)
     );
     println!(
         "{:<15} {:>5} {:>9} {:>11} {:>11} {:>18} {:>7}",
@@ -262,7 +264,7 @@ fn summarise(rows: &[Row], rounds: u64) {
             .filter(|r| (r.op, r.world, r.bytes) == (op, world, bytes))
             .collect();
         let med = |f: &dyn Fn(&Row) -> f64| benches::median(of_key.iter().map(|r| f(r)));
-        // Below 64 KiB the figure is burn-comm's latency over raw MPI's, as its target is.
+        // For small calls the figure is burn-comm's latency over raw MPI's, as its target is.
         let latency = bytes < LATENCY_BELOW;
         let figure = |r: &Row| match latency {
             true => 1.0 / r.mpi_over_raw,

@@ -374,9 +374,10 @@ struct EvalArgs {
     device: Device,
 }
 
-/// Fails before reading the data and training, not after, when `--save`, `--metrics` or
-/// `--schedule-svg` cannot be written.
-fn check_outputs(args: &TrainArgs) -> Result<(), String> {
+/// Fails before reading the data and training, not after, when `--save`, `--checkpoint-dir`,
+/// `--metrics` or `--schedule-svg` cannot be written. Every rank writes its part of a
+/// checkpoint; the schedule's drawing is rank 0's alone (`lead`).
+fn check_outputs(args: &TrainArgs, lead: bool) -> Result<(), String> {
     let refuse = |flag: &str, path: &std::path::Path, e: std::io::Error| {
         format!(
             "{flag} {}: {e}; nothing was trained, pick a place this user can write",
@@ -394,9 +395,10 @@ fn check_outputs(args: &TrainArgs) -> Result<(), String> {
             .and_then(|_| std::fs::remove_file(&probe))
             .map_err(|e| refuse(flag, dir, e))?;
     }
+    let drawing = args.schedule_svg.as_ref().filter(|_| lead);
     for (flag, path) in [
-        ("--metrics", &args.metrics),
-        ("--schedule-svg", &args.schedule_svg),
+        ("--metrics", args.metrics.as_ref()),
+        ("--schedule-svg", drawing),
     ] {
         let Some(path) = path else { continue };
         // Open without truncating, so a file that is there stays as it was until the run
@@ -889,9 +891,7 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
     if args.nccl && args.device == Device::Cpu {
         return Err("--nccl moves CUDA tensors between GPUs; use it with --device cuda".into());
     }
-    if lead {
-        check_outputs(&args)?;
-    }
+    check_outputs(&args, lead)?;
 
     let data: Box<dyn Dataset> = match &args.data {
         Some(path) => match &tokenizer {

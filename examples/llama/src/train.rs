@@ -504,7 +504,8 @@ fn measured_timeline(
     world: &Communicator,
     spans: &[burn_pipeline::Span],
 ) -> Result<Option<burn_pipeline::Timeline>, TrainError> {
-    // The spans travel in host memory: beside a world on NCCL, on the ranks' host group.
+    // The spans travel in host memory, so the group is split from the ranks' host group: one
+    // split from a world on NCCL has none.
     let world = world.host().ok_or_else(|| {
         TrainError::Config("--schedule-svg needs the ranks' host group beside NCCL".into())
     })?;

@@ -170,6 +170,17 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
         if pipelined {
             let drawn = drawn_actions(&svg);
             assert_eq!(drawn.len(), 2, "{name}: a row per stage's rank\n{drawn:?}");
+            // Row r is pipeline rank r, which holds the stages s with s % 2 == r.
+            for (r, (_, actions)) in drawn.iter().enumerate() {
+                for action in actions {
+                    let stage: usize = action
+                        .rsplit("stage ")
+                        .next()
+                        .and_then(|s| s.trim().parse().ok())
+                        .unwrap_or_else(|| panic!("{name}: no stage in {action:?}"));
+                    assert_eq!(stage % 2, r, "{name}: row {r} drew {action:?}");
+                }
+            }
             assert_eq!(
                 drawn,
                 drawn_actions(&threads_svg),

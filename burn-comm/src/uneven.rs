@@ -1,10 +1,10 @@
 //! Collectives of parts of any size. Reduce-scatter and all-gather as PyTorch's
 //! `reduce_scatter` and `all_gather` over lists of unequal tensors: rank `r`'s part along a
-//! dimension has `splits[r]` rows. And every rank's bytes, as PyTorch's `all_gather_object`
-//! gathers what it pickled. The transports take equal blocks (MPI's `Reduce_scatter_block`, NCCL), so
-//! every part travels padded to the largest and the padding is cut off on arrival; the ranks
-//! first agree on the sizes, so sizes that differ between ranks fail on every rank with a
-//! sentence instead of scattering the wrong rows.
+//! dimension has `splits[r]` rows. The transports take equal blocks (MPI's
+//! `Reduce_scatter_block`, NCCL), so every part travels padded to the largest and the padding
+//! is cut off on arrival; the ranks first agree on the sizes, so sizes that differ between
+//! ranks fail on every rank with a sentence instead of scattering the wrong rows. And every
+//! rank's bytes, as PyTorch's `all_gather_object` gathers what it pickled.
 
 use burn::backend::Flex;
 use burn::tensor::backend::Backend;

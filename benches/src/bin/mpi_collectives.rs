@@ -257,7 +257,7 @@ fn summarise(rows: &[Row], rounds: u64) {
             keys.push((row.op, row.world, row.bytes));
         }
     }
-    let (mut met, mut judged, mut missed) = (0, 0, Vec::new());
+    let (mut met, mut missed) = (0, Vec::new());
     for (op, world, bytes) in keys {
         let of_key: Vec<&Row> = rows
             .iter()
@@ -286,9 +286,8 @@ fn summarise(rows: &[Row], rounds: u64) {
         let unit = if latency { "x" } else { "" };
         let shown = format!("{value:.2}{unit} ({low:.2}-{high:.2})");
         match verdict {
-            Some(true) => (met, judged) = (met + 1, judged + 1),
+            Some(true) => met += 1,
             Some(false) => {
-                judged += 1;
                 let size = human(bytes);
                 missed.push(format!("{op} at {world} processes and {size}: {shown}"));
             }
@@ -309,6 +308,7 @@ fn summarise(rows: &[Row], rounds: u64) {
             }
         );
     }
+    let judged = met + missed.len();
     println!("\n{met} of {judged} rows meet their target in the median of {rounds} rounds");
     for miss in missed {
         println!("  missed: {miss}");

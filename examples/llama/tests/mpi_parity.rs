@@ -141,14 +141,16 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
         assert!(out.status.success(), "{}", transcript(&out));
         // A pipeline draws its last step: rank 0 gathers every stage's spans.
         let pipelined = layout.contains(&"--pp");
-        let drawing = |svg: &Path| match pipelined {
-            true => vec!["--schedule-svg".to_string(), svg.display().to_string()],
-            false => Vec::new(),
+        let outputs = |weights: &Path, svg: &Path| {
+            let mut flags = vec!["--save".to_string(), weights.display().to_string()];
+            if pipelined {
+                flags.extend(["--schedule-svg".to_string(), svg.display().to_string()]);
+            }
+            flags
         };
         let (threads, threads_weights) = (file("threads.jsonl"), file("threads-weights"));
         let threads_svg = file("threads.svg");
-        let mut extra = vec!["--save".to_string(), threads_weights.display().to_string()];
-        extra.extend(drawing(&threads_svg));
+        let extra = outputs(&threads_weights, &threads_svg);
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         let out = train(0, &[layout, shared].concat(), &threads, &extra);
         assert!(
@@ -161,8 +163,7 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
             file("weights"),
             file("processes.svg"),
         );
-        let mut extra = vec!["--save".to_string(), weights.display().to_string()];
-        extra.extend(drawing(&svg));
+        let extra = outputs(&weights, &svg);
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         let out = train(ranks, layout, &metrics, &[shared, &extra].concat());
         let text = transcript(&out);

@@ -107,7 +107,6 @@ impl Call {
     /// A digest of the call and of `framing` (the version of how a transport frames calls),
     /// alike in every process of one build: ranks of another process compare digests, which is
     /// much faster than writing out and comparing the calls' text.
-    #[cfg(any(feature = "mpi", test))]
     pub fn digest(&self, framing: u64) -> u64 {
         digest_of(&(framing, self))
     }
@@ -132,7 +131,6 @@ impl fmt::Display for Call {
 }
 
 /// A digest of `value` (see [`Call::digest`]).
-#[cfg(any(feature = "mpi", test))]
 pub(crate) fn digest_of(value: &impl std::hash::Hash) -> u64 {
     use std::hash::Hasher;
     let mut hasher = WordHasher::new();
@@ -144,13 +142,11 @@ pub(crate) fn digest_of(value: &impl std::hash::Hash) -> u64 {
 /// as a call's fields are words and every collective digests its call. Each step is a
 /// bijection of the state and of the word, so two inputs of one length that differ in one
 /// word never collide; the length is digested too.
-#[cfg(any(feature = "mpi", test))]
 struct WordHasher {
     state: u64,
     bytes: u64,
 }
 
-#[cfg(any(feature = "mpi", test))]
 impl WordHasher {
     fn new() -> Self {
         // Not zero, which the mixing keeps: leading zero words would leave no trace.
@@ -166,7 +162,6 @@ impl WordHasher {
     }
 }
 
-#[cfg(any(feature = "mpi", test))]
 impl std::hash::Hasher for WordHasher {
     fn write(&mut self, bytes: &[u8]) {
         self.bytes += bytes.len() as u64;

@@ -200,12 +200,12 @@ impl Communicator {
     }
 
     /// Whether NCCL moves this group's data (see [`Communicator::nccl`]); else a transport on
-    /// host memory does (threads or MPI).
+    /// host memory does (threads, MPI or TCP).
     pub fn is_nccl(&self) -> bool {
         self.inner.transport.memory() != Memory::Host
     }
 
-    /// The same ranks on a host transport (threads or MPI), for what a host backend's tensors
+    /// The same ranks on a host transport (threads, MPI or TCP), for what a host backend's tensors
     /// must do beside a group on NCCL (a checkpoint's agreement, say): this group itself when
     /// it is on one; for a group on NCCL, the group [`Communicator::nccl`] made it from. None
     /// for a group of [`Communicator::nccl_world`] or split from a group on NCCL.

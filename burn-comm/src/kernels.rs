@@ -310,7 +310,6 @@ pub(crate) unsafe fn copy_to_part(
 /// # Safety
 /// `src` must hold a `whole` that contains part `index` and `dst` a `part`, and no other
 /// thread may write `dst` during the call.
-#[cfg(feature = "mpi")]
 pub(crate) unsafe fn copy_from_part(
     (src, whole): (*const u8, &[usize]),
     at: (usize, usize),
@@ -458,7 +457,6 @@ mod tests {
                 let i: usize = (0..3).map(|d| index[d] * ps[d]).sum();
                 assert_eq!(v, parts[r][i], "dim {dim}, element {at}");
             }
-            #[cfg(feature = "mpi")]
             for (r, p) in parts.iter().enumerate() {
                 let mut back = vec![0u32; len];
                 let src = (out.as_ptr() as *const u8, whole.as_slice());

@@ -49,12 +49,19 @@ impl LaunchConfig {
 #[derive(Debug, Clone)]
 pub struct RankContext {
     world: Communicator,
+    local_rank: usize,
 }
 
 impl RankContext {
-    #[cfg(feature = "mpi")]
-    pub(crate) fn new(world: Communicator) -> Self {
-        Self { world }
+    pub(crate) fn new(world: Communicator, local_rank: usize) -> Self {
+        Self { world, local_rank }
+    }
+
+    /// This rank's index among the ranks on its machine, which by torchrun's convention is the
+    /// GPU it drives: the launcher's `LOCAL_RANK` (or MPI's local rank) for a process, the rank
+    /// itself for a thread of [`launch`].
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
     }
 
     /// This rank, `0..world_size()`.
@@ -138,9 +145,7 @@ where
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..config.world_size)
             .map(|rank| {
-                let context = RankContext {
-                    world: Communicator::new(group.clone(), rank),
-                };
+                let context = RankContext::new(Communicator::new(group.clone(), rank), rank);
                 let world = world.clone();
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))

@@ -51,6 +51,7 @@ mod shared;
 mod stats;
 mod store;
 mod sync;
+mod tcp;
 mod transport;
 mod uneven;
 mod world;

@@ -60,10 +60,11 @@ impl Communicator {
             rank: self.global_rank(),
             reason,
         };
-        // Thread ranks share their launch's bookkeeping; MPI processes have none to share.
+        // Thread ranks share their launch's bookkeeping, and TCP processes its store (for the
+        // pairs' ids); MPI processes have none.
         let Some(world) = self.inner.transport.world().cloned() else {
             return Err(failed(
-                "this group's ranks are MPI processes; a job of processes on GPUs starts NCCL with Communicator::nccl_world, as burn-launch runs it".to_string(),
+                "this group's ranks are MPI processes; start a job of processes on GPUs with burn-launch (torchrun's variables), whose world over TCP goes on NCCL with this call".to_string(),
             ));
         };
         // NCCL's start-up waits for every rank, so all agree first that they can start it: each

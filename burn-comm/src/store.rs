@@ -269,7 +269,7 @@ pub struct Store {
 }
 
 /// `now + after`, or a day from now when that overflows (`Duration::MAX` means "no timeout").
-fn deadline(after: Duration) -> Instant {
+pub(crate) fn deadline(after: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(after)
         .or_else(|| now.checked_add(Duration::from_secs(86_400)))
@@ -313,6 +313,12 @@ impl Store {
     /// The server's address.
     pub fn addr(&self) -> &str {
         &self.addr
+    }
+
+    /// This end's address: the interface through which this machine reaches the store's,
+    /// which the other machines of the job reach too.
+    pub(crate) fn local_ip(&self) -> io::Result<std::net::IpAddr> {
+        Ok(self.stream.local_addr()?.ip())
     }
 
     /// The timeout of every call.

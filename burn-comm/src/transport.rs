@@ -2,8 +2,8 @@
 //! checks, the streams, the stats and the errors, and the transports that move the bytes.
 //!
 //! A transport is one group of ranks as seen by one process: the local transport (ranks are
-//! threads, `local.rs`) and MPI (ranks are processes, `mpi.rs`) move tensors' data through host
-//! memory; NCCL (`nccl.rs`) moves CUDA tensors in device memory. The communicator hands each a
+//! threads, `local.rs`), MPI and TCP (ranks are processes, `mpi.rs`, `tcp.rs`) move tensors'
+//! data through host memory; NCCL (`nccl.rs`) moves CUDA tensors in device memory. The communicator hands each a
 //! [`Payload`] in the memory it names, and makes the tensor of the result.
 
 use std::any::Any;
@@ -197,7 +197,7 @@ pub(crate) trait Transport: Send + Sync {
     }
 
     /// What the ranks of the launch share, for transports that keep it in this process: thread
-    /// ranks, and NCCL (its pair ids). MPI keeps nothing of the kind.
+    /// ranks, TCP and NCCL (the timeout, and NCCL's pair ids). MPI keeps nothing of the kind.
     fn world(&self) -> Option<&Arc<World>> {
         None
     }
@@ -313,7 +313,6 @@ pub(crate) trait Transport: Send + Sync {
 
 /// A digest of a point-to-point message's dtype and shape, alike in every process of one
 /// build, which receivers compare before anything is written out.
-#[cfg(feature = "mpi")]
 pub(crate) fn message_digest(dtype: DType, shape: &[usize]) -> u64 {
     crate::call::digest_of(&(dtype, shape))
 }

@@ -6,7 +6,8 @@
 //! On a machine without a CUDA GPU (or with `--mpi`), the ranks are started through `mpirun`
 //! instead (CPU ranks talk through MPI, which only processes that `mpirun` started can join):
 //! `--hostfile` names the machines, and Open MPI's own variables tell each process its rank.
-//! `--torchrun-env` keeps torchrun's way there too, for programs that meet on their own.
+//! `--torchrun-env` keeps torchrun's way there too: burn-comm's ranks then meet in rank 0's
+//! store and talk over TCP, which needs no MPI.
 //!
 //! Each rank runs in its own process group, so stopping a rank stops whatever it started (a
 //! shell's children, say); Ctrl-C or SIGTERM to the launcher stops every rank the same way.
@@ -42,7 +43,8 @@ struct Args {
     /// with torchrun's variables (NCCL): the default on a machine without a CUDA GPU.
     #[arg(long)]
     mpi: bool,
-    /// Start the ranks with torchrun's variables even on a machine without a CUDA GPU.
+    /// Start the ranks with torchrun's variables even on a machine without a CUDA GPU (they
+    /// talk over burn-comm's TCP transport).
     #[arg(long, conflicts_with_all = ["mpi", "hostfile"])]
     torchrun_env: bool,
     /// The machines and their slots, in Open MPI's hostfile format (the ranks start through
@@ -76,7 +78,7 @@ fn run(args: Args) -> Result<ExitCode, String> {
     }
     if !args.torchrun_env && !has_cuda_gpu() {
         eprintln!(
-            "burn-launch: no CUDA GPU here, so the ranks start through mpirun and meet through MPI (--torchrun-env starts them with torchrun's variables instead)"
+            "burn-launch: no CUDA GPU here, so the ranks start through mpirun and meet through MPI (--torchrun-env starts them with torchrun's variables instead, to meet over TCP)"
         );
         return run_mpi(&args);
     }

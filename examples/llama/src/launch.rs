@@ -14,7 +14,7 @@ pub(crate) fn check_processes(config: &TrainConfig) -> Result<(), TrainError> {
     let ranks = dims.ranks();
     if ctx.world_size() != ranks {
         return Err(TrainError::Config(format!(
-            "this layout ({}) needs {ranks} ranks but the job has {} processes; start it with `mpirun -n {ranks}`, or without mpirun to run the ranks as threads",
+            "this layout ({}) needs {ranks} ranks but the job has {} processes; start it with `mpirun -n {ranks}` or `burn-launch --nproc-per-node {ranks}`, or alone to run the ranks as threads",
             dims.describe(),
             ctx.world_size()
         )));
@@ -34,7 +34,7 @@ pub(crate) fn launch_ranks<T: Send>(
     rank: impl Fn(&Communicator, &mut dyn FnMut(&StepMetrics)) -> Result<T, TrainError> + Sync,
 ) -> Result<Vec<T>, TrainError> {
     if let Some(ctx) = &config.process {
-        let world = world_of(ctx, config.nccl)?;
+        let world = world_of(ctx, config.nccl, process_gpu(ctx))?;
         let lead = ctx.rank() == 0;
         let mut forward = |m: &StepMetrics| {
             if lead {
@@ -45,7 +45,7 @@ pub(crate) fn launch_ranks<T: Send>(
     }
     let on_step = std::sync::Mutex::new(on_step);
     let results = burn_comm::launch(ranks, |ctx| {
-        let world = world_of(&ctx, config.nccl)?;
+        let world = world_of(&ctx, config.nccl, 0)?;
         let mut forward = |m: &StepMetrics| {
             if ctx.rank() == 0 {
                 (on_step.lock().unwrap_or_else(|e| e.into_inner()))(m);
@@ -56,14 +56,26 @@ pub(crate) fn launch_ranks<T: Send>(
     first_cause(results)
 }
 
-/// The rank's world: the launched one, or the same ranks on NCCL over the default GPU (the one
-/// the trainer's CUDA device is).
-fn world_of(ctx: &burn_comm::RankContext, nccl: bool) -> Result<Communicator, TrainError> {
+/// The GPU a process of a job of processes drives: its rank on its machine, as torchrun's
+/// convention has it (thread ranks share the default GPU, 0).
+pub fn process_gpu(ctx: &burn_comm::RankContext) -> usize {
+    ctx.local_rank()
+}
+
+/// The rank's world: the launched one, or the same ranks on NCCL over GPU `gpu` (the one the
+/// trainer's CUDA device is).
+fn world_of(
+    ctx: &burn_comm::RankContext,
+    nccl: bool,
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] gpu: usize,
+) -> Result<Communicator, TrainError> {
     if !nccl {
         return Ok(ctx.world().clone());
     }
     #[cfg(feature = "cuda")]
-    return Ok(ctx.world().nccl(&Default::default())?);
+    return Ok(ctx
+        .world()
+        .nccl(&burn::backend::cuda::CudaDevice { index: gpu })?);
     #[cfg(not(feature = "cuda"))]
     Err(TrainError::Config(
         "--nccl needs a build with --features cuda".into(),

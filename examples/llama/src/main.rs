@@ -988,7 +988,12 @@ fn print_run(
 
 #[cfg(feature = "cuda")]
 fn train_on_cuda(config: &TrainConfig, data: &dyn Dataset, args: &TrainArgs) -> Result<(), Ended> {
-    train_on::<Autodiff<burn::backend::Cuda>>(config, data, &Default::default(), args)
+    let gpu = config
+        .process
+        .as_ref()
+        .map_or(0, llama::launch::process_gpu);
+    let device = burn::backend::cuda::CudaDevice { index: gpu };
+    train_on::<Autodiff<burn::backend::Cuda>>(config, data, &device, args)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -1,15 +1,18 @@
-//! The MPI transport with real processes. Run as a test (no launcher's variables), this program
-//! starts itself under `mpirun` at 2, 3 and 4 processes, once per case, and checks how each job
-//! ended; started by `mpirun`, it is one rank of the case named by its first argument.
+//! The transports of processes, with real processes: TCP (ranks started with torchrun's
+//! variables, as `burn-launch` starts them) and, with the `mpi` feature, MPI (ranks started by
+//! `mpirun`). Run as a test (no launcher's variables), this program starts itself at 2, 3 and 4
+//! processes, once per case and launcher, and checks how each job ended; started by a launcher,
+//! it is one rank of the case named by its first argument.
 //!
 //! Every collective is compared bit for bit with the local transport, run on threads inside each
-//! process with the same inputs (both reduce in rank order with the same kernels). The fault
+//! process with the same inputs (all reduce in rank order with the same kernels). The fault
 //! cases check that a rank that panics, fails, stalls, calls something else or is killed ends
 //! the whole job within seconds, with a sentence naming the rank and the cause.
 
 mod common;
 
-use std::process::Output;
+use std::fs::File;
+use std::process::{Command, ExitStatus, Output};
 use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, Int, Tensor, TensorData};
@@ -18,49 +21,96 @@ use common::{B, random_magnitudes, sum_joined_after_an_async_start};
 
 fn main() {
     match Launcher::from_env() {
-        Launcher::Alone => orchestrate(),
+        Launcher::Alone => {
+            let started = Instant::now();
+            orchestrate(Via::Torchrun);
+            #[cfg(feature = "mpi")]
+            orchestrate(Via::Mpirun);
+            println!("every case passed in {:.1?}", started.elapsed());
+        }
         _ => {
             let case = std::env::args().nth(1).expect("a case to run");
             let process = Process::from_env()
-                .expect("joined the MPI job")
-                .expect("started by mpirun");
+                .expect("joined the job")
+                .expect("started by a launcher");
             process.run(|ctx| rank_case(&case, ctx));
         }
     }
 }
 
-/// The test harness's side: one `mpirun` per case.
-fn orchestrate() {
-    let started = Instant::now();
+/// How the ranks of a case are started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// With torchrun's variables, as `burn-launch` starts them: the TCP transport.
+    Torchrun,
+    /// By `mpirun`: the MPI transport.
+    #[cfg(feature = "mpi")]
+    Mpirun,
+}
+
+impl Via {
+    fn run(self, world: usize, case: &str, env: &[(&str, &str)]) -> Output {
+        match self {
+            Via::Torchrun => torchrun(world, case, env),
+            #[cfg(feature = "mpi")]
+            Via::Mpirun => mpirun(world, case, env),
+        }
+    }
+}
+
+/// The test harness's side: one job per case.
+fn orchestrate(via: Via) {
     for world in [2, 3, 4] {
-        let out = mpirun(world, "collectives", &[]);
-        assert_ok(&out, &format!("collectives at {world} processes"));
-        println!("collectives at {world} processes: ok");
+        let out = via.run(world, "collectives", &[]);
+        assert_ok(&out, &format!("collectives at {world} processes ({via:?})"));
+        println!("collectives at {world} processes ({via:?}): ok");
     }
     // Without single copy, a receiver needs its sender's MPI to move a message past the eager
-    // limit on: a sender that then makes no MPI call must not hold it up.
-    let out = mpirun(
+    // limit on: a sender that then makes no call must not hold it up.
+    let out = via.run(
         2,
         "quiet-sender",
         &[("OMPI_MCA_btl_vader_single_copy_mechanism", "none")],
     );
     assert_ok(&out, "a send whose sender goes quiet");
-    println!("a send whose sender goes quiet: ok");
-    // Several machines come from a hostfile; here it lists this one's slots.
-    let hostfile = std::env::temp_dir().join(format!("burn-comm-hosts-{}", std::process::id()));
-    std::fs::write(&hostfile, "localhost slots=3\n").expect("a temporary file");
-    let out = burn_comm::mpirun(3)
-        .arg("--hostfile")
-        .arg(&hostfile)
-        .arg(std::env::current_exe().expect("the test's own path"))
-        .arg("collectives")
-        .output()
-        .expect("mpirun runs");
-    let _ = std::fs::remove_file(&hostfile);
-    assert_ok(&out, "collectives at 3 processes placed by a hostfile");
-    println!("collectives at 3 processes placed by a hostfile: ok");
-    let faults: [(&str, &[&str]); 9] = [
-        ("panic", &["rank 1 panicked: rank 1 gives up"]),
+    println!("a send whose sender goes quiet ({via:?}): ok");
+    #[cfg(feature = "mpi")]
+    if via == Via::Mpirun {
+        // Several machines come from a hostfile; here it lists this one's slots.
+        let hostfile = std::env::temp_dir().join(format!("burn-comm-hosts-{}", std::process::id()));
+        std::fs::write(&hostfile, "localhost slots=3\n").expect("a temporary file");
+        let out = burn_comm::mpirun(3)
+            .arg("--hostfile")
+            .arg(&hostfile)
+            .arg(std::env::current_exe().expect("the test's own path"))
+            .arg("collectives")
+            .output()
+            .expect("mpirun runs");
+        let _ = std::fs::remove_file(&hostfile);
+        assert_ok(&out, "collectives at 3 processes placed by a hostfile");
+        println!("collectives at 3 processes placed by a hostfile: ok");
+    }
+    let (panic, killed): (&[&str], &[&str]) = match via {
+        // mpirun names the killed rank and its signal.
+        #[cfg(feature = "mpi")]
+        Via::Mpirun => (
+            &["rank 1 panicked: rank 1 gives up"],
+            &["rank 1", "signal 9"],
+        ),
+        // The peer's call names the cause: the one the failing rank sent, or a lost connection.
+        Via::Torchrun => (
+            &[
+                "rank 1 panicked: rank 1 gives up",
+                "rank 0 failed: all_reduce(sum) on F32 [4] (call 0) on group 'world' failed because rank 1 panicked: rank 1 gives up",
+            ],
+            &[
+                "rank 0 failed: all_reduce(sum) on F32 [4] (call 1) on group 'world' failed because rank 1 ended its connection",
+            ],
+        ),
+    };
+    #[cfg_attr(not(feature = "mpi"), allow(unused_mut))]
+    let mut faults: Vec<(&str, &[&str])> = vec![
+        ("panic", panic),
         (
             "error",
             &["rank 1 failed: the mesh dp=3 x tp=5 has 15 ranks"],
@@ -88,7 +138,8 @@ fn orchestrate() {
                 "all_reduce(sum) on I32 [4]",
             ],
         ),
-        // One call's data goes in the round of its header, the other's is too large to.
+        // Over MPI, one call's data goes in the round of its header, the other's is too large
+        // to.
         (
             "mismatch-sizes",
             &[
@@ -97,8 +148,8 @@ fn orchestrate() {
                 "all_gather(dim 0) on F32 [20000]",
             ],
         ),
-        // Both go in the headers' round, one much larger than the other expects and in two
-        // messages where the other expects one.
+        // Over MPI, both go in the headers' round, one much larger than the other expects and
+        // in two messages where the other expects one.
         (
             "mismatch-carried",
             &[
@@ -107,16 +158,19 @@ fn orchestrate() {
                 "all_gather(dim 0) on F32 [1500]",
             ],
         ),
-        ("killed", &["rank 1", "signal 9"]),
-        (
+        ("killed", killed),
+    ];
+    #[cfg(feature = "mpi")]
+    if via == Via::Mpirun {
+        faults.push((
             "frozen",
             &[
                 "rank 0 ends the job",
                 "(call",
                 "data exchange) on group 'world' timed out",
             ],
-        ),
-    ];
+        ));
+    }
     for (case, expected) in faults {
         let begun = Instant::now();
         // Only the stall and the freeze need the watchdog. Elsewhere it is set far beyond the
@@ -130,27 +184,100 @@ fn orchestrate() {
         if case == "frozen" {
             env.push(("BURN_COMM_FREEZE_IN_EXCHANGE", "1"));
         }
-        let out = mpirun(2, case, &env);
+        let out = via.run(2, case, &env);
         let took = begun.elapsed();
         let text = transcript(&out);
-        assert!(!out.status.success(), "the {case} job succeeded:\n{text}");
+        assert!(
+            !out.status.success(),
+            "the {case} job succeeded ({via:?}):\n{text}"
+        );
         for sentence in expected {
             assert!(
                 text.contains(sentence),
-                "the {case} job did not say {sentence:?}:\n{text}"
+                "the {case} job ({via:?}) did not say {sentence:?}:\n{text}"
             );
         }
         // Well before the 120 s watchdog of the cases it does not end: they end in 0.3-2.5 s
-        // here, and a loaded machine starts mpirun and prints backtraces slower.
+        // here (the stall over TCP in 2 s and the grace its sleeping rank is given), and a
+        // loaded machine starts processes and prints backtraces slower.
         assert!(
             took < Duration::from_secs(60),
-            "the {case} job took {took:?} to end:\n{text}"
+            "the {case} job ({via:?}) took {took:?} to end:\n{text}"
         );
-        println!("{case}: ended in {took:.1?}");
+        println!("{case} ({via:?}): ended in {took:.1?}");
     }
-    println!("all MPI cases passed in {:.1?}", started.elapsed());
 }
 
+/// How long the other ranks of a torchrun job may take to end by themselves once one has
+/// failed, before they are killed, as a launcher kills them: only a rank that is not in a
+/// call (the stall's sleeper) needs it.
+const GRACE: Duration = Duration::from_secs(5);
+
+/// Starts `world` processes of this program on `case` with torchrun's variables, as
+/// `burn-launch` does, and waits for them all; the status is the first failure's. Their output
+/// goes to one file, read back as the job's stdout.
+fn torchrun(world: usize, case: &str, env: &[(&str, &str)]) -> Output {
+    let exe = std::env::current_exe().expect("the test's own path");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let log = std::env::temp_dir().join(format!("burn-comm-{case}-{}.log", std::process::id()));
+    let file = File::create(&log).expect("a temporary file");
+    let mut ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            let output = || file.try_clone().expect("a second handle");
+            Command::new(&exe)
+                .arg(case)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .envs(env.iter().copied())
+                .stdout(output())
+                .stderr(output())
+                .spawn()
+                .expect("the test starts itself")
+        })
+        .collect();
+    let mut statuses: Vec<Option<ExitStatus>> = vec![None; world];
+    let mut first_failure: Option<(usize, Instant)> = None;
+    while statuses.iter().any(Option::is_none) {
+        for (rank, child) in ranks.iter_mut().enumerate() {
+            if statuses[rank].is_none()
+                && let Some(status) = child.try_wait().expect("a child to wait for")
+            {
+                if !status.success() && first_failure.is_none() {
+                    first_failure = Some((rank, Instant::now()));
+                }
+                statuses[rank] = Some(status);
+            }
+        }
+        if first_failure.is_some_and(|(_, at)| at.elapsed() > GRACE) {
+            for (rank, child) in ranks.iter_mut().enumerate() {
+                if statuses[rank].is_none() {
+                    let _ = child.kill();
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let status = match first_failure {
+        Some((rank, _)) => statuses[rank],
+        None => statuses[0],
+    };
+    let stdout = std::fs::read(&log).expect("the job's log");
+    let _ = std::fs::remove_file(&log);
+    Output {
+        status: status.expect("every rank ended"),
+        stdout,
+        stderr: Vec::new(),
+    }
+}
+
+#[cfg(feature = "mpi")]
 fn mpirun(world: usize, case: &str, env: &[(&str, &str)]) -> Output {
     let exe = std::env::current_exe().expect("the test's own path");
     burn_comm::mpirun(world)
@@ -267,25 +394,25 @@ fn rank_case(case: &str, ctx: RankContext) -> Result<(), CommError> {
     }
 }
 
-/// Runs `f` on this job's world over MPI and, with the same inputs, on threads over the local
+/// Runs `f` on this job's world over MPI or TCP and, with the same inputs, on threads over the local
 /// transport; the two must give the same bits.
 fn same_as_threads(
     ctx: &RankContext,
     what: &str,
     f: impl Fn(&Communicator, usize) -> Result<TensorData, CommError> + Sync,
 ) -> Result<(), CommError> {
-    let mpi = f(ctx.world(), ctx.rank())?;
+    let processes = f(ctx.world(), ctx.rank())?;
     let threads = launch(ctx.world_size(), |local| f(local.world(), local.rank()));
     let local = threads
         .into_iter()
         .nth(ctx.rank())
         .expect("one result per rank")
         .unwrap_or_else(|e| panic!("{what} on threads: {e}"));
-    assert_eq!(mpi.dtype, local.dtype, "{what}: dtype");
-    assert_eq!(mpi.shape, local.shape, "{what}: shape");
+    assert_eq!(processes.dtype, local.dtype, "{what}: dtype");
+    assert_eq!(processes.shape, local.shape, "{what}: shape");
     assert!(
-        mpi.as_bytes() == local.as_bytes(),
-        "{what}: rank {} got other bits over MPI than over threads",
+        processes.as_bytes() == local.as_bytes(),
+        "{what}: rank {} got other bits as processes than as threads",
         ctx.rank()
     );
     Ok(())
@@ -293,6 +420,8 @@ fn same_as_threads(
 
 fn collectives(ctx: &RankContext) -> Result<(), CommError> {
     let n = ctx.world_size();
+    // One machine: the launcher numbers its processes as the job does.
+    assert_eq!(ctx.local_rank(), ctx.rank(), "the local rank");
     // Values whose sums round: the reduction's order shows in the bits.
     let input = |seed: u64, rank: usize, shape: [usize; 2], dtype: DType| {
         random_magnitudes(seed * 100 + rank as u64, shape, dtype)

@@ -1,11 +1,13 @@
-//! `llama train` as one process per rank under `mpirun`, against the same run on one device:
-//! the losses of every step agree to rtol 1e-5, as in the threaded parity tests (16-bit runs
-//! against the threads only). Rank 0 alone prints and writes the metrics, the weights and a
-//! pipeline's schedule drawing, which shows every stage as the threads' does. The
-//! layouts run one after another: each job already has more processes than this machine has
-//! cores. `burn-launch` without flags starts the same job through mpirun on a machine without a
-//! GPU. A job stopped by SIGTERM to mpirun, or by the SIGKILL of one rank, resumes from its
-//! last committed checkpoint with the uninterrupted job's bits.
+//! `llama train` as one process per rank, against the same run on one device and as threads:
+//! under `mpirun` (the MPI transport), and under `burn-launch --torchrun-env` (the TCP
+//! transport, which is also the host side of a job on NCCL). The losses of every step agree
+//! to rtol 1e-5 with one device, as in the threaded parity tests (16-bit runs against the
+//! threads only), and bit for bit with the threads. Rank 0 alone prints and writes the metrics,
+//! the weights and a pipeline's schedule drawing, which shows every stage as the threads' does.
+//! The layouts run one after another: each job already has more processes than this machine
+//! has cores. `burn-launch` without flags starts the same job through mpirun on a machine
+//! without a GPU. A job stopped by SIGTERM to mpirun, or by the SIGKILL of one rank, resumes
+//! from its last committed checkpoint with the uninterrupted job's bits.
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -265,18 +267,23 @@ fn a_job_of_the_wrong_size_is_refused_with_a_sentence() {
     );
 }
 
-#[test]
-fn burn_launch_starts_the_job_through_mpirun_on_a_machine_without_a_gpu() {
-    let _jobs = one_job_at_a_time();
-    let dir = scratch("burn-launch");
-    let llama = Path::new(env!("CARGO_BIN_EXE_llama"));
-    // Built beside llama by the workspace's tests.
-    let launcher = llama.with_file_name("burn-launch");
+/// The `burn-launch` built beside llama by the workspace's tests.
+fn burn_launch() -> PathBuf {
+    let launcher = Path::new(env!("CARGO_BIN_EXE_llama")).with_file_name("burn-launch");
     assert!(
         launcher.exists(),
         "{} is missing: build it with `cargo build --release -p burn-launch`",
         launcher.display()
     );
+    launcher
+}
+
+#[test]
+fn burn_launch_starts_the_job_through_mpirun_on_a_machine_without_a_gpu() {
+    let _jobs = one_job_at_a_time();
+    let dir = scratch("burn-launch");
+    let llama = Path::new(env!("CARGO_BIN_EXE_llama"));
+    let launcher = burn_launch();
     let (one_device, launched) = (dir.join("single.jsonl"), dir.join("launched.jsonl"));
     let out = train(0, &[], &one_device, &[]);
     assert!(out.status.success(), "{}", transcript(&out));
@@ -298,6 +305,77 @@ fn burn_launch_starts_the_job_through_mpirun_on_a_machine_without_a_gpu() {
             (a - e).abs() <= 1e-5 * e.abs(),
             "{a} against one device's {e}"
         );
+    }
+}
+
+/// With torchrun's variables the ranks meet in rank 0's store and talk over TCP: the threads'
+/// bits, in a layout of every kind of call (collectives on sub-groups, sends between stages),
+/// and with ZeRO-3 and clipping.
+#[test]
+fn burn_launch_with_torchrun_variables_trains_over_tcp_as_threads_do() {
+    let _jobs = one_job_at_a_time();
+    let dir = scratch("tcp");
+    let launcher = burn_launch();
+    let layouts: [(usize, &[&str]); 2] = [
+        (2, &["--dp", "2", "--zero", "3", "--clip-grad-norm", "0.5"]),
+        (
+            8,
+            &[
+                "--dp",
+                "2",
+                "--pp",
+                "2",
+                "--tp",
+                "2",
+                "--micro-batches",
+                "2",
+            ],
+        ),
+    ];
+    for (ranks, layout) in layouts {
+        let name = layout.join(" ");
+        let file = |what: &str| dir.join(format!("{}-{what}", name.replace(' ', "_")));
+        let (threads, threads_weights) = (file("threads.jsonl"), file("threads-weights"));
+        let save = |weights: &Path| vec!["--save".to_string(), weights.display().to_string()];
+        let extra = save(&threads_weights);
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let out = train(0, layout, &threads, &extra);
+        assert!(
+            out.status.success(),
+            "{name} as threads: {}",
+            transcript(&out)
+        );
+        let (metrics, weights) = (file("processes.jsonl"), file("weights"));
+        let out = std::process::Command::new(&launcher)
+            .args(["--torchrun-env", "--master-port", "0"])
+            .args(["--nproc-per-node", &ranks.to_string(), "--"])
+            .arg(env!("CARGO_BIN_EXE_llama"))
+            .args(RUN)
+            .args(layout)
+            .arg("--metrics")
+            .arg(&metrics)
+            .args(save(&weights))
+            .output()
+            .expect("burn-launch runs");
+        let text = transcript(&out);
+        assert!(out.status.success(), "{name} over TCP: {text}");
+        assert_eq!(
+            losses(&metrics),
+            losses(&threads),
+            "{name}: processes over TCP against threads"
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            stdout.matches("done:").count(),
+            1,
+            "{name}: rank 0 alone reports\n{text}"
+        );
+        let read = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
+        assert!(
+            read(&weights) == read(&threads_weights),
+            "{name}: the processes saved other weights than the threads"
+        );
+        println!("{name} as {ranks} processes over TCP: the threads' bits");
     }
 }
 

@@ -172,8 +172,7 @@ impl Process {
                 env.master()
             ))
         })?;
-        let (world, links) =
-            TcpGroup::world(env.rank, env.world_size, &mut rendezvous.store, timeout)?;
+        let (world, links) = TcpGroup::world(&env, &mut rendezvous.store, timeout)?;
         Ok(Self {
             context: RankContext::new(Communicator::new(world, env.rank), env.local_rank),
             job: Job::Tcp(TcpJob {

@@ -14,7 +14,7 @@
 //! connection ends in a [`CommError::PeerFailed`] that gives the cause its process sent, if it
 //! could send one (see [`Links::abort`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::ops::Range;
@@ -33,7 +33,7 @@ use crate::transport::{
     Payload, Stream, Transport, describe_message, message_digest, message_mismatch,
 };
 use crate::world::World;
-use crate::{CommError, ReduceOp};
+use crate::{CommError, ProcessEnv, ReduceOp};
 
 /// Opens every connection, so that a stray one (a port scanner) is told apart.
 const HELLO: u64 = u64::from_le_bytes(*b"burn-tcp");
@@ -43,6 +43,9 @@ const WIRE: u64 = 1;
 const HEADER: usize = 8 + 1 + 8 + 8 + 4 + 8;
 /// Up to this many bytes, a frame is written with one system call.
 const COALESCE: usize = 64 << 10;
+/// How long a connection's first bytes (its greeting) may take: a stray that says nothing is
+/// dropped after it.
+const GREETING: Duration = Duration::from_secs(5);
 /// How long a write that failed waits for the peer's reader to file why its connection ended.
 const SAID_WHY: Duration = Duration::from_secs(1);
 /// How long a failing process tries to tell a peer why, before it exits anyway.
@@ -162,11 +165,16 @@ struct Inbox {
 struct InboxState {
     frames: HashMap<(u64, usize, Kind), VecDeque<Frame>>,
     lost: HashMap<usize, String>,
+    /// Groups broken here, whose frames are dropped as they come.
+    broken: HashSet<u64>,
 }
 
 impl Inbox {
     fn file(&self, group: u64, from: usize, kind: Kind, frame: Frame) {
         let mut state = lock(&self.state);
+        if state.broken.contains(&group) {
+            return;
+        }
         state
             .frames
             .entry((group, from, kind))
@@ -179,6 +187,14 @@ impl Inbox {
     fn lose(&self, peer: usize, reason: String) {
         lock(&self.state).lost.entry(peer).or_insert(reason);
         self.arrived.notify_all();
+    }
+
+    /// Drops the frames of a group broken here, those that came and those to come: its calls
+    /// never take them.
+    fn forget(&self, group: u64) {
+        let mut state = lock(&self.state);
+        state.broken.insert(group);
+        state.frames.retain(|&(g, _, _), _| g != group);
     }
 
     fn reason(&self, peer: usize) -> Option<String> {
@@ -228,8 +244,14 @@ impl Inbox {
                 .collect();
             if waiting.is_empty() {
                 let mut take = |p: usize| {
-                    let queue = state.frames.get_mut(&(group, p, kind));
-                    queue.and_then(VecDeque::pop_front).expect("checked above")
+                    let key = (group, p, kind);
+                    let queue = state.frames.get_mut(&key).expect("checked above");
+                    let frame = queue.pop_front().expect("checked above");
+                    // Groups come and go: an empty queue is not kept.
+                    if queue.is_empty() {
+                        state.frames.remove(&key);
+                    }
+                    frame
                 };
                 return Ok(from.iter().map(|&p| take(p)).collect());
             }
@@ -253,6 +275,36 @@ impl Inbox {
     }
 }
 
+/// A connection whose every write gives up at `until`: a frame's writes share its deadline.
+struct WriteUntil<'a> {
+    stream: &'a TcpStream,
+    until: Instant,
+}
+
+impl Write for WriteUntil<'_> {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_write_timeout(Some(left))?;
+        let mut stream = self.stream;
+        stream.write(bytes)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Why a frame was not written.
+enum Unsent {
+    /// The connection to the peer ended, for this reason.
+    Lost(String),
+    /// The peer took no data within the call's timeout.
+    Late,
+}
+
 /// This process's connections to every other of the job, shared by all its groups.
 pub(crate) struct Links {
     /// One connection per peer (none to itself), written whole frames at a time.
@@ -261,19 +313,25 @@ pub(crate) struct Links {
 }
 
 impl Links {
-    /// Connects rank `rank` of `size` to every other: each listens on the interface through
+    /// Connects this process to every other of its job: each listens on the interface through
     /// which it reaches the store, says where in the store, connects to the ranks below it,
-    /// and is connected to by those above. `timeout` bounds the whole, and every later write.
+    /// and is connected to by those above, within `timeout`.
     fn connect(
-        rank: usize,
-        size: usize,
+        env: &ProcessEnv,
         store: &mut Store,
         timeout: Duration,
     ) -> Result<Arc<Self>, String> {
+        let (rank, size) = (env.rank, env.world_size);
         let until = deadline(timeout);
         let ip = store.local_ip().map_err(|e| {
             format!("cannot tell this machine's address from its connection to the store: {e}")
         })?;
+        if ip.is_loopback() && env.local_world_size < size {
+            return Err(format!(
+                "this machine reaches the store at {} through its loopback interface ({ip}), which the job's other machines cannot reach: set MASTER_ADDR to an address of rank 0's machine that they reach",
+                store.addr()
+            ));
+        }
         let listener =
             TcpListener::bind((ip, 0)).map_err(|e| format!("cannot listen on {ip}: {e}"))?;
         let here = listener.local_addr().map_err(|e| e.to_string())?;
@@ -309,11 +367,10 @@ impl Links {
                 writers.push(None);
                 continue;
             };
+            // Each write sets its own timeout: its call's deadline.
             let setup = |stream: &TcpStream| -> io::Result<TcpStream> {
                 stream.set_nodelay(true)?;
                 stream.set_read_timeout(None)?;
-                // A peer that stops reading (its process frozen) fails the write, not hangs it.
-                stream.set_write_timeout(Some(timeout.min(Duration::from_secs(86_400))))?;
                 stream.try_clone()
             };
             let reading = setup(&stream).map_err(|e| format!("rank {peer}'s connection: {e}"))?;
@@ -327,23 +384,43 @@ impl Links {
         Ok(Arc::new(Self { writers, inbox }))
     }
 
-    /// Writes one frame to global rank `peer`; on failure, why the peer cannot be reached.
-    fn send(&self, peer: usize, label: &Label, data: &[u8]) -> Result<(), String> {
+    /// Writes one frame to global rank `peer`, which must take it by `until`.
+    fn send(&self, peer: usize, label: &Label, data: &[u8], until: Instant) -> Result<(), Unsent> {
         let writer = self.writers[peer].as_ref().expect("a peer, not this rank");
-        let mut stream = lock(writer);
+        let stream = lock(writer);
         if let Some(reason) = self.inbox.reason(peer) {
-            return Err(reason);
+            return Err(Unsent::Lost(reason));
         }
-        if let Err(e) = write_frame(&mut *stream, label, data) {
+        let written = write_frame(
+            &mut WriteUntil {
+                stream: &stream,
+                until,
+            },
+            label,
+            data,
+        );
+        let Err(e) = written else {
+            return Ok(());
+        };
+        let late = matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        );
+        let reason = match late {
+            true => "took no data in time (its process stalled or froze)".to_string(),
             // A peer whose process ended may have said why: its reader files that first.
-            if let Some(reason) = self.inbox.reason_within(peer, SAID_WHY) {
-                return Err(reason);
-            }
-            // Part of a frame may have gone: nothing more can follow it.
-            let _ = stream.shutdown(Shutdown::Both);
-            self.inbox.lose(peer, format!("stopped taking data ({e})"));
-        }
-        self.inbox.reason(peer).map_or(Ok(()), Err)
+            false => match self.inbox.reason_within(peer, SAID_WHY) {
+                Some(reason) => return Err(Unsent::Lost(reason)),
+                None => format!("stopped taking data ({e})"),
+            },
+        };
+        // Part of a frame may have gone: nothing more can follow it.
+        self.inbox.lose(peer, reason.clone());
+        let _ = stream.shutdown(Shutdown::Both);
+        Err(match late {
+            true => Unsent::Late,
+            false => Unsent::Lost(reason),
+        })
     }
 
     /// Tells every peer that this process ends because its rank failed (`reason` says how:
@@ -395,7 +472,8 @@ fn accept_peers(
                 let greeted = stream
                     .set_nonblocking(false)
                     .and_then(|()| {
-                        stream.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                        let wait = left.min(GREETING).max(Duration::from_millis(1));
+                        stream.set_read_timeout(Some(wait))
                     })
                     .and_then(|()| {
                         let mut hello = [0u8; 24];
@@ -434,7 +512,15 @@ fn read_frames(peer: usize, stream: TcpStream, inbox: &Inbox) {
         match read_frame(&mut reader) {
             Ok((_, Kind::Abort, frame)) => break frame.text,
             Ok((group, kind, frame)) => inbox.file(group, peer, kind, frame),
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+            // A process that ends with data unread resets its connections rather than closing them.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::UnexpectedEof
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::ConnectionAborted
+                ) =>
+            {
                 break "ended its connection (its process exited or was killed)".to_string();
             }
             Err(e) => break format!("could not be read from ({e})"),
@@ -457,21 +543,20 @@ pub(crate) struct TcpGroup {
 }
 
 impl TcpGroup {
-    /// The world of a job of `size` processes, this one rank `rank`, which meet in `store`.
-    /// The connections are returned too: a failing process tells its peers why through them.
+    /// The world of the job `env` describes, whose processes meet in `store`. The connections
+    /// are returned too: a failing process tells its peers why through them.
     pub(crate) fn world(
-        rank: usize,
-        size: usize,
+        env: &ProcessEnv,
         store: &mut Store,
         timeout: Duration,
     ) -> Result<(Arc<Self>, Arc<Links>), CommError> {
-        let links =
-            Links::connect(rank, size, store, timeout).map_err(|reason| CommError::Transport {
-                op: "connecting the ranks".to_string(),
-                group: "world".to_string(),
-                rank,
-                reason,
-            })?;
+        let size = env.world_size;
+        let links = Links::connect(env, store, timeout).map_err(|reason| CommError::Transport {
+            op: "connecting the ranks".to_string(),
+            group: "world".to_string(),
+            rank: env.rank,
+            reason,
+        })?;
         // On CUDA, NCCL's point-to-point pairs hand their ids over in the store.
         #[cfg(feature = "cuda")]
         let world = World::of_processes(size, timeout, store.addr());
@@ -500,6 +585,7 @@ impl TcpGroup {
 
     fn break_with(&self, error: CommError) -> CommError {
         lock(&self.broken).get_or_insert_with(|| error.to_string());
+        self.links.inbox.forget(self.id);
         error
     }
 
@@ -526,6 +612,14 @@ impl TcpGroup {
         }
     }
 
+    /// The error of group rank `me`'s call `op` whose frame to global rank `peer` went unsent.
+    fn unsent(&self, me: usize, op: String, peer: usize, unsent: Unsent) -> CommError {
+        match unsent {
+            Unsent::Lost(reason) => self.peer_failed(op, peer, reason),
+            Unsent::Late => self.missing(me, op, Missing::Late(vec![peer])),
+        }
+    }
+
     /// One round of call `seq`: sends each `(r, bytes)` of `sends` to group rank `r`, then
     /// takes one frame from each group rank of `from`, which must be of the same call and of
     /// `len(r)` bytes. The frames come back by group rank. A failure breaks the group.
@@ -548,22 +642,18 @@ impl TcpGroup {
             text: &text,
         };
         let op = || format!("{call} (call {seq})");
+        let until = deadline(self.world.timeout());
         for &(r, bytes) in sends {
             let peer = self.members[r];
-            if let Err(reason) = self.links.send(peer, &label, bytes) {
-                return Err(self.break_with(self.peer_failed(op(), peer, reason)));
+            if let Err(unsent) = self.links.send(peer, &label, bytes, until) {
+                return Err(self.break_with(self.unsent(me, op(), peer, unsent)));
             }
         }
         let globals: Vec<usize> = from.iter().map(|&r| self.members[r]).collect();
         let frames = self
             .links
             .inbox
-            .take(
-                self.id,
-                Kind::Collective,
-                &globals,
-                deadline(self.world.timeout()),
-            )
+            .take(self.id, Kind::Collective, &globals, until)
             .map_err(|missing| self.break_with(self.missing(me, op(), missing)))?;
         let mut by_rank: Vec<Option<Frame>> = (0..self.members.len()).map(|_| None).collect();
         for (&r, frame) in from.iter().zip(frames) {
@@ -857,7 +947,7 @@ impl Transport for TcpGroup {
             .map(drop)
     }
 
-    fn send(&self, _me: usize, to: usize, data: Payload) -> Result<(), CommError> {
+    fn send(&self, me: usize, to: usize, data: Payload) -> Result<(), CommError> {
         self.usable()?;
         let data = data.into_host();
         let shape = data.shape.as_slice();
@@ -869,12 +959,12 @@ impl Transport for TcpGroup {
             digest: message_digest(data.dtype, shape),
             text: &text,
         };
-        let peer = self.members[to];
+        let (peer, until) = (self.members[to], deadline(self.world.timeout()));
         self.links
-            .send(peer, &label, data.as_bytes())
-            .map_err(|reason| {
+            .send(peer, &label, data.as_bytes(), until)
+            .map_err(|unsent| {
                 let op = PointToPoint::Send { to }.to_string();
-                self.peer_failed(op, peer, reason)
+                self.unsent(me, op, peer, unsent)
             })
     }
 
@@ -896,7 +986,8 @@ impl Transport for TcpGroup {
             .map_err(|missing| self.missing(me, op.to_string(), missing))?
             .pop()
             .expect("one frame");
-        if frame.digest != message_digest(dtype, shape) {
+        let bytes = shape.iter().product::<usize>() * dtype.size();
+        if frame.digest != message_digest(dtype, shape) || frame.data.len() != bytes {
             return Err(message_mismatch(self, me, from, op, &frame.text));
         }
         Ok(TensorData::from_bytes(frame.data, shape.to_vec(), dtype).into())
@@ -942,6 +1033,54 @@ impl Transport for TcpGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn frame(seq: u64) -> Frame {
+        Frame {
+            seq,
+            digest: 0,
+            text: String::new(),
+            data: Bytes::from_bytes_vec(Vec::new()),
+        }
+    }
+
+    fn seq_of(taken: Result<Vec<Frame>, Missing>) -> u64 {
+        match taken {
+            Ok(frames) => frames[0].seq,
+            Err(_) => panic!("a frame was there"),
+        }
+    }
+
+    #[test]
+    fn the_inbox_hands_frames_over_in_order_and_names_what_is_missing() {
+        let inbox = Inbox::default();
+        let soon = || Instant::now() + Duration::from_millis(20);
+        inbox.file(1, 0, Kind::Collective, frame(0));
+        inbox.file(1, 0, Kind::Collective, frame(1));
+        inbox.file(2, 0, Kind::Collective, frame(7));
+        inbox.file(1, 0, Kind::Message, frame(9));
+        // Rank 2 sent nothing: the call names it, and takes nothing from rank 0.
+        match inbox.take(1, Kind::Collective, &[0, 2], soon()) {
+            Err(Missing::Late(ranks)) => assert_eq!(ranks, vec![2]),
+            _ => panic!("rank 2 is late"),
+        }
+        assert_eq!(seq_of(inbox.take(1, Kind::Collective, &[0], soon())), 0);
+        inbox.lose(0, "ended".to_string());
+        inbox.lose(0, "later".to_string());
+        // What came before the connection ended is still taken; then the first reason is given.
+        assert_eq!(seq_of(inbox.take(1, Kind::Collective, &[0], soon())), 1);
+        match inbox.take(1, Kind::Collective, &[0], soon()) {
+            Err(Missing::Lost { rank, reason }) => {
+                assert_eq!((rank, reason.as_str()), (0, "ended"))
+            }
+            _ => panic!("rank 0 is lost"),
+        }
+        // A broken group's frames go, those that came and those to come; the others stay.
+        inbox.forget(2);
+        inbox.file(2, 0, Kind::Collective, frame(8));
+        assert_eq!(seq_of(inbox.take(1, Kind::Message, &[0], soon())), 9);
+        // Empty queues are not kept.
+        assert!(lock(&inbox.state).frames.is_empty());
+    }
 
     #[test]
     fn a_frame_reads_back_as_written() {

@@ -160,6 +160,17 @@ fn orchestrate(via: Via) {
         ),
         ("killed", killed),
     ];
+    if via == Via::Torchrun {
+        // A process stopped whole: its socket soon takes no more data, and its peer's write
+        // must give up by the call's deadline.
+        faults.push((
+            "stopped",
+            &[
+                "rank 0 failed: all_reduce(sum) on F32 [8000000] (call 1) on group 'world' timed out after 2s",
+                "ranks [1] never joined",
+            ],
+        ));
+    }
     #[cfg(feature = "mpi")]
     if via == Via::Mpirun {
         faults.push((
@@ -175,7 +186,7 @@ fn orchestrate(via: Via) {
         let begun = Instant::now();
         // Only the stall and the freeze need the watchdog. Elsewhere it is set far beyond the
         // bound below, so that a job ended by it, not by the failing rank, fails the test.
-        let timeout = if matches!(case, "stall" | "frozen") {
+        let timeout = if matches!(case, "stall" | "frozen" | "stopped") {
             "2"
         } else {
             "120"
@@ -210,7 +221,7 @@ fn orchestrate(via: Via) {
 
 /// How long the other ranks of a torchrun job may take to end by themselves once one has
 /// failed, before they are killed, as a launcher kills them: only a rank that is not in a
-/// call (the stall's sleeper) needs it.
+/// call (the stall's sleeper, the stopped process) needs it.
 const GRACE: Duration = Duration::from_secs(5);
 
 /// Starts `world` processes of this program on `case` with torchrun's variables, as
@@ -388,6 +399,18 @@ fn rank_case(case: &str, ctx: RankContext) -> Result<(), CommError> {
         // header's round, which has an exchange of its own.)
         "frozen" => {
             let x = Tensor::<B, 1>::ones([20_000], &Default::default());
+            world.all_reduce(x, ReduceOp::Sum).map(drop)
+        }
+        "stopped" => {
+            world.barrier()?;
+            if ctx.rank() == 1 {
+                let pid = std::process::id().to_string();
+                let _ = std::process::Command::new("kill")
+                    .args(["-STOP", &pid])
+                    .status();
+            }
+            // Half of it (16 MB) is more than the sockets between two processes hold.
+            let x = Tensor::<B, 1>::ones([8_000_000], &Default::default());
             world.all_reduce(x, ReduceOp::Sum).map(drop)
         }
         other => panic!("unknown case {other}"),

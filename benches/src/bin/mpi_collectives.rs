@@ -1,8 +1,9 @@
 //! Collective bandwidth of burn-comm's MPI transport against raw MPI on plain buffers and
-//! against the local transport, measured in the same run.
+//! against the local transport, measured in the same run, and of its TCP transport beside them.
 //!
 //! Started alone, it measures the local transport (ranks as threads) here, then starts itself
-//! under `mpirun` for each world size; there every process times the same operations through
+//! with torchrun's variables for each world size (the TCP transport: every process times
+//! burn-comm's calls alone) and under `mpirun`; there every process times the same operations through
 //! burn-comm's `Communicator` on burn tensors and through MPI's own `MPI_Allreduce`,
 //! `MPI_Allgather`, `MPI_Reduce_scatter_block`, `MPI_Bcast`, `MPI_Alltoall` and `MPI_Sendrecv`
 //! (a ring) on `Vec<f32>`, in turns of a tenth of the calls each, and rank 0 prints the rows
@@ -28,7 +29,7 @@ use mpi::ffi;
 use serde::{Deserialize, Serialize};
 
 #[derive(Parser, Clone)]
-#[command(about = "burn-comm's MPI transport against raw MPI and the local transport")]
+#[command(about = "burn-comm's MPI and TCP transports against raw MPI and the local transport")]
 struct Args {
     /// World sizes to measure.
     #[arg(long, value_delimiter = ',', default_values_t = [2, 4])]
@@ -81,6 +82,8 @@ struct Row {
     world: usize,
     bytes: usize,
     local_us: f64,
+    /// burn-comm's TCP transport, processes started with torchrun's variables.
+    tcp_us: f64,
     mpi_us: f64,
     raw_fresh_us: f64,
     raw_kept_us: f64,
@@ -91,6 +94,8 @@ struct Row {
     raw_busbw_gbps: f64,
     /// burn-comm's MPI bus bandwidth over raw MPI's (the time ratio raw / ours).
     mpi_over_raw: f64,
+    /// burn-comm's TCP bus bandwidth over raw MPI's.
+    tcp_over_raw: f64,
 }
 
 const ROW: &str = "MEASURED ";
@@ -99,12 +104,14 @@ fn main() {
     let args = Args::parse();
     match Launcher::from_env() {
         Launcher::Alone => orchestrate(args),
-        _ => {
+        launcher => {
+            // Raw MPI only where MPI runs.
+            let raw = launcher != Launcher::Torchrun;
             let process = Process::from_env()
-                .expect("joined the MPI job")
-                .expect("started by mpirun");
+                .expect("joined the job")
+                .expect("started by a launcher");
             process.run(|ctx| {
-                measure(ctx.world(), &args);
+                measure(ctx.world(), &args, raw);
                 Ok::<_, burn_comm::CommError>(())
             });
         }
@@ -124,21 +131,26 @@ fn orchestrate(args: Args) {
         "raw: MPI's own call on a fresh input each call, as burn-comm's is (a new tensor); kept: on an input kept from call to call, written before each"
     );
     println!(
-        "mpi, raw and kept take turns of a tenth of the calls each; mpi/raw: burn-comm's MPI bus bandwidth over raw MPI's, the faster of raw and kept\n"
+        "mpi, raw and kept take turns of a tenth of the calls each; mpi/raw: burn-comm's MPI bus bandwidth over raw MPI's, the faster of raw and kept"
     );
     println!(
-        "{:<15} {:>5} {:>9} {:>11} {:>11} {:>11} {:>11} {:>10} {:>10} {:>10} {:>8}",
+        "tcp: burn-comm's TCP transport (processes started with torchrun's variables), in a job of its own before the MPI job; tcp/raw as mpi/raw\n"
+    );
+    println!(
+        "{:<15} {:>5} {:>9} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>10} {:>10} {:>8} {:>8}",
         "op",
         "world",
         "size",
         "local (us)",
+        "tcp (us)",
         "mpi (us)",
         "raw (us)",
         "kept (us)",
         "mpi algbw",
         "mpi busbw",
         "raw busbw",
-        "mpi/raw"
+        "mpi/raw",
+        "tcp/raw"
     );
     let exe = std::env::current_exe().expect("the bench's own path");
     let mut rows = Vec::new();
@@ -147,8 +159,14 @@ fn orchestrate(args: Args) {
             println!("round {} of {}", round + 1, args.rounds);
         }
         for &world in &args.worlds {
+            let tcp = run_tcp_job(&exe, world);
             for m in run_job(&exe, world) {
-                let row = compare(round, world, m);
+                let tcp_us = tcp
+                    .iter()
+                    .find(|t| (t.op, t.bytes) == (m.op, m.bytes))
+                    .expect("the TCP job measured the same rows")
+                    .burn_comm_us;
+                let row = compare(round, world, m, tcp_us);
                 print_row(&row);
                 rows.push(row);
             }
@@ -182,9 +200,50 @@ fn run_job(exe: &std::path::Path, world: usize) -> Vec<Measured> {
         .collect()
 }
 
-/// One measurement of the MPI job beside the local transport's time for the same call, measured
-/// now.
-fn compare(round: u64, world: usize, m: Measured) -> Row {
+/// Runs the bench as a job of `world` processes started with torchrun's variables (the TCP
+/// transport), as `burn-launch --torchrun-env` starts them, and reads back rank 0's
+/// measurements.
+fn run_tcp_job(exe: &std::path::Path, world: usize) -> Vec<Measured> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            std::process::Command::new(exe)
+                .args(std::env::args().skip(1))
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(match rank {
+                    0 => std::process::Stdio::piped(),
+                    _ => std::process::Stdio::null(),
+                })
+                .spawn()
+                .expect("the bench starts itself")
+        })
+        .collect();
+    let mut outputs: Vec<_> = ranks
+        .into_iter()
+        .map(|rank| rank.wait_with_output().expect("a rank to wait for"))
+        .collect();
+    assert!(
+        outputs.iter().all(|out| out.status.success()),
+        "the TCP job of {world} failed (its ranks' errors are above)"
+    );
+    String::from_utf8_lossy(&std::mem::take(&mut outputs[0].stdout))
+        .lines()
+        .filter_map(|l| l.strip_prefix(ROW))
+        .map(|l| serde_json::from_str(l).expect("a measurement"))
+        .collect()
+}
+
+/// One measurement of the MPI job beside the TCP job's time (`tcp_us`) and the local
+/// transport's for the same call, measured now.
+fn compare(round: u64, world: usize, m: Measured, tcp_us: f64) -> Row {
     let elems = m.bytes / 4;
     let local = launch(world, |ctx| {
         time_rank(ctx.world(), m.op, elems, m.iterations)
@@ -204,6 +263,7 @@ fn compare(round: u64, world: usize, m: Measured) -> Row {
         world,
         bytes: m.bytes,
         local_us,
+        tcp_us,
         mpi_us: m.burn_comm_us,
         raw_fresh_us: m.raw_fresh_us,
         raw_kept_us: m.raw_kept_us,
@@ -211,23 +271,26 @@ fn compare(round: u64, world: usize, m: Measured) -> Row {
         mpi_busbw_gbps: busbw(m.burn_comm_us),
         raw_busbw_gbps: busbw(best_raw),
         mpi_over_raw: best_raw / m.burn_comm_us,
+        tcp_over_raw: best_raw / tcp_us,
     }
 }
 
 fn print_row(row: &Row) {
     println!(
-        "{:<15} {:>5} {:>9} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>10.2} {:>10.2} {:>10.2} {:>8.2}",
+        "{:<15} {:>5} {:>9} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>10.2} {:>10.2} {:>10.2} {:>8.2} {:>8.2}",
         row.op.name(),
         row.world,
         human(row.bytes),
         row.local_us,
+        row.tcp_us,
         row.mpi_us,
         row.raw_fresh_us,
         row.raw_kept_us,
         row.mpi_algbw_gbps,
         row.mpi_busbw_gbps,
         row.raw_busbw_gbps,
-        row.mpi_over_raw
+        row.mpi_over_raw,
+        row.tcp_over_raw
     );
 }
 
@@ -315,9 +378,9 @@ fn summarise(rows: &[Row], rounds: u64) {
     }
 }
 
-/// Every process's side: burn-comm and raw MPI on the same sizes, in turns (see [`turns`]);
-/// rank 0 prints the rows.
-fn measure(world: &Communicator, args: &Args) {
+/// Every process's side: burn-comm and, `with_raw` (MPI runs), raw MPI on the same sizes, in turns
+/// (see [`turns`]); rank 0 prints the rows.
+fn measure(world: &Communicator, args: &Args, with_raw: bool) {
     let n = world.size();
     for &op in &args.ops {
         for bytes in sizes(args.min_bytes, args.max_bytes, args.step) {
@@ -326,20 +389,21 @@ fn measure(world: &Communicator, args: &Args) {
                 .iterations
                 .map_or_else(|| iterations(elems * 4), |n| n as usize);
             let values = vec![1.0f32; op.input_elems(elems, n)];
-            let mut raw = Raw::new(op, n, elems);
+            let mut raw = with_raw.then(|| Raw::new(op, n, elems));
             // burn-comm, raw MPI on a fresh input, raw MPI on a kept one.
             let mut times: [Vec<Duration>; 3] = Default::default();
+            let sides = if with_raw { 3 } else { 1 };
             for (turn, calls) in turns(iters).enumerate() {
                 // A side's first call of a turn follows the other sides' calls: it is not
                 // timed (nor, in the first turn, its second). The order rotates, so that no
                 // side always follows the same one.
                 let warm = if turn == 0 { 2 } else { 1 };
-                for side in (0..3).map(|s| (s + turn) % 3) {
+                for side in (0..sides).map(|s| (s + turn) % sides) {
                     for i in 0..warm + calls {
-                        let time = match side {
-                            0 => time_call(world, op, &values).expect("burn-comm's collective"),
-                            1 => raw.time(Some(&values)),
-                            _ => raw.time(None),
+                        let time = match (side, raw.as_mut()) {
+                            (1, Some(raw)) => raw.time(Some(&values)),
+                            (2, Some(raw)) => raw.time(None),
+                            _ => time_call(world, op, &values).expect("burn-comm's collective"),
                         };
                         if i >= warm {
                             times[side].push(time);
@@ -347,7 +411,10 @@ fn measure(world: &Communicator, args: &Args) {
                     }
                 }
             }
-            let [ours, fresh, kept] = times.map(|times| slowest_median(&gather(world, &times)));
+            let [ours, fresh, kept] = times.map(|times| match times.is_empty() {
+                true => Duration::ZERO,
+                false => slowest_median(&gather(world, &times)),
+            });
             if world.rank() == 0 {
                 let m = Measured {
                     op,

@@ -58,7 +58,7 @@ impl BackgroundSaver {
                 CheckpointError::Mismatch(
                     "a checkpoint is saved in the background over a host group, and this group \
                      on NCCL was not made from one (Communicator::nccl_world's, or split from \
-                     one): make the saver from a group of the local or MPI transport"
+                     one): make the saver from a group of the local, MPI or TCP transport"
                         .into(),
                 )
             })?),

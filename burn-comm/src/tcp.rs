@@ -275,6 +275,52 @@ impl Inbox {
     }
 }
 
+/// One connection's writing end, which writes one frame at a time: a writer waits for its turn
+/// only until its own deadline.
+struct Writer {
+    stream: TcpStream,
+    busy: Mutex<bool>,
+    freed: Condvar,
+}
+
+/// A writer's turn on its connection, handed on when dropped.
+struct Turn<'a>(&'a Writer);
+
+impl Writer {
+    fn new(stream: TcpStream) -> Self {
+        Self {
+            stream,
+            busy: Mutex::new(false),
+            freed: Condvar::new(),
+        }
+    }
+
+    /// The turn to write, once the frame being written (if any) is done; none by `until`.
+    fn turn(&self, until: Instant) -> Option<Turn<'_>> {
+        let mut busy = lock(&self.busy);
+        while *busy {
+            let now = Instant::now();
+            if now >= until {
+                return None;
+            }
+            busy = self
+                .freed
+                .wait_timeout(busy, until - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *busy = true;
+        Some(Turn(self))
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.busy) = false;
+        self.0.freed.notify_one();
+    }
+}
+
 /// A connection whose every write gives up at `until`: a frame's writes share its deadline.
 struct WriteUntil<'a> {
     stream: &'a TcpStream,
@@ -307,8 +353,8 @@ enum Unsent {
 
 /// This process's connections to every other of the job, shared by all its groups.
 pub(crate) struct Links {
-    /// One connection per peer (none to itself), written whole frames at a time.
-    writers: Vec<Option<Mutex<TcpStream>>>,
+    /// One connection per peer (none to itself).
+    writers: Vec<Option<Writer>>,
     inbox: Arc<Inbox>,
 }
 
@@ -379,7 +425,7 @@ impl Links {
                 .name(format!("burn-comm-tcp-{peer}"))
                 .spawn(move || read_frames(peer, reading, &inbox))
                 .map_err(|e| format!("cannot start a thread to read from rank {peer}: {e}"))?;
-            writers.push(Some(Mutex::new(stream)));
+            writers.push(Some(Writer::new(stream)));
         }
         Ok(Arc::new(Self { writers, inbox }))
     }
@@ -387,18 +433,17 @@ impl Links {
     /// Writes one frame to global rank `peer`, which must take it by `until`.
     fn send(&self, peer: usize, label: &Label, data: &[u8], until: Instant) -> Result<(), Unsent> {
         let writer = self.writers[peer].as_ref().expect("a peer, not this rank");
-        let stream = lock(writer);
+        // Another call's frame to the same peer may be going: this one waits no longer than
+        // its own deadline.
+        let Some(turn) = writer.turn(until) else {
+            return Err(Unsent::Late);
+        };
         if let Some(reason) = self.inbox.reason(peer) {
             return Err(Unsent::Lost(reason));
         }
-        let written = write_frame(
-            &mut WriteUntil {
-                stream: &stream,
-                until,
-            },
-            label,
-            data,
-        );
+        let stream = &writer.stream;
+        let written = write_frame(&mut WriteUntil { stream, until }, label, data);
+        drop(turn);
         let Err(e) = written else {
             return Ok(());
         };
@@ -436,9 +481,11 @@ impl Links {
             text: reason,
         };
         for writer in self.writers.iter().flatten() {
-            if let Ok(mut stream) = writer.try_lock() {
-                let _ = stream.set_write_timeout(Some(ABORT_WRITE));
-                let _ = write_frame(&mut *stream, &label, &[]);
+            // At once or not at all: a frame going there now may never end.
+            if let Some(_turn) = writer.turn(Instant::now()) {
+                let (stream, until) = (&writer.stream, deadline(ABORT_WRITE));
+                let _ = write_frame(&mut WriteUntil { stream, until }, &label, &[]);
+                let _ = writer.stream.shutdown(Shutdown::Write);
             }
         }
     }
@@ -448,7 +495,7 @@ impl Drop for Links {
     fn drop(&mut self) {
         // The readers end on the peers' side, and here.
         for writer in self.writers.iter().flatten() {
-            let _ = lock(writer).shutdown(Shutdown::Both);
+            let _ = writer.stream.shutdown(Shutdown::Both);
         }
     }
 }
@@ -964,7 +1011,7 @@ impl Transport for TcpGroup {
             .send(peer, &label, data.as_bytes(), until)
             .map_err(|unsent| {
                 let op = PointToPoint::Send { to }.to_string();
-                self.unsent(me, op, peer, unsent)
+                self.break_with(self.unsent(me, op, peer, unsent))
             })
     }
 
@@ -983,7 +1030,7 @@ impl Transport for TcpGroup {
             .links
             .inbox
             .take(self.id, Kind::Message, &[self.members[from]], until)
-            .map_err(|missing| self.missing(me, op.to_string(), missing))?
+            .map_err(|missing| self.break_with(self.missing(me, op.to_string(), missing)))?
             .pop()
             .expect("one frame");
         let bytes = shape.iter().product::<usize>() * dtype.size();

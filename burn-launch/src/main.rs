@@ -40,7 +40,8 @@ struct Args {
     #[arg(long, default_value_t = 29500)]
     master_port: u16,
     /// Start the ranks through mpirun (CPU ranks on burn-comm's MPI transport) instead of
-    /// with torchrun's variables (NCCL): the default on a machine without a CUDA GPU.
+    /// with torchrun's variables (TCP, and NCCL on GPUs): the default on a machine without a
+    /// CUDA GPU.
     #[arg(long)]
     mpi: bool,
     /// Start the ranks with torchrun's variables even on a machine without a CUDA GPU (they

@@ -121,7 +121,7 @@ fn main() {
 fn orchestrate(args: Args) {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "burn-comm's MPI transport (processes) against raw MPI and the local transport (threads)"
+        "burn-comm's MPI and TCP transports (processes) against raw MPI and the local transport (threads)"
     );
     println!("Flex backend, f32, {cores} cores; time: median over iterations of the slowest rank");
     println!(
@@ -208,7 +208,7 @@ fn run_tcp_job(exe: &std::path::Path, world: usize) -> Vec<Measured> {
         .and_then(|l| l.local_addr())
         .expect("a free port")
         .port();
-    let ranks: Vec<_> = (0..world)
+    let mut ranks: Vec<_> = (0..world)
         .map(|rank| {
             std::process::Command::new(exe)
                 .args(std::env::args().skip(1))
@@ -226,16 +226,31 @@ fn run_tcp_job(exe: &std::path::Path, world: usize) -> Vec<Measured> {
                 .expect("the bench starts itself")
         })
         .collect();
-    let mut outputs: Vec<_> = ranks
-        .into_iter()
-        .map(|rank| rank.wait_with_output().expect("a rank to wait for"))
-        .collect();
-    assert!(
-        outputs.iter().all(|out| out.status.success()),
-        "the TCP job of {world} failed (its ranks' errors are above)"
-    );
-    String::from_utf8_lossy(&std::mem::take(&mut outputs[0].stdout))
-        .lines()
+    let mut stdout = ranks[0].stdout.take().expect("rank 0's output is piped");
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut text).map(|_| text)
+    });
+    // As a launcher does: one rank failing stops the others.
+    let mut running = world;
+    while running > 0 {
+        running = 0;
+        for rank in 0..world {
+            match ranks[rank].try_wait().expect("a rank to wait for") {
+                None => running += 1,
+                Some(status) if status.success() => {}
+                Some(status) => {
+                    ranks.iter_mut().for_each(|r| drop(r.kill()));
+                    panic!(
+                        "rank {rank} of the TCP job of {world} ended with {status} (its error is above)"
+                    );
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let text = reader.join().expect("the reader").expect("rank 0's output");
+    text.lines()
         .filter_map(|l| l.strip_prefix(ROW))
         .map(|l| serde_json::from_str(l).expect("a measurement"))
         .collect()

@@ -1,6 +1,7 @@
 //! `classifier --ranks N`: trains the spiral classifier with burn-train on one device (N = 1) or
 //! data-parallel as N ranks, and prints the validation result. The ranks are threads of this
-//! process, or processes when it is started by `mpirun -n N` (built with `--features mpi`).
+//! process, or processes when it is started by `mpirun -n N` (built with `--features mpi`) or by
+//! `burn-launch --torchrun-env --nproc-per-node N`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -96,9 +97,10 @@ fn run(args: &Args, process: Option<RankContext>) -> Result<String, String> {
     let evaluation = if let Some(ctx) = process {
         if ctx.world_size() != args.ranks {
             return Err(format!(
-                "--ranks {} but the job has {} processes; start it with `mpirun -n {}`",
+                "--ranks {} but the job has {} processes; start it with `mpirun -n {}` or `burn-launch --nproc-per-node {}`",
                 args.ranks,
                 ctx.world_size(),
+                args.ranks,
                 args.ranks
             ));
         }

@@ -446,7 +446,7 @@ fn parse_size(text: &str) -> Result<u64, String> {
 
 fn main() {
     let command = Cli::parse().command;
-    // Under mpirun this process is one rank; a rank that fails ends the whole job, naming it.
+    // Under mpirun or burn-launch this process is one rank; a rank that fails ends the whole job, naming it.
     let process = burn_comm::Process::from_env().unwrap_or_else(|e| {
         eprintln!("error: {e}");
         std::process::exit(1)
@@ -468,7 +468,7 @@ fn main() {
         }),
         (Command::Train(args), None) => run_train(*args, None),
         (_, Some(_)) => Err(
-            "only `llama train` runs as one process per rank; run `llama eval`, `llama plan` and `llama export` without mpirun".into(),
+            "only `llama train` runs as one process per rank; run `llama eval`, `llama plan` and `llama export` alone, without mpirun or burn-launch".into(),
         ),
         (Command::Eval(args), None) => run_eval(args).map_err(Ended::from),
         (Command::Plan(args), None) => run_plan(args).map_err(Ended::from),

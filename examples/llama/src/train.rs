@@ -111,7 +111,7 @@ pub struct TrainConfig {
     /// Move the ranks' data with NCCL, in GPU memory (builds with the `cuda` feature, CUDA
     /// tensors only); else through host memory (the local transport).
     pub nccl: bool,
-    /// This process's rank when the job runs one process per rank (started by `mpirun`, see
+    /// This process's rank when the job runs one process per rank (started by `mpirun` or `burn-launch`, see
     /// `burn_comm::Process`); None: the ranks are threads of this process.
     pub process: Option<burn_comm::RankContext>,
     /// The memory this process's ranks may use (the host's available memory for a CPU run):

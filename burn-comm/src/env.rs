@@ -75,6 +75,31 @@ impl ProcessEnv {
         })
     }
 
+    /// The variables [`ProcessEnv::from_env`] reads, as a launcher sets them for this process.
+    pub fn vars(&self) -> [(&'static str, String); 6] {
+        [
+            ("RANK", self.rank.to_string()),
+            ("WORLD_SIZE", self.world_size.to_string()),
+            ("LOCAL_RANK", self.local_rank.to_string()),
+            ("LOCAL_WORLD_SIZE", self.local_world_size.to_string()),
+            ("MASTER_ADDR", self.master_addr.clone()),
+            ("MASTER_PORT", self.master_port.to_string()),
+        ]
+    }
+
+    /// Rank `rank` of a job of `world_size` processes on this machine alone, meeting at
+    /// `127.0.0.1:port`.
+    pub fn on_this_machine(rank: usize, world_size: usize, port: u16) -> Self {
+        Self {
+            rank,
+            world_size,
+            local_rank: rank,
+            local_world_size: world_size,
+            master_addr: "127.0.0.1".to_string(),
+            master_port: port,
+        }
+    }
+
     /// `MASTER_ADDR:MASTER_PORT`.
     pub fn master(&self) -> String {
         format!("{}:{}", self.master_addr, self.master_port)
@@ -159,6 +184,10 @@ mod tests {
     #[test]
     fn reads_the_torchrun_variables_and_names_bad_ones() {
         let parsed = ProcessEnv::from_lookup(env(&GOOD)).unwrap();
+        // What a launcher sets reads back as it was.
+        let vars = parsed.vars();
+        let pairs: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        assert_eq!(ProcessEnv::from_lookup(env(&pairs)).unwrap(), parsed);
         assert_eq!(parsed.rank, 3);
         assert_eq!(parsed.master(), "10.0.0.1:29500");
         let with = |key: &str, value: &str| {

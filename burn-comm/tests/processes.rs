@@ -16,7 +16,9 @@ use std::process::{Command, ExitStatus, Output};
 use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use burn_comm::{CommError, Communicator, Launcher, Process, RankContext, ReduceOp, launch};
+use burn_comm::{
+    CommError, Communicator, Launcher, Process, ProcessEnv, RankContext, ReduceOp, launch,
+};
 use common::{B, random_magnitudes, sum_joined_after_an_async_start};
 
 fn main() {
@@ -240,12 +242,7 @@ fn torchrun(world: usize, case: &str, env: &[(&str, &str)]) -> Output {
             let output = || file.try_clone().expect("a second handle");
             Command::new(&exe)
                 .arg(case)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
+                .envs(ProcessEnv::on_this_machine(rank, world, port).vars())
                 .envs(env.iter().copied())
                 .stdout(output())
                 .stderr(output())

@@ -104,14 +104,17 @@ fn run(args: Args) -> Result<ExitCode, String> {
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
         #[cfg(target_os = "linux")]
         die_with_launcher(&mut command);
+        let env = burn_comm::ProcessEnv {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size: args.nproc_per_node,
+            master_addr: args.master_addr.clone(),
+            master_port: port,
+        };
         let spawned = command
             .args(&args.command[1..])
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world_size.to_string())
-            .env("LOCAL_RANK", local_rank.to_string())
-            .env("LOCAL_WORLD_SIZE", args.nproc_per_node.to_string())
-            .env("MASTER_ADDR", &args.master_addr)
-            .env("MASTER_PORT", port.to_string())
+            .envs(env.vars())
             // A rank in its own process group that read the terminal would be stopped (SIGTTIN).
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -212,12 +212,7 @@ fn run_tcp_job(exe: &std::path::Path, world: usize) -> Vec<Measured> {
         .map(|rank| {
             std::process::Command::new(exe)
                 .args(std::env::args().skip(1))
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
+                .envs(burn_comm::ProcessEnv::on_this_machine(rank, world, port).vars())
                 .stdout(match rank {
                     0 => std::process::Stdio::piped(),
                     _ => std::process::Stdio::null(),

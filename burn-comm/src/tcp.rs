@@ -728,6 +728,21 @@ impl TcpGroup {
         Ok(by_rank)
     }
 
+    /// A round in which `me` sends `bytes(r)` to every peer `r` and takes a frame of `len(r)`
+    /// bytes from each (see [`TcpGroup::round`]).
+    fn round_with_peers<'a>(
+        &self,
+        me: usize,
+        seq: u64,
+        call: &Call,
+        bytes: impl Fn(usize) -> &'a [u8],
+        len: impl Fn(usize) -> usize,
+    ) -> Result<Vec<Option<Frame>>, CommError> {
+        let peers = self.peers(me);
+        let sends: Vec<(usize, &[u8])> = peers.iter().map(|&r| (r, bytes(r))).collect();
+        self.round(me, seq, call, &sends, &peers, len)
+    }
+
     /// Every group rank but `me`.
     fn peers(&self, me: usize) -> Vec<usize> {
         (0..self.members.len()).filter(|&r| r != me).collect()
@@ -800,18 +815,15 @@ impl Transport for TcpGroup {
         let (dtype, len, elem) = (data.dtype, data.num_elements(), data.dtype.size());
         let size = self.members.len();
         let seq = stream.next_seq();
-        let peers = self.peers(me);
         let slice = |r: usize| -> Range<usize> {
             let elems = kernels::partition(len, size, r, kernels::SLICE_ALIGN);
             elems.start * elem..elems.end * elem
         };
         let mine = slice(me);
         // Rank r reduces slice r of every input, in rank order...
-        let received = {
-            let input = data.as_bytes();
-            let sends: Vec<(usize, &[u8])> = peers.iter().map(|&r| (r, &input[slice(r)])).collect();
-            self.round(me, seq, &call, &sends, &peers, |_| mine.len())?
-        };
+        let input = data.as_bytes();
+        let received =
+            self.round_with_peers(me, seq, &call, |r| &input[slice(r)], |_| mine.len())?;
         let own = data.bytes.as_mut_ptr().wrapping_add(mine.start);
         let srcs: Vec<*const u8> = received
             .iter()
@@ -822,11 +834,8 @@ impl Transport for TcpGroup {
         unsafe { kernels::reduce(dtype, op, &srcs, &[own], mine.len() / elem) };
         drop(received);
         // ...and every rank gets every reduced slice.
-        let received = {
-            let reduced = &data.as_bytes()[mine.clone()];
-            let sends: Vec<(usize, &[u8])> = peers.iter().map(|&r| (r, reduced)).collect();
-            self.round(me, seq, &call, &sends, &peers, |r| slice(r).len())?
-        };
+        let reduced = &data.as_bytes()[mine.clone()];
+        let received = self.round_with_peers(me, seq, &call, |_| reduced, |r| slice(r).len())?;
         let out = data.bytes.as_mut_ptr();
         for (r, frame) in received.iter().enumerate() {
             if let Some(frame) = frame {
@@ -856,10 +865,8 @@ impl Transport for TcpGroup {
         let (dtype, shape) = (data.dtype, data.shape.clone());
         let mut out_shape = shape.clone();
         out_shape[dim] *= self.members.len();
-        let peers = self.peers(me);
-        let sends: Vec<(usize, &[u8])> = peers.iter().map(|&r| (r, data.as_bytes())).collect();
-        let bytes = data.as_bytes().len();
-        let received = self.round(me, stream.next_seq(), &call, &sends, &peers, |_| bytes)?;
+        let (input, seq) = (data.as_bytes(), stream.next_seq());
+        let received = self.round_with_peers(me, seq, &call, |_| input, |_| input.len())?;
         let out = SharedBuffer::uninit(out_shape.iter().product::<usize>() * dtype.size());
         for (r, frame) in received.iter().enumerate() {
             let src = frame
@@ -887,11 +894,9 @@ impl Transport for TcpGroup {
         let size = self.members.len();
         let mut part_shape = data.shape.clone();
         part_shape[dim] /= size;
-        let peers = self.peers(me);
         let parts = parts_along(&data, dim, size);
-        let sends: Vec<(usize, &[u8])> = peers.iter().map(|&r| (r, parts[r].bytes())).collect();
-        let bytes = parts[me].bytes().len();
-        let received = self.round(me, stream.next_seq(), &call, &sends, &peers, |_| bytes)?;
+        let (bytes, seq) = (parts[me].bytes().len(), stream.next_seq());
+        let received = self.round_with_peers(me, seq, &call, |r| parts[r].bytes(), |_| bytes)?;
         let srcs: Vec<*const u8> = received
             .iter()
             .map(|frame| {
@@ -951,11 +956,9 @@ impl Transport for TcpGroup {
         part_shape[split_dim] /= size;
         let mut out_shape = part_shape.clone();
         out_shape[concat_dim] *= size;
-        let peers = self.peers(me);
         let parts = parts_along(&data, split_dim, size);
-        let sends: Vec<(usize, &[u8])> = peers.iter().map(|&r| (r, parts[r].bytes())).collect();
-        let bytes = parts[me].bytes().len();
-        let received = self.round(me, stream.next_seq(), &call, &sends, &peers, |_| bytes)?;
+        let (bytes, seq) = (parts[me].bytes().len(), stream.next_seq());
+        let received = self.round_with_peers(me, seq, &call, |r| parts[r].bytes(), |_| bytes)?;
         let out = SharedBuffer::uninit(out_shape.iter().product::<usize>() * dtype.size());
         let zeros = vec![0; part_shape.len()];
         for (r, frame) in received.iter().enumerate() {
@@ -988,9 +991,7 @@ impl Transport for TcpGroup {
     }
 
     fn join(&self, me: usize, stream: &mut Stream, call: Call) -> Result<(), CommError> {
-        let peers = self.peers(me);
-        let sends: Vec<(usize, &[u8])> = peers.iter().map(|&r| (r, &[][..])).collect();
-        self.round(me, stream.next_seq(), &call, &sends, &peers, |_| 0)
+        self.round_with_peers(me, stream.next_seq(), &call, |_| &[], |_| 0)
             .map(drop)
     }
 
@@ -1049,10 +1050,8 @@ impl Transport for TcpGroup {
         color: usize,
     ) -> Result<(Arc<dyn Transport>, usize), CommError> {
         let seq = stream.next_seq();
-        let peers = self.peers(me);
         let mine = (color as u64).to_le_bytes();
-        let sends: Vec<(usize, &[u8])> = peers.iter().map(|&r| (r, &mine[..])).collect();
-        let received = self.round(me, seq, &call, &sends, &peers, |_| 8)?;
+        let received = self.round_with_peers(me, seq, &call, |_| &mine, |_| 8)?;
         let colors: Vec<usize> = received
             .iter()
             .map(|frame| match frame {

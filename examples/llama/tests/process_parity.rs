@@ -210,20 +210,36 @@ fn every_layout_as_processes_matches_threads_and_one_device() {
                 );
             }
         }
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(
-            stdout.matches("done:").count(),
-            1,
-            "{name}: rank 0 alone reports\n{text}"
-        );
-        // Rank 0 saves the whole model, the same bits as the threads' run saves.
-        let read = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
-        assert!(
-            read(&weights) == read(&threads_weights),
-            "{name}: the processes saved other weights than the threads"
+        assert_rank_0_reports_and_saves_the_threads_weights(
+            &name,
+            &out,
+            &weights,
+            &threads_weights,
         );
         println!("{name} as {ranks} processes: losses {actual:?}");
     }
+}
+
+/// Rank 0 alone of the job `out` reported, and it saved the whole model in `weights`, the same
+/// bits as the threads' run saved in `threads_weights`.
+fn assert_rank_0_reports_and_saves_the_threads_weights(
+    name: &str,
+    out: &Output,
+    weights: &Path,
+    threads_weights: &Path,
+) {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        stdout.matches("done:").count(),
+        1,
+        "{name}: rank 0 alone reports\n{}",
+        transcript(out)
+    );
+    let read = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
+    assert!(
+        read(weights) == read(threads_weights),
+        "{name}: the processes saved other weights than the threads"
+    );
 }
 
 /// A schedule SVG's rows: each rank's label and the actions of its boxes, in order. Their
@@ -364,16 +380,11 @@ fn burn_launch_with_torchrun_variables_trains_over_tcp_as_threads_do() {
             losses(&threads),
             "{name}: processes over TCP against threads"
         );
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(
-            stdout.matches("done:").count(),
-            1,
-            "{name}: rank 0 alone reports\n{text}"
-        );
-        let read = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
-        assert!(
-            read(&weights) == read(&threads_weights),
-            "{name}: the processes saved other weights than the threads"
+        assert_rank_0_reports_and_saves_the_threads_weights(
+            &name,
+            &out,
+            &weights,
+            &threads_weights,
         );
         println!("{name} as {ranks} processes over TCP: the threads' bits");
     }

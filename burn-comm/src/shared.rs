@@ -4,6 +4,7 @@
 //! see each other's changes. Fresh buffers come from a small pool, so that once warm, a training
 //! step that repeats the same calls allocates nothing.
 
+use std::alloc::{Layout, alloc_zeroed, handle_alloc_error};
 use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
@@ -69,7 +70,8 @@ struct Pool {
     bytes: usize,
 }
 
-fn take_words(words: usize) -> Words {
+/// `words` words, kept or fresh; none if memory is short.
+fn take_words(words: usize) -> Option<Words> {
     let mut pool = lock(&POOL);
     let buffers = &pool.buffers;
     // The smallest kept buffer that fits without wasting more than half of it.
@@ -80,13 +82,28 @@ fn take_words(words: usize) -> Words {
         Some(i) => {
             let taken = pool.buffers.swap_remove(i);
             pool.bytes -= taken.len() * 16;
-            taken
+            Some(taken)
         }
         None => {
             drop(pool);
-            Box::new_uninit_slice(words)
+            zeroed(words)
         }
     }
+}
+
+/// `words` zeroed words, or none if memory is short. Zeroed, so that every byte of a buffer is
+/// initialised and may be read into through a slice; large requests get fresh pages from the
+/// OS, which are zero already (`calloc`), so this costs nothing on top of the page faults.
+fn zeroed(words: usize) -> Option<Words> {
+    if words == 0 {
+        return Some(Box::new([]));
+    }
+    let layout = Layout::array::<u128>(words).ok()?;
+    // SAFETY: the layout is not empty.
+    let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })?;
+    let slice = std::ptr::slice_from_raw_parts_mut(ptr.as_ptr().cast::<MaybeUninit<u128>>(), words);
+    // SAFETY: allocated by the global allocator with the layout of `words` words.
+    Some(unsafe { Box::from_raw(slice) })
 }
 
 impl Drop for Fresh {
@@ -136,17 +153,35 @@ impl AsRef<[u8]> for View {
 }
 
 impl SharedBuffer {
-    /// `len` bytes, 16-byte aligned and not initialised: the call must write every byte.
+    /// `len` bytes, 16-byte aligned, of no particular value: the call must write every byte.
     pub fn uninit(len: usize) -> Self {
+        Self::try_uninit(len).unwrap_or_else(|| {
+            let words = Layout::array::<u128>(len.div_ceil(16));
+            handle_alloc_error(words.unwrap_or(Layout::new::<u128>()))
+        })
+    }
+
+    /// As [`SharedBuffer::uninit`], or none if memory is short (a length read off the wire).
+    pub fn try_uninit(len: usize) -> Option<Self> {
         let memory = Fresh {
-            words: NonNull::from(Box::leak(take_words(len.div_ceil(16)))),
+            words: NonNull::from(Box::leak(take_words(len.div_ceil(16))?)),
             len,
         };
         let ptr = memory.ptr_mut();
-        Self {
+        Some(Self {
             memory: Arc::new(memory),
             ptr,
-        }
+        })
+    }
+
+    /// The whole buffer, to be written. Its bytes are initialised (fresh memory is zeroed).
+    ///
+    /// # Safety
+    /// Nobody else reads or writes the buffer while the slice lives.
+    pub unsafe fn bytes_mut(&mut self) -> &mut [u8] {
+        assert!(!self.ptr.is_null(), "a shared input is not written");
+        // SAFETY: `ptr` holds `len` initialised bytes, and the caller has them to itself.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len()) }
     }
 
     /// Shares `data`'s buffer as it is, without a copy. Nobody writes to it.

@@ -22,7 +22,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use burn::tensor::{Bytes, TensorData};
+use burn::tensor::{Bytes, DType, TensorData};
 
 use crate::call::{Call, PointToPoint, digest_of};
 use crate::kernels::{self, Region};
@@ -124,23 +124,26 @@ fn read_frame(reader: &mut impl Read) -> io::Result<(u64, Kind, Frame)> {
     let data_len = word(29);
     let mut text = Vec::with_capacity(text_len as usize);
     reader.take(text_len.into()).read_to_end(&mut text)?;
-    let mut data = Vec::new();
-    data.try_reserve_exact(usize::try_from(data_len).unwrap_or(usize::MAX))
-        .map_err(|_| {
+    if text.len() < text_len as usize {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    // Aligned for any dtype (the kernels read it as elements, and a tensor views it as it is),
+    // and pooled, as the frames of a training step repeat their sizes.
+    let mut data = usize::try_from(data_len)
+        .ok()
+        .and_then(SharedBuffer::try_uninit)
+        .ok_or_else(|| {
             invalid(format!(
                 "a frame of {data_len} bytes does not fit in memory"
             ))
         })?;
-    reader.take(data_len).read_to_end(&mut data)?;
-    if text.len() < text_len as usize || (data.len() as u64) < data_len {
-        return Err(io::ErrorKind::UnexpectedEof.into());
-    }
+    // SAFETY: the buffer is new, and no one else has it yet.
+    reader.read_exact(unsafe { data.bytes_mut() })?;
     let frame = Frame {
         seq: word(9),
         digest: word(17),
         text: String::from_utf8_lossy(&text).into_owned(),
-        // Aligned for any dtype: the kernels read it as elements.
-        data: Bytes::from_bytes_vec(data),
+        data: data.view([data.len()], DType::U8).bytes,
     };
     Ok((word(0), kind, frame))
 }
@@ -1154,6 +1157,32 @@ mod tests {
                 .err()
                 .expect("a short frame fails");
             assert_eq!(error.kind(), io::ErrorKind::UnexpectedEof);
+            // Read again into a pooled buffer (likely the first frame's): it holds the new frame.
+            drop(frame);
+            let again = read_frame(&mut wire.as_slice()).unwrap().2;
+            assert_eq!(&again.data[..], &data[..]);
+            assert_eq!(again.data.as_ptr() as usize % 16, 0);
+        }
+    }
+
+    #[test]
+    fn a_frame_longer_than_memory_is_refused_not_allocated() {
+        let label = Label {
+            group: 1,
+            kind: Kind::Message,
+            seq: 0,
+            digest: 0,
+            text: "",
+        };
+        let mut wire = Vec::new();
+        write_frame(&mut wire, &label, &[]).unwrap();
+        // The data length is the header's last word.
+        for len in [1u64 << 62, u64::MAX] {
+            wire[HEADER - 8..HEADER].copy_from_slice(&len.to_le_bytes());
+            let error = read_frame(&mut wire.as_slice())
+                .err()
+                .expect("no such frame fits");
+            assert_eq!(error.kind(), io::ErrorKind::InvalidData, "{error}");
         }
     }
 }

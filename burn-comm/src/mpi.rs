@@ -36,7 +36,8 @@ use crate::kernels;
 use crate::shared::SharedBuffer;
 use crate::sync::lock;
 use crate::transport::{
-    Payload, Stream, Transport, describe_message, frees_inline, message_digest, message_mismatch,
+    FirstFailure, Payload, Stream, Transport, describe_message, frees_inline, message_digest,
+    message_mismatch,
 };
 use crate::{CommError, ReduceOp};
 
@@ -632,9 +633,7 @@ pub(crate) struct MpiGroup {
     p2p: Comm,
     timeout: Duration,
     /// The first failure; every later call fails with it.
-    broken: Mutex<Option<CommError>>,
-    /// Whether `broken` holds one: every call reads it, the lock only then.
-    is_broken: AtomicBool,
+    failure: FirstFailure,
     /// The thread that completes this group's sends MPI did not finish at once, started by the
     /// first such.
     sender: Mutex<Option<Sender>>,
@@ -716,8 +715,7 @@ impl MpiGroup {
             p2p: data.dup(),
             data,
             timeout,
-            broken: Mutex::new(None),
-            is_broken: AtomicBool::new(false),
+            failure: FirstFailure::default(),
             sender: Mutex::new(None),
             deferred: Arc::default(),
         }
@@ -762,23 +760,12 @@ impl MpiGroup {
     }
 
     fn broken(&self) -> Result<(), CommError> {
-        if !self.is_broken.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        match &*lock(&self.broken) {
-            Some(cause) => Err(CommError::GroupBroken {
-                group: self.name.clone(),
-                cause: cause.to_string(),
-            }),
-            None => Ok(()),
-        }
+        self.failure.check(&self.name)
     }
 
     /// Records `error` as the group's failure and returns it.
     fn break_with(&self, error: CommError) -> CommError {
-        lock(&self.broken).get_or_insert_with(|| error.clone());
-        self.is_broken.store(true, Ordering::Release);
-        error
+        self.failure.record(error)
     }
 
     fn timeout_error(&self, op: String, missing: Vec<usize>) -> CommError {

@@ -30,7 +30,7 @@ use crate::shared::SharedBuffer;
 use crate::store::{Store, deadline};
 use crate::sync::lock;
 use crate::transport::{
-    Payload, Stream, Transport, describe_message, message_digest, message_mismatch,
+    FirstFailure, Payload, Stream, Transport, describe_message, message_digest, message_mismatch,
 };
 use crate::world::World;
 use crate::{CommError, ProcessEnv, ReduceOp};
@@ -589,7 +589,7 @@ pub(crate) struct TcpGroup {
     links: Arc<Links>,
     world: Arc<World>,
     /// The first failure of a collective: the ranks' calls are out of step after it.
-    broken: Mutex<Option<String>>,
+    failure: FirstFailure,
 }
 
 impl TcpGroup {
@@ -618,23 +618,17 @@ impl TcpGroup {
             id: digest_of(&"world"),
             links: links.clone(),
             world,
-            broken: Mutex::new(None),
+            failure: FirstFailure::default(),
         };
         Ok((Arc::new(group), links))
     }
 
     fn usable(&self) -> Result<(), CommError> {
-        match lock(&self.broken).as_ref() {
-            Some(cause) => Err(CommError::GroupBroken {
-                group: self.name.clone(),
-                cause: cause.clone(),
-            }),
-            None => Ok(()),
-        }
+        self.failure.check(&self.name)
     }
 
     fn break_with(&self, error: CommError) -> CommError {
-        lock(&self.broken).get_or_insert_with(|| error.to_string());
+        let error = self.failure.record(error);
         self.links.inbox.forget(self.id);
         error
     }
@@ -1073,7 +1067,7 @@ impl Transport for TcpGroup {
             id: digest_of(&(self.id, seq, color as u64)),
             links: self.links.clone(),
             world: self.world.clone(),
-            broken: Mutex::new(None),
+            failure: FirstFailure::default(),
         };
         Ok((Arc::new(group), rank))
     }

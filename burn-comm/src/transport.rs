@@ -9,7 +9,7 @@
 use std::any::Any;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use burn::tensor::{DType, TensorData};
@@ -120,6 +120,38 @@ fn threshold_rises() -> bool {
             || std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("mmap_threshold"));
         cfg!(all(target_os = "linux", target_env = "gnu")) && !set
     })
+}
+
+/// A process's group's first failure. After it the ranks' calls are out of step, so each later
+/// call fails at once, naming it (the local transport, whose ranks share one state, keeps its
+/// own). A flag spares every call the lock.
+#[derive(Default)]
+pub(crate) struct FirstFailure {
+    cause: std::sync::Mutex<Option<String>>,
+    failed: AtomicBool,
+}
+
+impl FirstFailure {
+    /// `GroupBroken`, naming the first failure, once there was one.
+    pub fn check(&self, group: &str) -> Result<(), CommError> {
+        if !self.failed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        match &*crate::sync::lock(&self.cause) {
+            Some(cause) => Err(CommError::GroupBroken {
+                group: group.to_string(),
+                cause: cause.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Keeps `error` if it is the first, and gives it back.
+    pub fn record(&self, error: CommError) -> CommError {
+        crate::sync::lock(&self.cause).get_or_insert_with(|| error.to_string());
+        self.failed.store(true, Ordering::Release);
+        error
+    }
 }
 
 /// The bytes a retired buffer holds.

@@ -1,11 +1,10 @@
-//! Result buffers of the collectives. Results that every rank receives identically
-//! (all-gather, broadcast) are held once, in a buffer all ranks' tensors view; burn copies such
-//! a buffer on the first in-place write (`Bytes::from_shared` is copy-on-write), so ranks never
-//! see each other's changes. Fresh buffers come from a small pool, so that once warm, a training
-//! step that repeats the same calls allocates nothing.
+//! Result buffers of the collectives, and the frames the TCP transport receives. Results that
+//! every rank receives identically (all-gather, broadcast) are held once, in a buffer all ranks'
+//! tensors view; burn copies such a buffer on the first in-place write (`Bytes::from_shared` is
+//! copy-on-write), so ranks never see each other's changes. Fresh buffers come from a small
+//! pool, so that once warm, a training step that repeats the same calls allocates nothing.
 
 use std::alloc::{Layout, alloc_zeroed, handle_alloc_error};
-use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
@@ -44,7 +43,7 @@ trait Memory: Send + Sync {
 /// Fresh memory, written by the ranks before anyone reads it. Held as a raw pointer, so that
 /// writing through pointers derived from it is allowed; it is a `Words` box again on drop.
 struct Fresh {
-    words: NonNull<[MaybeUninit<u128>]>,
+    words: NonNull<[u128]>,
     len: usize,
 }
 
@@ -52,56 +51,79 @@ struct Fresh {
 unsafe impl Send for Fresh {}
 unsafe impl Sync for Fresh {}
 
-type Words = Box<[MaybeUninit<u128>]>;
+/// Memory of a buffer. Every byte is initialised (zeroed when allocated, written since), so a
+/// buffer may be read into through a slice whatever it held before.
+type Words = Box<[u128]>;
 
-/// Freed result buffers kept for reuse, as a caching allocator does: training repeats the same
-/// sizes every step, and fresh large allocations cost a page fault per page (and `munmap` on
-/// free), which is slower than the copy itself.
-static POOL: Mutex<Pool> = Mutex::new(Pool {
-    buffers: Vec::new(),
-    bytes: 0,
-});
-/// At most this many bytes are kept.
-const POOL_BYTES: usize = 1 << 30;
+/// Freed buffers kept for reuse, as a caching allocator does: training repeats the same sizes
+/// every step, and fresh large allocations cost a page fault per page (and `munmap` on free),
+/// which is slower than the copy itself.
+static POOL: Mutex<Pool> = Mutex::new(Pool::new(1 << 30));
 
 struct Pool {
+    /// The oldest first: they go first when the pool is full.
     buffers: Vec<Words>,
     /// Bytes of `buffers`, kept so that a return does not add them up.
     bytes: usize,
+    /// At most this many bytes are kept.
+    limit: usize,
+}
+
+impl Pool {
+    const fn new(limit: usize) -> Self {
+        Self {
+            buffers: Vec::new(),
+            bytes: 0,
+            limit,
+        }
+    }
+
+    /// The smallest kept buffer of at least `words` words that wastes at most half of itself.
+    fn take(&mut self, words: usize) -> Option<Words> {
+        let buffers = &self.buffers;
+        let best = (0..buffers.len())
+            .filter(|&i| buffers[i].len() >= words && buffers[i].len() <= 2 * words)
+            .min_by_key(|&i| buffers[i].len())?;
+        let taken = self.buffers.remove(best);
+        self.bytes -= taken.len() * 16;
+        Some(taken)
+    }
+
+    /// Keeps `words`, letting the oldest buffers go when full (sizes no longer asked for):
+    /// returns those to free, which the caller does after the lock.
+    fn keep(&mut self, words: Words) -> Vec<Words> {
+        let size = words.len() * 16;
+        if size > self.limit {
+            return vec![words];
+        }
+        let mut evicted = Vec::new();
+        while self.bytes + size > self.limit {
+            let oldest = self.buffers.remove(0);
+            self.bytes -= oldest.len() * 16;
+            evicted.push(oldest);
+        }
+        self.bytes += size;
+        self.buffers.push(words);
+        evicted
+    }
 }
 
 /// `words` words, kept or fresh; none if memory is short.
 fn take_words(words: usize) -> Option<Words> {
-    let mut pool = lock(&POOL);
-    let buffers = &pool.buffers;
-    // The smallest kept buffer that fits without wasting more than half of it.
-    let best = (0..buffers.len())
-        .filter(|&i| buffers[i].len() >= words && buffers[i].len() <= 2 * words.max(1))
-        .min_by_key(|&i| buffers[i].len());
-    match best {
-        Some(i) => {
-            let taken = pool.buffers.swap_remove(i);
-            pool.bytes -= taken.len() * 16;
-            Some(taken)
-        }
-        None => {
-            drop(pool);
-            zeroed(words)
-        }
-    }
-}
-
-/// `words` zeroed words, or none if memory is short. Zeroed, so that every byte of a buffer is
-/// initialised and may be read into through a slice; large requests get fresh pages from the
-/// OS, which are zero already (`calloc`), so this costs nothing on top of the page faults.
-fn zeroed(words: usize) -> Option<Words> {
     if words == 0 {
         return Some(Box::new([]));
     }
+    let kept = lock(&POOL).take(words);
+    kept.or_else(|| zeroed(words))
+}
+
+/// `words` zeroed words, or none if memory is short. Only a pool miss pays for the zeroing, and
+/// for memory the allocator maps fresh (large sizes) the OS's pages are zero already.
+fn zeroed(words: usize) -> Option<Words> {
     let layout = Layout::array::<u128>(words).ok()?;
-    // SAFETY: the layout is not empty.
+    // SAFETY: the layout is not empty (`take_words` hands out empty buffers itself).
     let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })?;
-    let slice = std::ptr::slice_from_raw_parts_mut(ptr.as_ptr().cast::<MaybeUninit<u128>>(), words);
+    let slice = std::ptr::slice_from_raw_parts_mut(ptr.as_ptr().cast::<u128>(), words);
     // SAFETY: allocated by the global allocator with the layout of `words` words.
     Some(unsafe { Box::from_raw(slice) })
 }
@@ -110,10 +132,9 @@ impl Drop for Fresh {
     fn drop(&mut self) {
         // SAFETY: `words` came from `Box::leak` and is not used after this.
         let words = unsafe { Box::from_raw(self.words.as_ptr()) };
-        let mut pool = lock(&POOL);
-        if pool.bytes + words.len() * 16 <= POOL_BYTES {
-            pool.bytes += words.len() * 16;
-            pool.buffers.push(words);
+        if !words.is_empty() {
+            let evicted = lock(&POOL).keep(words);
+            drop(evicted);
         }
     }
 }
@@ -153,11 +174,12 @@ impl AsRef<[u8]> for View {
 }
 
 impl SharedBuffer {
-    /// `len` bytes, 16-byte aligned, of no particular value: the call must write every byte.
+    /// `len` bytes, 16-byte aligned, of no particular value (zeros, or what a freed buffer
+    /// held): the call must write every byte.
     pub fn uninit(len: usize) -> Self {
         Self::try_uninit(len).unwrap_or_else(|| {
-            let words = Layout::array::<u128>(len.div_ceil(16));
-            handle_alloc_error(words.unwrap_or(Layout::new::<u128>()))
+            let words = Layout::array::<u128>(len.div_ceil(16)).expect("capacity overflow");
+            handle_alloc_error(words)
         })
     }
 
@@ -234,5 +256,23 @@ mod tests {
         drop(view);
         let second = SharedBuffer::uninit(len);
         assert_eq!(second.ptr(), ptr);
+    }
+
+    #[test]
+    fn a_full_pool_lets_its_oldest_buffers_go_and_keeps_none_too_large() {
+        let words = |n: usize| zeroed(n).unwrap();
+        let mut pool = Pool::new(10 * 16);
+        assert!(pool.keep(words(4)).is_empty());
+        assert!(pool.keep(words(3)).is_empty());
+        // 4 + 3 + 5 words is more than 10: the oldest (4) goes.
+        let evicted = pool.keep(words(5));
+        assert_eq!(evicted.iter().map(|w| w.len()).collect::<Vec<_>>(), [4]);
+        assert_eq!(pool.bytes, 8 * 16);
+        assert_eq!(pool.keep(words(11)).len(), 1, "larger than the whole pool");
+        // 3 is the smallest that fits 2 words; 5 would waste more than half of itself.
+        assert_eq!(pool.take(2).map(|w| w.len()), Some(3));
+        assert!(pool.take(2).is_none());
+        assert_eq!(pool.take(5).map(|w| w.len()), Some(5));
+        assert_eq!((pool.bytes, pool.buffers.len()), (0, 0));
     }
 }

@@ -127,8 +127,8 @@ fn read_frame(reader: &mut impl Read) -> io::Result<(u64, Kind, Frame)> {
     if text.len() < text_len as usize {
         return Err(io::ErrorKind::UnexpectedEof.into());
     }
-    // Aligned for any dtype (the kernels read it as elements, and a tensor views it as it is),
-    // and pooled, as the frames of a training step repeat their sizes.
+    // Aligned for any dtype (the kernels read it as elements, and a tensor views it until it
+    // is written), and pooled, as the frames of a training step repeat their sizes.
     let mut data = usize::try_from(data_len)
         .ok()
         .and_then(SharedBuffer::try_uninit)
@@ -150,6 +150,8 @@ fn read_frame(reader: &mut impl Read) -> io::Result<(u64, Kind, Frame)> {
 
 /// Why frames a call waits for are not there.
 enum Missing {
+    /// The group broke (on another of this process's threads): its frames are dropped.
+    Broken,
     /// The connection to this global rank ended, for this reason.
     Lost { rank: usize, reason: String },
     /// These global ranks sent nothing in time.
@@ -198,6 +200,8 @@ impl Inbox {
         let mut state = lock(&self.state);
         state.broken.insert(group);
         state.frames.retain(|&(g, _, _), _| g != group);
+        // Calls on it waiting on other threads fail now.
+        self.arrived.notify_all();
     }
 
     fn reason(&self, peer: usize) -> Option<String> {
@@ -245,6 +249,9 @@ impl Inbox {
                         .is_none_or(VecDeque::is_empty)
                 })
                 .collect();
+            if state.broken.contains(&group) {
+                return Err(Missing::Broken);
+            }
             if waiting.is_empty() {
                 let mut take = |p: usize| {
                     let key = (group, p, kind);
@@ -646,6 +653,10 @@ impl TcpGroup {
     fn missing(&self, me: usize, op: String, missing: Missing) -> CommError {
         match missing {
             Missing::Lost { rank, reason } => self.peer_failed(op, rank, reason),
+            Missing::Broken => match self.usable() {
+                Err(broken) => broken,
+                Ok(()) => unreachable!("a group's failure is kept before its frames are dropped"),
+            },
             Missing::Late(missing) => CommError::Timeout {
                 op,
                 group: self.name.clone(),
@@ -1126,6 +1137,24 @@ mod tests {
     }
 
     #[test]
+    fn a_call_waiting_on_a_group_that_breaks_fails_at_once() {
+        let inbox = Arc::new(Inbox::default());
+        let started = Instant::now();
+        let waiting = {
+            let inbox = inbox.clone();
+            let until = started + Duration::from_secs(30);
+            thread::spawn(move || inbox.take(4, Kind::Message, &[1], until).map(drop))
+        };
+        inbox.forget(4);
+        assert!(matches!(waiting.join().unwrap(), Err(Missing::Broken)));
+        assert!(started.elapsed() < Duration::from_secs(10));
+        // Another group's calls go on.
+        inbox.file(5, 1, Kind::Message, frame(1));
+        let taken = inbox.take(5, Kind::Message, &[1], Instant::now());
+        assert_eq!(seq_of(taken), 1);
+    }
+
+    #[test]
     fn a_frame_reads_back_as_written() {
         let label = Label {
             group: 7,
@@ -1151,10 +1180,14 @@ mod tests {
                 .err()
                 .expect("a short frame fails");
             assert_eq!(error.kind(), io::ErrorKind::UnexpectedEof);
-            // Read again into a pooled buffer (likely the first frame's): it holds the new frame.
+            // A frame of the same length read into a pooled buffer (likely the first's) holds
+            // its own bytes, each of them.
             drop(frame);
+            let other: Vec<u8> = data.iter().map(|b| !b).collect();
+            let mut wire = Vec::new();
+            write_frame(&mut wire, &label, &other).unwrap();
             let again = read_frame(&mut wire.as_slice()).unwrap().2;
-            assert_eq!(&again.data[..], &data[..]);
+            assert_eq!(&again.data[..], &other[..]);
             assert_eq!(again.data.as_ptr() as usize % 16, 0);
         }
     }

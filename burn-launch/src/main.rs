@@ -6,8 +6,8 @@
 //! On a machine without a CUDA GPU (or with `--mpi`), the ranks are started through `mpirun`
 //! instead (CPU ranks talk through MPI, which only processes that `mpirun` started can join):
 //! `--hostfile` names the machines, and Open MPI's own variables tell each process its rank.
-//! `--torchrun-env` keeps torchrun's way there too: burn-comm's ranks then meet in rank 0's
-//! store and talk over TCP, which needs no MPI.
+//! `--torchrun-env`, or a machine without `mpirun`, keeps torchrun's way there too: burn-comm's
+//! ranks then meet in rank 0's store and talk over TCP, which needs no MPI.
 //!
 //! Each rank runs in its own process group, so stopping a rank stops whatever it started (a
 //! shell's children, say); Ctrl-C or SIGTERM to the launcher stops every rank the same way.
@@ -41,7 +41,7 @@ struct Args {
     master_port: u16,
     /// Start the ranks through mpirun (CPU ranks on burn-comm's MPI transport) instead of
     /// with torchrun's variables (TCP, and NCCL on GPUs): the default on a machine without a
-    /// CUDA GPU.
+    /// CUDA GPU that has mpirun.
     #[arg(long)]
     mpi: bool,
     /// Start the ranks with torchrun's variables even on a machine without a CUDA GPU (they
@@ -78,10 +78,16 @@ fn run(args: Args) -> Result<ExitCode, String> {
         return run_mpi(&args);
     }
     if !args.torchrun_env && !has_cuda_gpu() {
-        eprintln!(
-            "burn-launch: no CUDA GPU here, so the ranks start through mpirun and meet through MPI (--torchrun-env starts them with torchrun's variables instead, to meet over TCP)"
-        );
-        return run_mpi(&args);
+        if !on_path("mpirun") {
+            eprintln!(
+                "burn-launch: no CUDA GPU here and no mpirun on PATH, so the ranks start with torchrun's variables and meet over TCP (install Open MPI, apt-get install openmpi-bin, to start them through mpirun)"
+            );
+        } else {
+            eprintln!(
+                "burn-launch: no CUDA GPU here, so the ranks start through mpirun and meet through MPI (--torchrun-env starts them with torchrun's variables instead, to meet over TCP)"
+            );
+            return run_mpi(&args);
+        }
     }
     let port = match args.master_port {
         0 if args.nnodes > 1 => {
@@ -165,6 +171,24 @@ fn run_mpi(args: &Args) -> Result<ExitCode, String> {
     Ok(match status.success() {
         true => ExitCode::SUCCESS,
         false => ExitCode::from(exit_code(status)),
+    })
+}
+
+/// Whether `program` is an executable file in one of PATH's directories.
+fn on_path(program: &str) -> bool {
+    let Some(path) = std::env::var_os("PATH") else {
+        return false;
+    };
+    std::env::split_paths(&path).any(|dir| {
+        let file = dir.join(program);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::metadata(&file)
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        }
+        #[cfg(not(unix))]
+        file.is_file()
     })
 }
 

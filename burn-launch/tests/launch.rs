@@ -203,6 +203,42 @@ fn without_a_cuda_gpu_the_ranks_start_through_mpirun() {
 }
 
 #[test]
+fn without_a_cuda_gpu_or_mpirun_the_ranks_start_with_torchruns_variables() {
+    // A PATH with a shell but no mpirun.
+    let dir = std::env::temp_dir().join(format!("burn-launch-no-mpirun-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let shell = dir.join("sh");
+    let _ = std::fs::remove_file(&shell);
+    std::os::unix::fs::symlink("/bin/sh", &shell).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-launch"))
+        .args(["--nproc-per-node", "2", "--master-port", "0", "--"])
+        .args([
+            "sh",
+            "-c",
+            "echo \"$RANK/$WORLD_SIZE mpi=$OMPI_COMM_WORLD_RANK\"",
+        ])
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .env("PATH", &dir)
+        .output()
+        .expect("burn-launch runs");
+    std::fs::remove_dir_all(&dir).unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    let mut lines: Vec<&str> = stdout.lines().collect();
+    lines.sort();
+    // Prefixed by burn-launch, which started them, and no MPI rank.
+    assert_eq!(
+        lines,
+        ["[rank 0] 0/2 mpi=", "[rank 1] 1/2 mpi="],
+        "{stderr}"
+    );
+    assert!(stderr.contains("no mpirun on PATH"), "{stderr}");
+}
+
+#[test]
 fn with_mpi_the_ranks_start_through_mpirun_on_the_hostfile_machines() {
     let dir = std::env::temp_dir().join(format!("burn-launch-mpi-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -55,6 +55,9 @@ unsafe impl Sync for Fresh {}
 /// buffer may be read into through a slice whatever it held before.
 type Words = Box<[u128]>;
 
+// Buffers are 16-byte aligned (burn's largest alignment) because their words are.
+const _: () = assert!(std::mem::align_of::<u128>() == 16);
+
 /// Freed buffers kept for reuse, as a caching allocator does: training repeats the same sizes
 /// every step, and fresh large allocations cost a page fault per page (and `munmap` on free),
 /// which is slower than the copy itself.
@@ -111,7 +114,7 @@ impl Pool {
 /// `words` words, kept or fresh; none if memory is short.
 fn take_words(words: usize) -> Option<Words> {
     if words == 0 {
-        return Some(Box::new([]));
+        return zeroed(0);
     }
     let kept = lock(&POOL).take(words);
     kept.or_else(|| zeroed(words))
@@ -120,8 +123,11 @@ fn take_words(words: usize) -> Option<Words> {
 /// `words` zeroed words, or none if memory is short. Only a pool miss pays for the zeroing, and
 /// for memory the allocator maps fresh (large sizes) the OS's pages are zero already.
 fn zeroed(words: usize) -> Option<Words> {
+    if words == 0 {
+        return Some(Box::new([]));
+    }
     let layout = Layout::array::<u128>(words).ok()?;
-    // SAFETY: the layout is not empty (`take_words` hands out empty buffers itself).
+    // SAFETY: the layout is not empty.
     let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })?;
     let slice = std::ptr::slice_from_raw_parts_mut(ptr.as_ptr().cast::<u128>(), words);
     // SAFETY: allocated by the global allocator with the layout of `words` words.

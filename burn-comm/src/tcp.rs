@@ -150,7 +150,7 @@ fn read_frame(reader: &mut impl Read) -> io::Result<(u64, Kind, Frame)> {
 
 /// Why frames a call waits for are not there.
 enum Missing {
-    /// The group broke (on another of this process's threads): its frames are dropped.
+    /// The group broke: its frames are dropped, so none will come.
     Broken,
     /// The connection to this global rank ended, for this reason.
     Lost { rank: usize, reason: String },
@@ -200,7 +200,7 @@ impl Inbox {
         let mut state = lock(&self.state);
         state.broken.insert(group);
         state.frames.retain(|&(g, _, _), _| g != group);
-        // Calls on it waiting on other threads fail now.
+        // A call waiting on it fails now.
         self.arrived.notify_all();
     }
 
@@ -653,10 +653,11 @@ impl TcpGroup {
     fn missing(&self, me: usize, op: String, missing: Missing) -> CommError {
         match missing {
             Missing::Lost { rank, reason } => self.peer_failed(op, rank, reason),
-            Missing::Broken => match self.usable() {
-                Err(broken) => broken,
-                Ok(()) => unreachable!("a group's failure is kept before its frames are dropped"),
-            },
+            // Its failure is kept before its frames are dropped, so `usable` names it.
+            Missing::Broken => self.usable().err().unwrap_or(CommError::GroupBroken {
+                group: self.name.clone(),
+                cause: "an earlier call on it failed".to_string(),
+            }),
             Missing::Late(missing) => CommError::Timeout {
                 op,
                 group: self.name.clone(),
@@ -1137,18 +1138,16 @@ mod tests {
     }
 
     #[test]
-    fn a_call_waiting_on_a_group_that_breaks_fails_at_once() {
-        let inbox = Arc::new(Inbox::default());
-        let started = Instant::now();
-        let waiting = {
-            let inbox = inbox.clone();
-            let until = started + Duration::from_secs(30);
-            thread::spawn(move || inbox.take(4, Kind::Message, &[1], until).map(drop))
-        };
+    fn a_call_on_a_group_that_broke_fails_at_once_and_others_go_on() {
+        let inbox = Inbox::default();
+        inbox.file(4, 1, Kind::Message, frame(1));
         inbox.forget(4);
-        assert!(matches!(waiting.join().unwrap(), Err(Missing::Broken)));
+        // Its frames, those that came and those to come, are dropped.
+        inbox.file(4, 1, Kind::Message, frame(2));
+        let started = Instant::now();
+        let taken = inbox.take(4, Kind::Message, &[1], started + Duration::from_secs(30));
+        assert!(matches!(taken, Err(Missing::Broken)));
         assert!(started.elapsed() < Duration::from_secs(10));
-        // Another group's calls go on.
         inbox.file(5, 1, Kind::Message, frame(1));
         let taken = inbox.take(5, Kind::Message, &[1], Instant::now());
         assert_eq!(seq_of(taken), 1);

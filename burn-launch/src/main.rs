@@ -78,7 +78,13 @@ fn run(args: Args) -> Result<ExitCode, String> {
         return run_mpi(&args);
     }
     if !args.torchrun_env && !has_cuda_gpu() {
-        if !on_path("mpirun") {
+        // mpirun starts a whole job from one machine: one of several starts its own share.
+        if args.nnodes > 1 {
+            eprintln!(
+                "burn-launch: no CUDA GPU here, and this machine starts its share of a job of {} (--nnodes), so its ranks start with torchrun's variables and meet over TCP (--hostfile starts the whole job through mpirun)",
+                args.nnodes
+            );
+        } else if !on_path("mpirun") {
             eprintln!(
                 "burn-launch: no CUDA GPU here and no mpirun on PATH, so the ranks start with torchrun's variables and meet over TCP (install Open MPI, apt-get install openmpi-bin, to start them through mpirun)"
             );
@@ -158,7 +164,7 @@ fn run(args: Args) -> Result<ExitCode, String> {
 fn run_mpi(args: &Args) -> Result<ExitCode, String> {
     if args.nnodes > 1 {
         return Err(
-            "through mpirun (--mpi, or on a machine without a CUDA GPU), one burn-launch starts the whole job: list the machines in --hostfile instead of --nnodes/--node-rank".into(),
+            "through mpirun (--mpi), one burn-launch starts the whole job: list the machines in --hostfile instead of --nnodes/--node-rank".into(),
         );
     }
     let mut mpirun = burn_comm::mpirun(args.nproc_per_node);
@@ -174,11 +180,10 @@ fn run_mpi(args: &Args) -> Result<ExitCode, String> {
     })
 }
 
-/// Whether `program` is an executable file in one of PATH's directories.
+/// Whether `program` is an executable file in one of PATH's directories (without PATH, those
+/// a program is looked for in then).
 fn on_path(program: &str) -> bool {
-    let Some(path) = std::env::var_os("PATH") else {
-        return false;
-    };
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/bin:/usr/bin".into());
     std::env::split_paths(&path).any(|dir| {
         let file = dir.join(program);
         #[cfg(unix)]

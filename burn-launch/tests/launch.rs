@@ -202,8 +202,9 @@ fn without_a_cuda_gpu_the_ranks_start_through_mpirun() {
     assert!(stderr.contains("no CUDA GPU here"), "{stderr}");
 }
 
+#[cfg(unix)]
 #[test]
-fn without_a_cuda_gpu_or_mpirun_the_ranks_start_with_torchruns_variables() {
+fn without_a_cuda_gpu_a_job_without_mpirun_or_of_several_machines_uses_torchruns_variables() {
     // A PATH with a shell but no mpirun.
     let dir = std::env::temp_dir().join(format!("burn-launch-no-mpirun-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -236,6 +237,39 @@ fn without_a_cuda_gpu_or_mpirun_the_ranks_start_with_torchruns_variables() {
         "{stderr}"
     );
     assert!(stderr.contains("no mpirun on PATH"), "{stderr}");
+
+    // One machine's share of a job of several starts so too, mpirun or not.
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-launch"))
+        .args([
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--",
+        ])
+        .args([
+            "sh",
+            "-c",
+            "echo \"$RANK/$WORLD_SIZE mpi=$OMPI_COMM_WORLD_RANK\"",
+        ])
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .output()
+        .expect("burn-launch runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    let mut lines: Vec<&str> = stdout.lines().collect();
+    lines.sort();
+    assert_eq!(
+        lines,
+        ["[rank 2] 2/4 mpi=", "[rank 3] 3/4 mpi="],
+        "{stderr}"
+    );
+    assert!(stderr.contains("--nnodes"), "{stderr}");
 }
 
 #[test]

@@ -239,6 +239,9 @@ impl Inbox {
     ) -> Result<Vec<Frame>, Missing> {
         let mut state = lock(&self.state);
         loop {
+            if state.broken.contains(&group) {
+                return Err(Missing::Broken);
+            }
             let waiting: Vec<usize> = from
                 .iter()
                 .copied()
@@ -249,9 +252,6 @@ impl Inbox {
                         .is_none_or(VecDeque::is_empty)
                 })
                 .collect();
-            if state.broken.contains(&group) {
-                return Err(Missing::Broken);
-            }
             if waiting.is_empty() {
                 let mut take = |p: usize| {
                     let key = (group, p, kind);
@@ -654,10 +654,13 @@ impl TcpGroup {
         match missing {
             Missing::Lost { rank, reason } => self.peer_failed(op, rank, reason),
             // Its failure is kept before its frames are dropped, so `usable` names it.
-            Missing::Broken => self.usable().err().unwrap_or(CommError::GroupBroken {
-                group: self.name.clone(),
-                cause: "an earlier call on it failed".to_string(),
-            }),
+            Missing::Broken => self
+                .usable()
+                .err()
+                .unwrap_or_else(|| CommError::GroupBroken {
+                    group: self.name.clone(),
+                    cause: "an earlier call on it failed".to_string(),
+                }),
             Missing::Late(missing) => CommError::Timeout {
                 op,
                 group: self.name.clone(),
@@ -1148,6 +1151,7 @@ mod tests {
         let taken = inbox.take(4, Kind::Message, &[1], started + Duration::from_secs(30));
         assert!(matches!(taken, Err(Missing::Broken)));
         assert!(started.elapsed() < Duration::from_secs(10));
+        // Another group's calls go on.
         inbox.file(5, 1, Kind::Message, frame(1));
         let taken = inbox.take(5, Kind::Message, &[1], Instant::now());
         assert_eq!(seq_of(taken), 1);

@@ -182,22 +182,33 @@ fn sigterm_to_the_launcher_stops_every_rank_and_what_it_started() {
     );
 }
 
+/// Runs burn-launch with every GPU hidden (so a test means the same on a machine with one) and
+/// `path` as PATH if given: whether it succeeded, its ranks' lines in order, and its stderr.
+fn launch_without_gpu(
+    args: &[&str],
+    path: Option<&std::path::Path>,
+) -> (bool, Vec<String>, String) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_burn-launch"));
+    command.args(args).env("CUDA_VISIBLE_DEVICES", "");
+    if let Some(path) = path {
+        command.env("PATH", path);
+    }
+    let out = command.output().expect("burn-launch runs");
+    let mut lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    lines.sort();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out.status.success(), lines, stderr)
+}
+
 #[test]
 fn without_a_cuda_gpu_the_ranks_start_through_mpirun() {
     let script = "echo \"$OMPI_COMM_WORLD_RANK/$OMPI_COMM_WORLD_SIZE\"";
-    let out = Command::new(env!("CARGO_BIN_EXE_burn-launch"))
-        .args(["--nproc-per-node", "2", "--", "sh", "-c", script])
-        // Hides every GPU, so the test means the same on a machine with one.
-        .env("CUDA_VISIBLE_DEVICES", "")
-        .output()
-        .expect("burn-launch runs");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(out.status.success(), "{stderr}");
-    let mut lines: Vec<&str> = stdout.lines().collect();
-    lines.sort();
+    let args = ["--nproc-per-node", "2", "--", "sh", "-c", script];
+    let (ok, lines, stderr) = launch_without_gpu(&args, None);
+    assert!(ok, "{stderr}");
     assert_eq!(lines, ["0/2", "1/2"], "{stderr}");
     assert!(stderr.contains("no CUDA GPU here"), "{stderr}");
 }
@@ -205,31 +216,26 @@ fn without_a_cuda_gpu_the_ranks_start_through_mpirun() {
 #[cfg(unix)]
 #[test]
 fn without_a_cuda_gpu_a_job_without_mpirun_or_of_several_machines_uses_torchruns_variables() {
+    let script = "echo \"$RANK/$WORLD_SIZE mpi=$OMPI_COMM_WORLD_RANK\"";
     // A PATH with a shell but no mpirun.
     let dir = std::env::temp_dir().join(format!("burn-launch-no-mpirun-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let shell = dir.join("sh");
     let _ = std::fs::remove_file(&shell);
     std::os::unix::fs::symlink("/bin/sh", &shell).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_burn-launch"))
-        .args(["--nproc-per-node", "2", "--master-port", "0", "--"])
-        .args([
-            "sh",
-            "-c",
-            "echo \"$RANK/$WORLD_SIZE mpi=$OMPI_COMM_WORLD_RANK\"",
-        ])
-        .env("CUDA_VISIBLE_DEVICES", "")
-        .env("PATH", &dir)
-        .output()
-        .expect("burn-launch runs");
+    let args = [
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "0",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ];
+    let (ok, lines, stderr) = launch_without_gpu(&args, Some(&dir));
     std::fs::remove_dir_all(&dir).unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(out.status.success(), "{stderr}");
-    let mut lines: Vec<&str> = stdout.lines().collect();
-    lines.sort();
+    assert!(ok, "{stderr}");
     // Prefixed by burn-launch, which started them, and no MPI rank.
     assert_eq!(
         lines,
@@ -239,31 +245,18 @@ fn without_a_cuda_gpu_a_job_without_mpirun_or_of_several_machines_uses_torchruns
     assert!(stderr.contains("no mpirun on PATH"), "{stderr}");
 
     // One machine's share of a job of several starts so too, mpirun or not.
-    let out = Command::new(env!("CARGO_BIN_EXE_burn-launch"))
-        .args([
-            "--nproc-per-node",
-            "2",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--",
-        ])
-        .args([
-            "sh",
-            "-c",
-            "echo \"$RANK/$WORLD_SIZE mpi=$OMPI_COMM_WORLD_RANK\"",
-        ])
-        .env("CUDA_VISIBLE_DEVICES", "")
-        .output()
-        .expect("burn-launch runs");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(out.status.success(), "{stderr}");
-    let mut lines: Vec<&str> = stdout.lines().collect();
-    lines.sort();
+    let args = [
+        "--nproc-per-node",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--",
+    ];
+    let args = [&args[..], &["sh", "-c", script]].concat();
+    let (ok, lines, stderr) = launch_without_gpu(&args, None);
+    assert!(ok, "{stderr}");
     assert_eq!(
         lines,
         ["[rank 2] 2/4 mpi=", "[rank 3] 3/4 mpi="],

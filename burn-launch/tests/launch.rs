@@ -182,35 +182,39 @@ fn sigterm_to_the_launcher_stops_every_rank_and_what_it_started() {
     );
 }
 
-/// Runs burn-launch with every GPU hidden (so a test means the same on a machine with one) and
-/// `path` as PATH if given: whether it succeeded, its ranks' lines in order, and its stderr.
+/// Runs `sh -c script` under burn-launch with `options`, every GPU hidden (so a test means the
+/// same on a machine with one) and `path` as PATH if given, and checks that it succeeds, that
+/// its ranks print `lines` (in any order), and that its stderr says `says`.
 fn launch_without_gpu(
-    args: &[&str],
+    options: &[&str],
+    script: &str,
     path: Option<&std::path::Path>,
-) -> (bool, Vec<String>, String) {
+    lines: &[&str],
+    says: &str,
+) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_burn-launch"));
-    command.args(args).env("CUDA_VISIBLE_DEVICES", "");
+    command
+        .args(options)
+        .args(["--", "sh", "-c", script])
+        .env("CUDA_VISIBLE_DEVICES", "");
     if let Some(path) = path {
         command.env("PATH", path);
     }
     let out = command.output().expect("burn-launch runs");
-    let mut lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_string)
-        .collect();
-    lines.sort();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    (out.status.success(), lines, stderr)
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut printed: Vec<&str> = stdout.lines().collect();
+    printed.sort();
+    assert_eq!(printed, lines, "{stderr}");
+    assert!(stderr.contains(says), "{stderr}");
 }
 
 #[test]
 fn without_a_cuda_gpu_the_ranks_start_through_mpirun() {
     let script = "echo \"$OMPI_COMM_WORLD_RANK/$OMPI_COMM_WORLD_SIZE\"";
-    let args = ["--nproc-per-node", "2", "--", "sh", "-c", script];
-    let (ok, lines, stderr) = launch_without_gpu(&args, None);
-    assert!(ok, "{stderr}");
-    assert_eq!(lines, ["0/2", "1/2"], "{stderr}");
-    assert!(stderr.contains("no CUDA GPU here"), "{stderr}");
+    let options = ["--nproc-per-node", "2"];
+    launch_without_gpu(&options, script, None, &["0/2", "1/2"], "no CUDA GPU here");
 }
 
 #[cfg(unix)]
@@ -223,46 +227,24 @@ fn without_a_cuda_gpu_a_job_without_mpirun_or_of_several_machines_uses_torchruns
     let shell = dir.join("sh");
     let _ = std::fs::remove_file(&shell);
     std::os::unix::fs::symlink("/bin/sh", &shell).unwrap();
-    let args = [
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "0",
-        "--",
-        "sh",
-        "-c",
-        script,
-    ];
-    let (ok, lines, stderr) = launch_without_gpu(&args, Some(&dir));
-    std::fs::remove_dir_all(&dir).unwrap();
-    assert!(ok, "{stderr}");
     // Prefixed by burn-launch, which started them, and no MPI rank.
-    assert_eq!(
-        lines,
-        ["[rank 0] 0/2 mpi=", "[rank 1] 1/2 mpi="],
-        "{stderr}"
+    launch_without_gpu(
+        &["--nproc-per-node", "2", "--master-port", "0"],
+        script,
+        Some(&dir),
+        &["[rank 0] 0/2 mpi=", "[rank 1] 1/2 mpi="],
+        "no mpirun on PATH",
     );
-    assert!(stderr.contains("no mpirun on PATH"), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
 
     // One machine's share of a job of several starts so too, mpirun or not.
-    let args = [
-        "--nproc-per-node",
-        "2",
+    launch_without_gpu(
+        &["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1"],
+        script,
+        None,
+        &["[rank 2] 2/4 mpi=", "[rank 3] 3/4 mpi="],
         "--nnodes",
-        "2",
-        "--node-rank",
-        "1",
-        "--",
-    ];
-    let args = [&args[..], &["sh", "-c", script]].concat();
-    let (ok, lines, stderr) = launch_without_gpu(&args, None);
-    assert!(ok, "{stderr}");
-    assert_eq!(
-        lines,
-        ["[rank 2] 2/4 mpi=", "[rank 3] 3/4 mpi="],
-        "{stderr}"
     );
-    assert!(stderr.contains("--nnodes"), "{stderr}");
 }
 
 #[test]

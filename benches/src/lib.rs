@@ -57,13 +57,8 @@ pub fn interleaved_rounds(
             let before = memory::live_bytes();
             memory::reset_peak();
             let mut metrics = Vec::new();
-            llama::train::train::<burn::backend::Autodiff<burn::backend::Flex>>(
-                config,
-                data,
-                &Default::default(),
-                &mut |m| metrics.push(*m),
-            )
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
+            llama::cpu::train(config, data, &mut |m| metrics.push(*m))
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
             record(i, &metrics, memory::peak_bytes().saturating_sub(before));
             eprintln!("round {} / {repeats}: {name} done", round + 1);
         }

@@ -5,12 +5,11 @@
 //! one before it left.
 
 use benches::memory::{CountingAllocator, live_bytes, peak_bytes, reset_peak};
-use burn::backend::{Autodiff, Flex};
 use burn_pipeline::ScheduleKind;
 use burn_zero::ZeroStage;
 use llama::LlamaConfig;
 use llama::data::MarkovSource;
-use llama::train::{Strategy, TrainConfig, train};
+use llama::train::{Strategy, TrainConfig};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -88,7 +87,7 @@ fn measure(config: &TrainConfig) {
     let data = MarkovSource::new(16, 3, config.seq_len, 1 << 10, 1);
     let before = live_bytes();
     reset_peak();
-    train::<Autodiff<Flex>>(config, &data, &Default::default(), &mut |_| {}).unwrap();
+    llama::cpu::train(config, &data, &mut |_| {}).unwrap();
     let measured = peak_bytes().saturating_sub(before);
     println!("{RESULT}{estimate} {measured}");
 }

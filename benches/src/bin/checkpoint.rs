@@ -18,14 +18,13 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use benches::median;
-use burn::backend::{Autodiff, Flex};
 use burn::tensor::TensorData;
 use burn_checkpoint::{Checkpoint, Shard};
 use burn_zero::ZeroStage;
 use clap::Parser;
 use llama::checkpoint::CheckpointConfig;
 use llama::data::MarkovSource;
-use llama::train::{Strategy, TrainConfig, train};
+use llama::train::{Strategy, TrainConfig};
 use serde::Serialize;
 
 /// Blocking saves and plain writes per round.
@@ -249,7 +248,7 @@ fn main() {
 /// included, and the run's own measure of each checkpoint's stall (the copy aside).
 fn step_times(config: &TrainConfig, data: &MarkovSource) -> (Vec<f64>, Vec<f64>) {
     let (mut ends, mut copies) = (Vec::new(), Vec::new());
-    train::<Autodiff<Flex>>(config, data, &Default::default(), &mut |m| {
+    llama::cpu::train(config, data, &mut |m| {
         ends.push(Instant::now());
         copies.extend(m.checkpoint_s);
     })

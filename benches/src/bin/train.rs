@@ -19,11 +19,10 @@
 //! `cargo run --release -p benches --bin train -- --help`
 
 use benches::median;
-use burn::backend::{Autodiff, Flex};
 use burn_ddp::DdpConfig;
 use clap::Parser;
 use llama::data::MarkovSource;
-use llama::train::{StepMetrics, Strategy, TrainConfig, train};
+use llama::train::{StepMetrics, Strategy, TrainConfig};
 use serde::Serialize;
 
 #[derive(Parser)]
@@ -375,8 +374,7 @@ fn run_as_process(config: &TrainConfig, data: &MarkovSource) {
         println!("{STEP}{}", serde_json::to_string(m).expect("serialises"));
     };
     if config.dp == 1 {
-        train::<Autodiff<Flex>>(config, data, &Default::default(), &mut |m| print(m))
-            .unwrap_or_else(|e| panic!("{e}"));
+        llama::cpu::train(config, data, &mut |m| print(m)).unwrap_or_else(|e| panic!("{e}"));
         return;
     }
     let process = burn_comm::Process::from_env()
@@ -386,7 +384,7 @@ fn run_as_process(config: &TrainConfig, data: &MarkovSource) {
         let lead = ctx.rank() == 0;
         let mut config = config.clone();
         config.process = Some(ctx);
-        train::<Autodiff<Flex>>(&config, data, &Default::default(), &mut |m| {
+        llama::cpu::train(&config, data, &mut |m| {
             if lead {
                 print(m);
             }
@@ -403,10 +401,8 @@ fn run(config: &TrainConfig, copies: usize, data: &MarkovSource) -> Vec<StepMetr
             .map(|_| {
                 scope.spawn(|| {
                     let mut steps = Vec::new();
-                    train::<Autodiff<Flex>>(config, data, &Default::default(), &mut |m| {
-                        steps.push(*m)
-                    })
-                    .unwrap_or_else(|e| panic!("{e}"));
+                    llama::cpu::train(config, data, &mut |m| steps.push(*m))
+                        .unwrap_or_else(|e| panic!("{e}"));
                     steps
                 })
             })

@@ -8,6 +8,7 @@
 pub mod batches;
 pub mod checkpoint;
 pub mod config;
+pub mod cpu;
 pub mod data;
 pub mod dims;
 pub mod engine;

@@ -4,7 +4,8 @@ use std::io::{BufWriter, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Flex;
+use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn_comm::RankContext;
 use burn_ddp::DdpConfig;
@@ -14,12 +15,11 @@ use burn_zero::{MixedPrecision, Precision, ZeroConfig, ZeroStage};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use llama::data::{Dataset, MarkovSource, TokenCorpus};
-use llama::engine::TrainBackend;
 use llama::parallel_plan::ParallelPlan;
 use llama::pipeline::Balance;
 use llama::plan::Plan;
 use llama::tokenizer::TextTokenizer;
-use llama::train::{Layout, StepMetrics, Strategy, TrainConfig, TrainError, train};
+use llama::train::{Layout, StepMetrics, Strategy, TrainConfig, TrainError};
 use llama::{Llama, LlamaConfig, hf};
 
 #[derive(Parser)]
@@ -926,7 +926,9 @@ fn run_train(mut args: TrainArgs, process: Option<RankContext>) -> Result<(), En
         Device::Cpu => {
             // The ranks' tensors live in this machine's memory.
             config.memory_available = llama::plan::available_host_memory();
-            train_on::<Autodiff<Flex>>(&config, &*data, &Default::default(), &args)
+            train_on(&config, &*data, &args, |on_step| {
+                llama::cpu::train(&config, &*data, on_step)
+            })
         }
         Device::Cuda => train_on_cuda(&config, &*data, &args),
     }
@@ -993,7 +995,11 @@ fn train_on_cuda(config: &TrainConfig, data: &dyn Dataset, args: &TrainArgs) -> 
         .as_ref()
         .map_or(0, llama::launch::process_gpu);
     let device = burn::backend::cuda::CudaDevice { index: gpu };
-    train_on::<Autodiff<burn::backend::Cuda>>(config, data, &device, args)
+    train_on(config, data, args, |on_step| {
+        llama::train::train::<burn::backend::Autodiff<burn::backend::Cuda>>(
+            config, data, &device, on_step,
+        )
+    })
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -1030,11 +1036,13 @@ fn drop_lines_after_checkpoint(path: &Path, config: &TrainConfig) -> Result<(), 
     Ok(())
 }
 
-fn train_on<B: TrainBackend>(
+/// The progress bar, `--metrics`, the summary and `--save` around `train` (the CPU's, compiled
+/// in the library, or CUDA's).
+fn train_on<B: Backend>(
     config: &TrainConfig,
     data: &dyn Dataset,
-    device: &B::Device,
     args: &TrainArgs,
+    train: impl FnOnce(&mut (dyn FnMut(&StepMetrics) + Send)) -> Result<Llama<B>, TrainError>,
 ) -> Result<(), Ended> {
     let mut metrics = match &args.metrics {
         Some(path) => {
@@ -1111,7 +1119,7 @@ fn train_on<B: TrainBackend>(
         history.push(*m);
     };
     let started = Instant::now();
-    let model = train::<B>(config, data, device, &mut on_step)?;
+    let model = train(&mut on_step)?;
     bar.finish_and_clear();
     if config.process.as_ref().is_some_and(|ctx| ctx.rank() != 0) {
         // Rank 0 reports and saves.

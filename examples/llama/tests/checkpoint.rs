@@ -398,22 +398,11 @@ fn a_checkpoint_loaded_in_another_layout_and_saved_again_holds_the_same_bits() {
             scratch(&format!("resave-b-{i}")),
         );
         run(&with_checkpoints(&from, &a, 3, false));
-        let step = llama::train::resave::<B>(
-            &with_checkpoints(&target, &a, 0, true),
-            &data,
-            &Default::default(),
-            &b,
-        )
-        .unwrap();
+        let step = llama::cpu::resave(&with_checkpoints(&target, &a, 0, true), &data, &b).unwrap();
         assert_eq!(step, 6, "{what}");
         assert_same_checkpoint(&a, &b, what);
         if i == 0 {
-            let again = llama::train::resave::<B>(
-                &with_checkpoints(&target, &a, 0, true),
-                &data,
-                &Default::default(),
-                &a,
-            );
+            let again = llama::cpu::resave(&with_checkpoints(&target, &a, 0, true), &data, &a);
             let error = again.unwrap_err().to_string();
             assert!(error.contains("already holds checkpoints"), "{error}");
         }
@@ -429,7 +418,7 @@ fn a_checkpoint_of_another_run_is_refused() {
     interrupted(&config, &dir, false);
     let data = llama::data::MarkovSource::new(16, 3, config.seq_len, 4096, 1);
     let train = |config: &TrainConfig| {
-        llama::train::train::<B>(config, &data, &Default::default(), &mut |_| {})
+        llama::cpu::train(config, &data, &mut |_| {})
             .err()
             .map(|e| e.to_string())
     };

@@ -15,7 +15,7 @@ use burn::tensor::TensorData;
 use burn_zero::ZeroStage;
 use llama::data::MarkovSource;
 use llama::hf::export;
-use llama::train::{StepMetrics, Strategy, TrainConfig, train};
+use llama::train::{StepMetrics, Strategy, TrainConfig};
 use llama::{Llama, LlamaConfig};
 
 pub type B = Autodiff<Flex>;
@@ -62,7 +62,7 @@ pub fn run(config: &TrainConfig) -> Run {
 pub fn run_on(config: &TrainConfig, samples: usize) -> Run {
     let data = MarkovSource::new(16, 3, config.seq_len, samples, 1);
     let mut steps = Vec::new();
-    let model: Llama<Flex> = train::<B>(config, &data, &Default::default(), &mut |m| {
+    let model: Llama<Flex> = llama::cpu::train(config, &data, &mut |m| {
         steps.push(*m);
     })
     .unwrap();

@@ -10,15 +10,12 @@
 
 #![allow(dead_code)]
 
-use burn::backend::{Autodiff, Flex};
 use burn::tensor::TensorData;
 use burn_zero::ZeroStage;
+use llama::LlamaConfig;
 use llama::data::MarkovSource;
 use llama::hf::export;
 use llama::train::{StepMetrics, Strategy, TrainConfig};
-use llama::{Llama, LlamaConfig};
-
-pub type B = Autodiff<Flex>;
 
 pub struct Run {
     pub losses: Vec<f64>,
@@ -62,7 +59,7 @@ pub fn run(config: &TrainConfig) -> Run {
 pub fn run_on(config: &TrainConfig, samples: usize) -> Run {
     let data = MarkovSource::new(16, 3, config.seq_len, samples, 1);
     let mut steps = Vec::new();
-    let model: Llama<Flex> = llama::cpu::train(config, &data, &mut |m| {
+    let model = llama::cpu::train(config, &data, &mut |m| {
         steps.push(*m);
     })
     .unwrap();

@@ -351,20 +351,29 @@ fn rank_case(case: &str, ctx: RankContext) -> Result<(), CommError> {
             }
         }
         "quiet-sender" => {
-            let shape = [30, 100];
-            world.barrier()?;
-            if ctx.rank() == 0 {
-                world.send(Tensor::<B, 2>::ones(shape, &Default::default()), 1)?;
-                // No MPI call for a while, as in a long computation.
-                std::thread::sleep(Duration::from_secs(2));
-            } else {
-                let began = Instant::now();
-                let _: Tensor<B, 2> = world.recv(0, shape, &Default::default())?;
-                let took = began.elapsed();
-                assert!(
-                    took < Duration::from_millis(500),
-                    "the message took {took:?} to arrive while its sender made no MPI call"
-                );
+            // A deferred send; then a large one the send thread holds (the first of its size
+            // from 128 KiB) and one it polls among the deferred ones (the second), apart, so
+            // that the first batch's sweeps do not move the second on.
+            let batches: [&[[usize; 2]]; 2] = [&[[30, 100]], &[[256, 256], [256, 256]]];
+            for shapes in batches {
+                world.barrier()?;
+                if ctx.rank() == 0 {
+                    for &shape in shapes {
+                        world.send(Tensor::<B, 2>::ones(shape, &Default::default()), 1)?;
+                    }
+                    // No MPI call for a while, as in a long computation.
+                    std::thread::sleep(Duration::from_secs(1));
+                } else {
+                    let began = Instant::now();
+                    for &shape in shapes {
+                        let _: Tensor<B, 2> = world.recv(0, shape, &Default::default())?;
+                    }
+                    let took = began.elapsed();
+                    assert!(
+                        took < Duration::from_millis(500),
+                        "{shapes:?} took {took:?} to arrive while their sender made no MPI call"
+                    );
+                }
             }
             world.barrier()
         }
@@ -562,11 +571,19 @@ fn collectives(ctx: &RankContext) -> Result<(), CommError> {
         Ok(Tensor::cat(vec![large.flatten::<1>(0, 1), small.flatten(0, 1)], 0).into_data())
     })?;
     // Sends past the eager limit that MPI finishes only once received: several wait for the
-    // group's next call to complete them (up to 32 KiB) or for its send thread (beyond), in
-    // order.
+    // group's next call to complete them (up to 32 KiB), for its send thread (beyond), or
+    // among the deferred ones polled by that thread (the second of a size from 128 KiB, whose
+    // buffer malloc then keeps in its heap), in order.
     same_as_threads(ctx, "sends waiting to be received", |c, r| {
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        let shapes = [[30, 100], [31, 100], [2, 9000], [29, 100]];
+        let shapes = [
+            [30, 100],
+            [31, 100],
+            [2, 9000],
+            [160, 256],
+            [160, 256],
+            [29, 100],
+        ];
         for (i, shape) in shapes.into_iter().enumerate() {
             c.send(input(30 + i as u64, r, shape, DType::F32), next)?;
         }

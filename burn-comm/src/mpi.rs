@@ -74,19 +74,21 @@ const EAGER: usize = 4096 - 64;
 /// communicator.
 const TAG_CARRIED: c_int = 2;
 /// A send up to this large that MPI did not finish at once waits in the group's deferred list,
-/// completed by the group's next call or by the send thread's sweep every [`SWEEP`], instead
-/// of by waking that thread for each (which cost a 4 KiB send/recv at 4 processes on 2 cores
-/// half its time). The receiver of such a send may still need this process's MPI to move it
-/// on (Open MPI's shared memory without single copy sends about 4 KiB at once and the rest as
-/// the sender progresses): the sweep bounds that wait. Larger sends go to the thread, which
-/// polls them without pause (some in the deferred list, see [`POLLED`]).
+/// completed by the group's next call (unless the send thread is sweeping them then) or by
+/// that thread's sweep every [`SWEEP`], instead of by waking that thread for each (which cost a
+/// 4 KiB send/recv at 4 processes on 2 cores half its time). The receiver of such a send may
+/// still need this process's MPI to move it on (Open MPI's shared memory without single copy
+/// sends about 4 KiB at once and the rest as the sender progresses): the sweep bounds that
+/// wait. Larger sends go to the thread, which tests them as a wait does ([`Backoff`]), some in
+/// the deferred list (see [`POLLED`]).
 const DEFERRED: usize = 32 * 1024 - 128;
 /// A send from this large (malloc maps such buffers until its threshold rises past them) whose
-/// freeing unmaps nothing waits in the deferred list too, polled by the send thread without
-/// pause, so that a call of the caller's that finds it done frees it before the caller
-/// allocates again: a thread that frees it later makes the next tensor of that size fresh
-/// memory (1.7x the time of a 16 MiB send/recv at 2 processes, in page faults). Others the
-/// thread holds and frees off the caller's thread.
+/// freeing unmaps nothing waits in the deferred list too, polled: tested by the send thread as
+/// a wait does, and by the caller at the end of its next receive or call opening, which frees it
+/// if done, before the caller allocates again. The thread alone freed it up to a sleep of its
+/// wait late, once the caller had allocated its next tensor of that size, which malloc then
+/// gave fresh memory (1.7x the time of a 16 MiB send/recv at 2 processes, in page faults).
+/// Others the thread holds and frees off the caller's thread.
 const POLLED: usize = 128 * 1024;
 /// At most this many sends wait so; more go to the send thread.
 const DEFERRED_COUNT: usize = 64;
@@ -644,8 +646,8 @@ pub(crate) struct MpiGroup {
     /// The thread that completes this group's sends MPI did not finish at once, started by the
     /// first such.
     sender: Mutex<Option<Sender>>,
-    /// Sends MPI has not finished that the caller frees (see [`DEFERRED`]), completed by this
-    /// group's calls or by the send thread.
+    /// Sends MPI has not finished that are not the send thread's alone (see [`DEFERRED`]),
+    /// completed by this group's calls or by the send thread.
     deferred: Arc<DeferredSends>,
 }
 
@@ -656,14 +658,14 @@ struct DeferredSends {
     /// Whether `sends` holds any: every call reads it, the lock only then. Written under the
     /// lock; a stale `false` only leaves the sends to the next call or the sweep.
     any: AtomicBool,
-    /// Whether `sends` holds a polled one, as `any`.
-    polled: AtomicBool,
+    /// Whether `sends` holds a polled one ([`POLLED`]), kept as `any` is.
+    has_polled: AtomicBool,
 }
 
 impl DeferredSends {
-    /// Runs `f` on the sends under their lock, and brings `any` and `polled` up to date.
+    /// Runs `f` on the sends under their lock.
     fn with<R>(&self, f: impl FnOnce(&mut Deferred) -> R) -> R {
-        self.under(lock(&self.sends), f)
+        self.run_locked(lock(&self.sends), f)
     }
 
     /// Sweeps the sends, unless the send thread holds them: it is sweeping them then, and a
@@ -674,13 +676,18 @@ impl DeferredSends {
             Err(TryLockError::Poisoned(poison)) => poison.into_inner(),
             Err(TryLockError::WouldBlock) => return,
         };
-        self.under(sends, sweep);
+        self.run_locked(sends, sweep);
     }
 
-    fn under<R>(&self, mut sends: MutexGuard<Deferred>, f: impl FnOnce(&mut Deferred) -> R) -> R {
+    /// Runs `f` on the locked sends, then brings the flags up to date.
+    fn run_locked<R>(
+        &self,
+        mut sends: MutexGuard<Deferred>,
+        f: impl FnOnce(&mut Deferred) -> R,
+    ) -> R {
         let result = f(&mut sends);
         self.any.store(!sends.flights.is_empty(), Ordering::Release);
-        self.polled.store(sends.polled(), Ordering::Release);
+        self.has_polled.store(sends.any_polled(), Ordering::Release);
         result
     }
 }
@@ -690,13 +697,13 @@ impl DeferredSends {
 struct Deferred {
     flights: Vec<DeferredSend>,
     /// Whether the send thread sweeps them: it stops only when its sweep finds none, and is
-    /// woken by the next one deferred.
+    /// woken by the next one deferred (and by the first polled one while it sweeps slowly).
     swept: bool,
 }
 
 impl Deferred {
-    /// Whether the send thread tests them without pause.
-    fn polled(&self) -> bool {
+    /// Whether the send thread tests them as a wait does, not every [`SWEEP`].
+    fn any_polled(&self) -> bool {
         self.flights.iter().any(|send| send.polled)
     }
 }
@@ -705,7 +712,7 @@ struct DeferredSend {
     flight: InFlight,
     /// When it is given up (not received in time: the receiver reports it).
     until: Instant,
-    /// Tested by the send thread without pause (a large send), not every [`SWEEP`].
+    /// A large send ([`POLLED`]).
     polled: bool,
 }
 
@@ -713,7 +720,8 @@ struct DeferredSend {
 enum ToSend {
     /// A send to complete, in order.
     Flight(InFlight),
-    /// Deferred sends to sweep every [`SWEEP`] until none is left.
+    /// Deferred sends to sweep until none is left: every [`SWEEP`], or as a wait tests its
+    /// requests while a polled one is among them.
     Sweep,
 }
 
@@ -780,13 +788,13 @@ impl MpiGroup {
             if deferred.flights.len() >= DEFERRED_COUNT {
                 return Err(flight);
             }
-            let faster = polled && !deferred.polled();
+            let starts_polling = polled && !deferred.any_polled();
             deferred.flights.push(DeferredSend {
                 flight,
                 until,
                 polled,
             });
-            Ok(!std::mem::replace(&mut deferred.swept, true) || faster)
+            Ok(!std::mem::replace(&mut deferred.swept, true) || starts_polling)
         })?;
         if wake {
             // The thread sweeps until it finds none left: one wake-up for a run of sends.
@@ -802,12 +810,13 @@ impl MpiGroup {
         }
     }
 
-    /// Frees the deferred sends MPI has finished if a large one is among them: at the end of a
-    /// call, before the caller allocates again. (Small ones wait for the next call: testing
-    /// them sooner frees no memory malloc would not serve again from its bins.)
+    /// Frees the deferred sends MPI has finished if a polled one is among them: at the end of a
+    /// call, before the caller allocates again, so it waits for the lock. (Small ones wait for
+    /// the next call: testing them sooner frees no memory malloc would not serve again from its
+    /// bins.)
     fn complete_polled(&self) {
-        if self.deferred.polled.load(Ordering::Acquire) {
-            self.deferred.sweep_unless_busy();
+        if self.deferred.has_polled.load(Ordering::Acquire) {
+            self.deferred.with(sweep);
         }
     }
 
@@ -1134,8 +1143,8 @@ impl MpiGroup {
 
 /// Completes in the background a group's sends that MPI did not finish at once, in the order
 /// they were queued (MPI needs the sender to make progress on large messages), and sweeps its
-/// deferred sends while there are any: every [`SWEEP`], or without pause while a large one is
-/// among them. Gives up on a send after `timeout`, or at the `drain` deadline the group's drop
+/// deferred sends while there are any: every [`SWEEP`], or as a wait tests its requests while a
+/// polled one is among them. Gives up on a send after `timeout`, or at the `drain` deadline the group's drop
 /// sets.
 fn complete_sends(
     inbox: mpsc::Receiver<ToSend>,
@@ -1144,7 +1153,7 @@ fn complete_sends(
     deferred: &DeferredSends,
 ) {
     let mut sweeping = false;
-    // While a large deferred send is polled, how the thread waits between sweeps.
+    // While a polled send is deferred, how the thread waits between sweeps.
     let mut polling: Option<Backoff> = None;
     loop {
         let next = match (&mut polling, sweeping) {
@@ -1164,8 +1173,9 @@ fn complete_sends(
             Ok(ToSend::Flight(flight)) => flight,
             Ok(ToSend::Sweep) => {
                 sweeping = true;
-                if deferred.polled.load(Ordering::Acquire) {
-                    polling.get_or_insert_with(Backoff::new);
+                // A new polled send: tested at once, spinning first, as a new wait is.
+                if deferred.has_polled.load(Ordering::Acquire) {
+                    polling = Some(Backoff::new());
                 }
                 continue;
             }
@@ -1175,11 +1185,12 @@ fn complete_sends(
                     sweep(deferred);
                     // None left: stop until a deferred send wakes this thread again.
                     deferred.swept = !deferred.flights.is_empty();
-                    (deferred.swept, deferred.polled())
+                    (deferred.swept, deferred.any_polled())
                 });
-                if !polled {
-                    polling = None;
-                }
+                polling = match polled {
+                    true => polling.or_else(|| Some(Backoff::new())),
+                    false => None,
+                };
                 continue;
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => return,

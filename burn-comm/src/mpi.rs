@@ -85,10 +85,10 @@ const DEFERRED: usize = 32 * 1024 - 128;
 /// A send from this large (malloc maps such buffers until its threshold rises past them) whose
 /// freeing unmaps nothing waits in the deferred list too, polled: tested by the send thread as
 /// a wait does, and by the caller at the end of its next receive or call opening, which frees it
-/// if done, before the caller allocates again. The thread alone freed it up to a sleep of its
-/// wait late, once the caller had allocated its next tensor of that size, which malloc then
-/// gave fresh memory (1.7x the time of a 16 MiB send/recv at 2 processes, in page faults).
-/// Others the thread holds and frees off the caller's thread.
+/// if done, before the caller allocates again. Freed by the thread alone, it went up to one of
+/// the wait's 100 µs sleeps late: after the caller had allocated its next tensor of that size,
+/// which malloc then gave fresh memory (1.7x the time of a 16 MiB send/recv at 2 processes, in
+/// page faults). Others the thread holds and frees off the caller's thread.
 const POLLED: usize = 128 * 1024;
 /// At most this many sends wait so; more go to the send thread.
 const DEFERRED_COUNT: usize = 64;
@@ -1144,8 +1144,8 @@ impl MpiGroup {
 /// Completes in the background a group's sends that MPI did not finish at once, in the order
 /// they were queued (MPI needs the sender to make progress on large messages), and sweeps its
 /// deferred sends while there are any: every [`SWEEP`], or as a wait tests its requests while a
-/// polled one is among them. Gives up on a send after `timeout`, or at the `drain` deadline the group's drop
-/// sets.
+/// polled one is among them. Gives up on a send after `timeout`, or at the `drain` deadline the
+/// group's drop sets.
 fn complete_sends(
     inbox: mpsc::Receiver<ToSend>,
     timeout: Duration,

@@ -411,8 +411,8 @@ fn measure(world: &Communicator, args: &Args, with_raw: bool) {
                 for side in (0..sides).map(|s| (s + turn) % sides) {
                     for i in 0..warm + calls {
                         let time = match (side, raw.as_mut()) {
-                            (1, Some(raw)) => raw.time(Some(&values)),
-                            (2, Some(raw)) => raw.time(None),
+                            (1, Some(raw)) => raw.time(&values, true),
+                            (2, Some(raw)) => raw.time(&values, false),
                             _ => time_call(world, op, &values).expect("burn-comm's collective"),
                         };
                         if i >= warm {
@@ -508,18 +508,20 @@ impl Raw {
         }
     }
 
-    /// One call, timed from a barrier, on a fresh copy of `fresh` (allocated as burn-comm's
-    /// input tensor is) or, given none, on the kept input.
-    fn time(&mut self, fresh: Option<&[f32]>) -> Duration {
+    /// One call, timed from a barrier, on a copy of `values`: a fresh one (allocated as
+    /// burn-comm's input tensor is) or the kept input.
+    fn time(&mut self, values: &[f32], fresh: bool) -> Duration {
         let (op, n, me, elems) = (self.op, self.n, self.me, self.elems);
-        let mut copy = fresh.map(<[f32]>::to_vec);
+        let mut copy = fresh.then(|| values.to_vec());
         let input = match copy.as_mut() {
             Some(copy) => copy.as_mut_slice(),
             None => {
                 // Written before every call, as any tensor a model just computed is: MPI reads
                 // data another core has just written much slower than data it read before (at
-                // 64 KiB, 2.3x for MPI_Bcast here).
-                self.kept.fill(1.0);
+                // 64 KiB, 2.3x for MPI_Bcast here). Written by the same copy as burn-comm's
+                // input, not a fill: at 1 MiB, MPI_Alltoall read a buffer `memcpy` had written
+                // 1.25x slower than one `memset` had (BENCHMARKS.md).
+                self.kept.copy_from_slice(values);
                 self.kept.as_mut_slice()
             }
         };

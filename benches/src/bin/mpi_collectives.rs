@@ -8,8 +8,8 @@
 //! `MPI_Allgather`, `MPI_Reduce_scatter_block`, `MPI_Bcast`, `MPI_Alltoall` and `MPI_Sendrecv`
 //! (a ring) on `Vec<f32>`, in turns of a tenth of the calls each, and rank 0 prints the rows
 //! back as JSON lines. Raw MPI is timed twice: on a fresh input each call, allocated as
-//! burn-comm's input tensor is, and on an input kept from call to call (written before each);
-//! the ratio is against the faster. With `--rounds`, every world's job runs that many times, in
+//! burn-comm's input tensor is, and on an input kept from call to call (written before each
+//! by the same copy); the ratio is against the faster. With `--rounds`, every world's job runs that many times, in
 //! turn with the others, and a summary gives each row's median ratio over the rounds with its
 //! range, against the targets.
 //!
@@ -128,7 +128,7 @@ fn orchestrate(args: Args) {
         "algbw = size / time (GB/s); busbw = algbw x factor (all-reduce 2(n-1)/n, all-gather, reduce-scatter and all-to-all (n-1)/n, broadcast and send/recv 1)"
     );
     println!(
-        "raw: MPI's own call on a fresh input each call, as burn-comm's is (a new tensor); kept: on an input kept from call to call, written before each"
+        "raw: MPI's own call on a fresh input each call, as burn-comm's is (a new tensor); kept: on an input kept from call to call, written before each by the same copy"
     );
     println!(
         "mpi, raw and kept take turns of a tenth of the calls each; mpi/raw: burn-comm's MPI bus bandwidth over raw MPI's, the faster of raw and kept"

@@ -342,10 +342,9 @@ impl InFlight {
     }
 
     /// Polls until every request is complete, pausing as `backoff` says, or until `deadline()`
-    /// has passed (it is asked at every poll once the first spins are over, as most waits end
-    /// before): then the
-    /// requests and their buffers are abandoned (MPI may still use them) and the peers still
-    /// pending are returned.
+    /// has passed (asked at every poll once `backoff` has spun: most of the caller's waits end
+    /// before): then the requests and their buffers are abandoned (MPI may still use them) and
+    /// the peers still pending are returned.
     fn wait(
         mut self,
         mut backoff: Backoff,
@@ -384,7 +383,7 @@ impl Drop for InFlight {
 /// wait leaves the cores to the computation.
 struct Backoff {
     spins: u32,
-    /// When the spins ended.
+    /// When it first yielded.
     yielding_since: Option<Instant>,
 }
 
@@ -399,11 +398,9 @@ impl Backoff {
         }
     }
 
-    /// For the send thread's, which yields from the first test: the caller is often inside
-    /// MPI meanwhile, and threads of one process testing back to back contend for MPI's locks.
-    /// (In a C probe at 2 processes, a thread testing a 1 MiB send without pause made the
-    /// send/recv take 3.9 ms, against 0.15 ms when it yielded between tests; the 64 spins of
-    /// [`Backoff::new`] cost this transport's 1 MiB send/recv about 5%.)
+    /// For the send thread's, which yield from the first test: the caller is often inside MPI
+    /// meanwhile, and the two threads' tests back to back contend for MPI's locks (the 64
+    /// spins cost send/recv at 2 processes a few percent from 64 KiB to 4 MiB; BENCHMARKS.md).
     fn background() -> Self {
         Self {
             spins: Self::SPINS,
@@ -737,8 +734,8 @@ struct DeferredSend {
 enum ToSend {
     /// A send to complete, in order.
     Flight(InFlight),
-    /// Deferred sends to sweep until none is left: every [`SWEEP`], or as a wait tests its
-    /// requests while a polled one is among them.
+    /// Deferred sends to sweep until none is left: every [`SWEEP`], or as the thread's waits
+    /// test theirs while a polled one is among them.
     Sweep,
 }
 
@@ -1161,8 +1158,8 @@ impl MpiGroup {
 /// Completes in the background a group's sends that MPI did not finish at once, in the order
 /// they were queued (MPI needs the sender to make progress on large messages), and sweeps its
 /// deferred sends while there are any: every [`SWEEP`], or as its waits test their requests
-/// while a polled one is among them. Gives up on a send after `timeout`, or at the `drain` deadline the
-/// group's drop sets.
+/// while a polled one is among them. Gives up on a send after `timeout`, or at the `drain`
+/// deadline the group's drop sets.
 fn complete_sends(
     inbox: mpsc::Receiver<ToSend>,
     timeout: Duration,
@@ -1190,7 +1187,7 @@ fn complete_sends(
             Ok(ToSend::Flight(flight)) => flight,
             Ok(ToSend::Sweep) => {
                 sweeping = true;
-                // A new polled send: tested at once, as the thread's waits test.
+                // A new polled send: tested from the next yield on, as the thread's waits are.
                 if deferred.has_polled.load(Ordering::Acquire) {
                     polling = Some(Backoff::background());
                 }

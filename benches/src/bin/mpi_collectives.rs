@@ -8,10 +8,11 @@
 //! `MPI_Allgather`, `MPI_Reduce_scatter_block`, `MPI_Bcast`, `MPI_Alltoall` and `MPI_Sendrecv`
 //! (a ring) on `Vec<f32>`, in turns of a tenth of the calls each, and rank 0 prints the rows
 //! back as JSON lines. Raw MPI is timed twice: on a fresh input each call, allocated as
-//! burn-comm's input tensor is, and on an input kept from call to call (written before each
-//! by the same copy); the ratio is against the faster. With `--rounds`, every world's job runs that many times, in
-//! turn with the others, and a summary gives each row's median ratio over the rounds with its
-//! range, against the targets.
+//! burn-comm's input tensor is, and on an input kept from call to call; both are copies of the
+//! same values, as burn-comm's input is, made before the call. Its output is kept (burn-comm's
+//! comes from its pool of freed results). The ratio is against the faster. With `--rounds`,
+//! every world's job runs that many times, in turn with the others, and a summary gives each
+//! row's median ratio over the rounds with its range, against the targets.
 //!
 //! `cargo run --release -p benches --features mpi --bin mpi_collectives -- --help`
 
@@ -128,7 +129,7 @@ fn orchestrate(args: Args) {
         "algbw = size / time (GB/s); busbw = algbw x factor (all-reduce 2(n-1)/n, all-gather, reduce-scatter and all-to-all (n-1)/n, broadcast and send/recv 1)"
     );
     println!(
-        "raw: MPI's own call on a fresh input each call, as burn-comm's is (a new tensor); kept: on an input kept from call to call, written before each by the same copy"
+        "raw: MPI's own call on a fresh input each call, as burn-comm's is (a new tensor); kept: on an input kept from call to call; both copied from the same values before the call, as burn-comm's input is"
     );
     println!(
         "mpi, raw and kept take turns of a tenth of the calls each; mpi/raw: burn-comm's MPI bus bandwidth over raw MPI's, the faster of raw and kept"
@@ -487,7 +488,7 @@ struct Raw {
     /// This process's rank.
     me: usize,
     elems: usize,
-    /// An input kept from call to call (written before each).
+    /// An input kept from call to call (rewritten before each by a copy of the same values).
     kept: Vec<f32>,
     output: Vec<f32>,
 }
@@ -518,9 +519,9 @@ impl Raw {
             None => {
                 // Written before every call, as any tensor a model just computed is: MPI reads
                 // data another core has just written much slower than data it read before (at
-                // 64 KiB, 2.3x for MPI_Bcast here). Written by the same copy as burn-comm's
-                // input, not a fill: at 1 MiB, MPI_Alltoall read a buffer `memcpy` had written
-                // 1.25x slower than one `memset` had (BENCHMARKS.md).
+                // 64 KiB, 2.3x for MPI_Bcast here). Written by a copy, as burn-comm's input is,
+                // not a fill: at 1 MiB, MPI_Alltoall read a buffer `memcpy` had written 1.24x
+                // slower than one `memset` had (BENCHMARKS.md).
                 self.kept.copy_from_slice(values);
                 self.kept.as_mut_slice()
             }

@@ -399,8 +399,9 @@ impl Backoff {
     }
 
     /// For the send thread's, which yield from the first test: the caller is often inside MPI
-    /// meanwhile, and the two threads' tests back to back contend for MPI's locks (the 64
-    /// spins cost send/recv at 2 processes a few percent from 64 KiB to 4 MiB; BENCHMARKS.md).
+    /// meanwhile, and the two threads' tests back to back slow each other, likely on MPI's
+    /// locks (the 64 spins cost send/recv at 2 processes a few percent from 64 KiB to 4 MiB;
+    /// BENCHMARKS.md).
     fn background() -> Self {
         Self {
             spins: Self::SPINS,

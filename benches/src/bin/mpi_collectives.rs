@@ -520,7 +520,7 @@ impl Raw {
                 // Written before every call, as any tensor a model just computed is: MPI reads
                 // data another core has just written much slower than data it read before (at
                 // 64 KiB, 2.3x for MPI_Bcast here). Written by a copy, as burn-comm's input is,
-                // not a fill: at 1 MiB, MPI_Alltoall read a buffer `memcpy` had written 1.24x
+                // not a fill: at 1 MiB, MPI_Alltoall read a buffer `memcpy` had written 1.23x
                 // slower than one `memset` had (BENCHMARKS.md).
                 self.kept.copy_from_slice(values);
                 self.kept.as_mut_slice()

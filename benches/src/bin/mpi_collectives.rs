@@ -9,10 +9,10 @@
 //! (a ring) on `Vec<f32>`, in turns of a tenth of the calls each, and rank 0 prints the rows
 //! back as JSON lines. Raw MPI is timed twice: on a fresh input each call, allocated as
 //! burn-comm's input tensor is, and on an input kept from call to call; both are copies of the
-//! same values, as burn-comm's input is, made before the call. Its output is kept (burn-comm's
-//! comes from its pool of freed results). The ratio is against the faster. With `--rounds`,
-//! every world's job runs that many times, in turn with the others, and a summary gives each
-//! row's median ratio over the rounds with its range, against the targets.
+//! same values, as burn-comm's input is, made before the call. Raw MPI's output is kept
+//! (burn-comm's comes from its pool of freed results). The ratio is against the faster. With
+//! `--rounds`, every world's job runs that many times, in turn with the others, and a summary
+//! gives each row's median ratio over the rounds with its range, against the targets.
 //!
 //! `cargo run --release -p benches --features mpi --bin mpi_collectives -- --help`
 
